@@ -1,0 +1,43 @@
+"""llmctl's inference engine: paged KV cache, continuous batching, Megatron-style parallel layers.
+
+Heavy modules (torch, transformers) load on first use, so `from llmctl.engine import
+SamplingParams` stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from llmctl.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from llmctl.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llmctl.engine.config import EngineArgs
+    from llmctl.engine.llm import LLM
+    from llmctl.engine.llm_engine import LLMEngine
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineArgs",
+    "LLMEngine",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from llmctl.engine.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from llmctl.engine.llm_engine import LLMEngine
+
+        return LLMEngine
+    if name == "EngineArgs":
+        from llmctl.engine.config import EngineArgs
+
+        return EngineArgs
+    raise AttributeError(f"module 'llmctl.engine' has no attribute {name!r}")

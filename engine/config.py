@@ -1,0 +1,344 @@
+"""Engine configuration: one frozen dataclass per layer, validated once in __post_init__.
+
+`EngineArgs` holds what a user passes (LLM(...) keywords, CLI flags); `create_engine_config()`
+resolves it into the frozen configs. Per-rank variants are made with `dataclasses.replace`.
+This module reads files (the model's config) but never imports torch at module level.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmctl.engine.errors import ConfigError, KVCacheTooSmallError
+
+# Names accepted for --dtype, and what they mean.
+_DTYPE_ALIASES = {
+    "auto": "auto",
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
+}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DEFAULT_CPU_KV_CACHE_SPACE_GIB = 4.0  # as vLLM's VLLM_CPU_KVCACHE_SPACE
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+def normalize_dtype(dtype: str) -> str:
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in _DTYPE_ALIASES:
+        raise ConfigError(
+            f"unknown dtype {dtype!r}",
+            "use one of auto, float32, bfloat16, float16 (aliases: float, half, bf16, fp16, fp32)",
+        )
+    return _DTYPE_ALIASES[key]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model to run: where it is, its Hugging Face config, and the dtype and length to use."""
+
+    model: str  # what the user named (a path, or "" for the bundled default)
+    path: str  # local directory holding config.json and the weights
+    hf_config: Any = field(compare=False, repr=False)
+    architecture: str = ""
+    dtype: str = "float32"  # resolved: float32, bfloat16 or float16
+    max_model_len: int = 0
+    tokenizer: str = ""  # directory to load the tokenizer from (defaults to path)
+    served_model_name: str = ""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ConfigError(f"dtype must be resolved, got {self.dtype!r}")
+        if self.max_model_len < 1:
+            raise ConfigError(
+                f"max_model_len must be at least 1, got {self.max_model_len}",
+                "pass a positive --max-model-len",
+            )
+
+    @property
+    def num_layers(self) -> int:
+        cfg = self.hf_config
+        return getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
+
+    @property
+    def num_attention_heads(self) -> int:
+        cfg = self.hf_config
+        return getattr(cfg, "num_attention_heads", None) or cfg.n_head
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.num_attention_heads
+
+    @property
+    def hidden_size(self) -> int:
+        cfg = self.hf_config
+        return getattr(cfg, "hidden_size", None) or cfg.n_embd
+
+    @property
+    def head_dim(self) -> int:
+        return getattr(self.hf_config, "head_dim", None) or (
+            self.hidden_size // self.num_attention_heads
+        )
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size and how much memory it may take."""
+
+    block_size: int = 16
+    kv_cache_space_gib: float | None = None  # CPU: bytes for the cache (None: 4 GiB)
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the engine may use
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None  # fixes the block count (tests, planning)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(
+                f"block_size must be a positive power of two, got {self.block_size}",
+                "use 16 (the default), 8 or 32",
+            )
+        if self.kv_cache_space_gib is not None and self.kv_cache_space_gib <= 0:
+            raise ConfigError(
+                f"kv_cache_space_gib must be positive, got {self.kv_cache_space_gib}",
+                "give the KV cache some memory, e.g. --kv-cache-space-gib 4",
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+                "use a fraction such as 0.9",
+            )
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ConfigError(
+                f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: requests per step and tokens per step (chunked prefill)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(
+                f"max_num_seqs must be at least 1, got {self.max_num_seqs}",
+                "allow at least one running request",
+            )
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}",
+                "allow a positive token budget per step",
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split: tensor parallel ranks x pipeline parallel stages."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # uni, mp, ray; None: chosen automatically
+    pipeline_layer_partition: tuple[int, ...] | None = None
+    # Rank of this process (set per worker with dataclasses.replace).
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ConfigError(
+                f"unknown distributed_executor_backend {backend!r}",
+                f"use one of {', '.join(EXECUTOR_BACKENDS)}",
+            )
+        if backend == "uni" and self.world_size > 1:
+            raise ConfigError(
+                f"the uni backend runs one process, but tensor_parallel_size x "
+                f"pipeline_parallel_size = {self.world_size}",
+                "use --distributed-executor-backend mp or ray",
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"  # "cpu" or "cuda"
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"unknown device {self.device!r}", "use cpu or cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user may set, as LLM(...) keywords and CLI flags name it."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    kv_cache_space_gib: float | None = None
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    pipeline_layer_partition: str | tuple[int, ...] | None = None
+    device: str = "auto"
+
+    def create_engine_config(self, progress=None) -> EngineConfig:
+        from llmctl.engine import platform
+        from llmctl.engine.model_loader.source import resolve_model
+        from llmctl.engine.models.registry import check_architecture
+
+        dtype = normalize_dtype(self.dtype)
+        device = platform.default_device() if self.device == "auto" else self.device
+        device_config = DeviceConfig(device=device)
+        source = resolve_model(self.model, progress)
+        hf_config = source.load_hf_config()
+        architecture = source.architecture(hf_config)
+        check_architecture(architecture)
+        resolved_dtype = platform.resolve_dtype(dtype, device, _checkpoint_dtype(hf_config))
+        max_model_len = _resolve_max_model_len(hf_config, self.max_model_len)
+        model_config = ModelConfig(
+            model=self.model or "",
+            path=source.path,
+            hf_config=hf_config,
+            architecture=architecture,
+            dtype=resolved_dtype,
+            max_model_len=max_model_len,
+            tokenizer=self.tokenizer or source.path,
+            served_model_name=self.served_model_name or source.display_name,
+            seed=self.seed,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            kv_cache_space_gib=self.kv_cache_space_gib,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or max(8192, self.max_num_seqs),
+            max_model_len=max_model_len,
+        )
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+            pipeline_layer_partition=parse_layer_partition(
+                self.pipeline_layer_partition or os.environ.get("LLMCTL_PP_LAYER_PARTITION")
+            ),
+        )
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            parallel_config=parallel_config,
+            device_config=device_config,
+        )
+
+
+def parse_layer_partition(
+    value: str | tuple[int, ...] | list[int] | None,
+) -> tuple[int, ...] | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            parts = tuple(int(p) for p in value.split(","))
+        except ValueError:
+            raise ConfigError(
+                f"pipeline_layer_partition {value!r} is not a comma-separated list of integers",
+                'write the layers per stage, e.g. "10,11,9"',
+            ) from None
+    else:
+        parts = tuple(int(p) for p in value)
+    if any(p < 1 for p in parts):
+        raise ConfigError(
+            f"pipeline_layer_partition {value!r} gives a stage no layers",
+            "every stage needs at least one layer",
+        )
+    return parts
+
+
+def _checkpoint_dtype(hf_config: Any) -> str | None:
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if value is None:
+        return None
+    try:
+        return normalize_dtype(str(value))
+    except ConfigError:
+        return None
+
+
+def _derived_max_model_len(hf_config: Any) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+def _resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
+    derived = _derived_max_model_len(hf_config)
+    if requested is None:
+        return derived
+    if requested < 1:
+        raise ConfigError(
+            f"max_model_len must be at least 1, got {requested}", "pass a positive --max-model-len"
+        )
+    if requested > derived:
+        raise ConfigError(
+            f"max_model_len={requested} exceeds the model's maximum length of {derived} tokens",
+            f"use --max-model-len {derived} or less",
+        )
+    return requested
+
+
+def check_kv_cache_fits(num_blocks: int, block_size: int, max_model_len: int, knob: str) -> None:
+    """Raise KVCacheTooSmallError when the cache cannot hold one max_model_len request."""
+    tokens = num_blocks * block_size
+    if tokens >= max_model_len:
+        return
+    raise KVCacheTooSmallError(
+        f"the KV cache holds {tokens} tokens ({num_blocks} blocks of {block_size}), fewer than one "
+        f"request of max_model_len={max_model_len} tokens",
+        f"raise {knob}, or lower --max-model-len to {tokens} or less",
+    )

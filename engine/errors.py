@@ -1,0 +1,75 @@
+"""Typed errors: one class per failure kind, each with a message and a hint naming what to change.
+
+The CLI prints `message` on one line and `hint` below it; `--debug` adds the traceback. The classes
+that describe bad input also derive from ValueError, so code written for vLLM that catches
+ValueError keeps working.
+"""
+
+from __future__ import annotations
+
+
+class LLMCtlError(Exception):
+    """Base class of every error llmctl raises on purpose."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint
+        super().__init__(message if hint is None else f"{message}. Hint: {hint}")
+
+
+class ConfigError(LLMCtlError, ValueError):
+    """An engine or cluster setting has an impossible value."""
+
+
+class ModelNotFoundError(LLMCtlError, FileNotFoundError):
+    """The model path does not exist, or the bundled default model is not installed."""
+
+
+class ModelLoadError(LLMCtlError):
+    """The model exists but cannot be read: corrupt or incomplete weights or config."""
+
+
+class UnsupportedArchitectureError(LLMCtlError, ValueError):
+    """The config's `architectures` names a model the registry does not implement."""
+
+
+class InvalidRequestError(LLMCtlError, ValueError):
+    """One request is invalid (prompt or sampling parameters); other requests are unaffected."""
+
+    def __init__(self, message: str, hint: str | None = None, param: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.param = param  # the request field at fault, as the OpenAI API names it
+
+
+class InvalidSamplingParamsError(InvalidRequestError):
+    """A SamplingParams field is out of range."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt (plus one generated token) does not fit in max_model_len."""
+
+
+class KVCacheTooSmallError(ConfigError):
+    """The KV cache cannot hold even one request of max_model_len tokens."""
+
+
+class RequestBatchError(InvalidRequestError):
+    """Some prompts of a batch were invalid; the valid ones still ran.
+
+    `errors` maps the index of each rejected prompt to its error; `outputs` holds the finished
+    RequestOutputs of the others (None where a prompt was rejected), so nothing is lost.
+    """
+
+    def __init__(self, errors: dict[int, InvalidRequestError], outputs: list) -> None:
+        self.errors = errors
+        self.outputs = outputs
+        first_index, first = next(iter(errors.items()))
+        count = len(errors)
+        message = (
+            f"{count} of {len(outputs)} prompts rejected; prompt {first_index}: {first.message}"
+        )
+        super().__init__(message, first.hint, first.param)
+
+
+class EngineDeadError(LLMCtlError, RuntimeError):
+    """A worker process died or the engine loop stopped; in-flight requests cannot finish."""

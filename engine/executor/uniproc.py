@@ -1,0 +1,24 @@
+"""UniProcExecutor: the single worker runs in the engine's own process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmctl.engine.executor.base import Executor
+from llmctl.engine.worker.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    def _init_executor(self, progress) -> None:
+        self.worker = Worker(self.engine_config, rank=0, local_rank=0)
+        self.worker.init_device()
+        self.worker.load_model(progress)
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        return [getattr(self.worker, method)(*args, **(kwargs or {}))]

@@ -1,0 +1,42 @@
+"""MLP activations: SiLU-gated (Llama), GELU variants (GPT-2, OPT), ReLU (OPT)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmctl.engine.errors import UnsupportedArchitectureError
+
+
+class SiluAndMul(nn.Module):
+    """x: [num_tokens, 2 * d] as [gate | up] -> silu(gate) * up: [num_tokens, d]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_new": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+def get_act_fn(name: str):
+    try:
+        return _ACTIVATIONS[name.lower()]
+    except KeyError:
+        raise UnsupportedArchitectureError(
+            f"activation {name!r} is not supported",
+            f"supported activations: {', '.join(sorted(_ACTIVATIONS))}",
+        ) from None

@@ -1,0 +1,81 @@
+"""Vocabulary-parallel embedding and LM head: each tensor-parallel rank holds a slice of the
+vocabulary. The embedding sums the ranks' lookups with an all-reduce; the LM head gathers the
+ranks' logits so the sampler sees the whole vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmctl.engine.distributed.parallel_state import get_tp_group
+from llmctl.engine.distributed.partition import column_shards, offsets
+from llmctl.engine.layers.linear import _copy_into, _cpu_prepack_enabled
+from llmctl.engine.model_loader.weights import CheckpointTensor
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        tp = get_tp_group()
+        self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
+        self.num_embeddings = num_embeddings
+        shards = column_shards(num_embeddings, self.tp_size, "vocabulary entries")
+        self.vocab_start = offsets(shards)[self.tp_rank]
+        self.vocab_end = self.vocab_start + shards[self.tp_rank]
+        self.weight = nn.Parameter(
+            torch.empty(shards[self.tp_rank], embedding_dim), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, *args) -> None:
+        rows = self.vocab_end - self.vocab_start
+        _copy_into(param, loaded.narrow(0, self.vocab_start, rows), "vocab embedding")
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(in_shard, input_ids - self.vocab_start, 0)
+        out = F.embedding(local_ids, self.weight)
+        out.masked_fill_(~in_shard.unsqueeze(-1), 0)
+        return get_tp_group().all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden_states -> logits over the whole vocabulary. With tied embeddings it shares the
+    embedding's parameter (and its vocabulary shard)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False):
+        super().__init__(num_embeddings, embedding_dim)
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(self.vocab_end - self.vocab_start), requires_grad=False
+            )
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+        self._packed: torch.Tensor | None = None
+
+    def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def process_weights_after_loading(self) -> None:
+        if _cpu_prepack_enabled(self.weight):
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 64)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden_size] -> float32 logits [num_rows, vocab_size]."""
+        if self._packed is not None:
+            logits = torch.ops.mkldnn._linear_pointwise(
+                hidden_states, self._packed, self.bias, "none", [], ""
+            )
+        else:
+            logits = F.linear(hidden_states, self.weight, self.bias)
+        if self.tp_size > 1:
+            logits = get_tp_group().all_gather(logits, dim=-1)
+        return logits.float()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead computes logits with compute_logits()")

@@ -1,0 +1,199 @@
+"""LLM: the offline API, in the shape vLLM users know.
+
+from llmctl.engine import LLM, SamplingParams
+llm = LLM()  # the bundled SmolLM2-135M-Instruct
+outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from llmctl.engine.config import EngineArgs
+from llmctl.engine.errors import InvalidRequestError, RequestBatchError
+from llmctl.engine.llm_engine import LLMEngine, PromptType
+from llmctl.engine.outputs import RequestOutput
+from llmctl.engine.sampling_params import SamplingParams
+
+_ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+class LLM:
+    """A model loaded for offline generation.
+
+    Keywords are those of EngineArgs: model (None: the bundled default), dtype ("auto"),
+    max_model_len, kv_cache_space_gib, block_size (16), max_num_seqs, max_num_batched_tokens,
+    seed (0), enable_prefix_caching (True), tensor_parallel_size, pipeline_parallel_size,
+    distributed_executor_backend, pipeline_layer_partition, num_gpu_blocks_override.
+    """
+
+    def __init__(self, model: str | None = None, *, use_tqdm_on_load: bool = True, **kwargs):
+        unknown = sorted(set(kwargs) - _ENGINE_ARG_NAMES)
+        if unknown:
+            from llmctl.engine.errors import ConfigError
+
+            raise ConfigError(
+                f"unknown LLM() argument(s): {', '.join(unknown)}",
+                f"valid arguments: {', '.join(sorted(_ENGINE_ARG_NAMES - {'model'}))}",
+            )
+        engine_args = EngineArgs(model=model, **kwargs)
+        if use_tqdm_on_load:
+            from llmctl.engine.progress import rich_progress
+
+            with rich_progress() as progress:
+                self.llm_engine = LLMEngine.from_engine_args(engine_args, progress)
+        else:
+            self.llm_engine = LLMEngine.from_engine_args(engine_args)
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for one prompt or a batch, in the order given.
+
+        A prompt is text, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": ...}.
+        Invalid prompts do not stop the others: with one prompt its error is raised; with
+        several, RequestBatchError is raised after the valid ones finished and carries their
+        outputs.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise InvalidRequestError(
+                    f"{len(params_list)} SamplingParams for {len(prompt_list)} prompts",
+                    "pass one SamplingParams, or one per prompt",
+                )
+        return self._run(prompt_list, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {
+                "prompt_token_ids": self.apply_chat_template(
+                    conversation, add_generation_prompt, chat_template
+                )
+            }
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[int]:
+        tokenizer = self.llm_engine.tokenizer
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                "this model's tokenizer has no chat template",
+                "use generate() with a plain prompt, or pass chat_template=",
+                param="messages",
+            )
+        text = tokenizer.apply_chat_template(
+            conversation,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+        )
+        # The template writes the special tokens itself.
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _run(
+        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        errors: dict[int, InvalidRequestError] = {}
+        index_of: dict[str, int] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            try:
+                request_id = engine.add_request(None, prompt, p)
+            except InvalidRequestError as exc:
+                errors[i] = exc
+                continue
+            index_of[request_id] = i
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        try:
+            with _progress(use_tqdm, len(index_of)) as advance:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished and output.request_id in index_of:
+                            results[index_of[output.request_id]] = output
+                            advance(output)
+        except BaseException:
+            engine.abort_request(list(index_of))  # leave the engine clean for the next call
+            raise
+        if errors:
+            if len(prompts) == 1:
+                raise errors[0]
+            raise RequestBatchError(errors, results)
+        return results  # type: ignore[return-value]
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids
+    return list(prompts)
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool, total: int):
+    if not enabled or total == 0:
+        yield lambda output: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (
+        TextColumn("Processed prompts"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[rate]}"),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("generate", total=total, rate="")
+        generated = 0
+        elapsed = progress.get_time
+
+        start = elapsed()
+
+        def advance(output: RequestOutput) -> None:
+            nonlocal generated
+            generated += sum(len(c.token_ids) for c in output.outputs)
+            rate = generated / max(elapsed() - start, 1e-9)
+            progress.update(task, advance=1, rate=f"{rate:.1f} toks/s")
+
+        yield advance

@@ -1,0 +1,215 @@
+"""GGUF files: dequantized once into a Hugging Face directory cached on local disk.
+
+Parsing a GGUF file takes seconds (its tokenizer arrays are read value by value), and its
+quantized tensors cannot be sliced per tensor-parallel rank. So the first load converts it:
+config.json and the tokenizer (with its chat template) come from the GGUF metadata, the tensors are
+dequantized to float32, renamed to Hugging Face names and written as safetensors shards. Later loads
+(and every rank) read that directory. The cache key is the file's path, size and mtime.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from llmctl.engine.errors import ModelLoadError, UnsupportedArchitectureError
+
+# GGUF architecture -> Hugging Face architecture class name.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+# llama.cpp permutes the rows of q and k for these architectures; undo it.
+_PERMUTED_QK = ("llama", "mistral")
+_SHARD_BYTES = 2 << 30
+_COMPLETE_MARKER = ".llmctl-complete"
+
+ProgressFn = Callable[[int, int, str], None]
+
+
+def cache_root() -> Path:
+    root = os.environ.get("LLMCTL_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "llmctl"
+    )
+    return Path(root) / "gguf"
+
+
+def converted_dir(gguf_path: Path) -> Path:
+    stat = gguf_path.stat()
+    key = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_root() / f"{gguf_path.stem}-{digest}"
+
+
+def ensure_converted(gguf_path: Path, progress: ProgressFn | None = None) -> Path:
+    """Return a Hugging Face directory equivalent to `gguf_path`, converting it if needed."""
+    target = converted_dir(gguf_path)
+    if (target / _COMPLETE_MARKER).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Convert into a private directory, then rename: concurrent ranks never see half a model.
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        _convert(gguf_path, staging, progress)
+        (staging / _COMPLETE_MARKER).write_text(str(gguf_path.resolve()))
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / _COMPLETE_MARKER).exists():
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _convert(gguf_path: Path, out: Path, progress: ProgressFn | None) -> None:
+    import gguf
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+        arch = str(reader.fields["general.architecture"].contents())
+    except Exception as exc:  # the gguf package raises bare ValueError/KeyError on bad files
+        raise ModelLoadError(
+            f"{gguf_path} is not a readable GGUF file ({exc})",
+            "check that the download finished, or name another model",
+        ) from exc
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"GGUF architecture {arch!r} is not supported",
+            f"llmctl reads GGUF files of {', '.join(sorted(GGUF_ARCHITECTURES))}",
+        )
+    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=False)
+    config_dict = dict(parsed["config"])
+    model_type = config_dict.pop("model_type", arch)
+    config_dict.pop("_model_name_or_path", None)
+    config = AutoConfig.for_model(model_type, **config_dict)
+    config.architectures = [GGUF_ARCHITECTURES.get(model_type, GGUF_ARCHITECTURES[arch])]
+    config.dtype = "float32"
+    config.save_pretrained(out)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(out)
+
+    num_heads = config.num_attention_heads if arch != "gpt2" else config.n_head
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = 0
+    weight_map: dict[str, str] = {}
+    shards: list[list[str]] = []
+    total = len(reader.tensors)
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes
+        if not shard:
+            return
+        name = f"model-{len(shards) + 1:05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        shards.append(list(shard))
+        for key in shard:
+            weight_map[key] = name
+        shard, shard_bytes = {}, 0
+
+    for i, tensor in enumerate(reader.tensors):
+        hf_name = _hf_name(arch, tensor.name)
+        if hf_name is None:
+            continue
+        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        weights = np.ascontiguousarray(weights, dtype=np.float32)
+        if arch in _PERMUTED_QK and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = num_heads if "attn_q" in tensor.name else num_kv_heads
+            weights = _unpermute_rotary_rows(weights, heads)
+        if arch == "gpt2" and tensor.name.endswith(_GPT2_CONV1D):
+            weights = np.ascontiguousarray(weights.T)  # GPT-2's Conv1D stores [in, out]
+        shard[hf_name] = torch.from_numpy(weights)
+        shard_bytes += weights.nbytes
+        if shard_bytes >= _SHARD_BYTES:
+            flush()
+        if progress:
+            progress(i + 1, total, "dequantizing GGUF")
+    flush()
+    if len(shards) == 1:
+        os.replace(out / "model-00001.safetensors", out / "model.safetensors")
+    else:
+        total_size = sum((out / f).stat().st_size for f in set(weight_map.values()))
+        index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+_GPT2_CONV1D = (
+    "attn_qkv.weight",
+    "attn_output.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+)
+
+_LLAMA_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GPT2_NAMES = {
+    "attn_norm": "ln_1",
+    "ffn_norm": "ln_2",
+    "attn_qkv": "attn.c_attn",
+    "attn_output": "attn.c_proj",
+    "ffn_up": "mlp.c_fc",
+    "ffn_down": "mlp.c_proj",
+}
+
+
+def _hf_name(arch: str, name: str) -> str | None:
+    """Hugging Face parameter name of a GGUF tensor (None for tensors HF does not store)."""
+    base, _, kind = name.rpartition(".")  # kind: weight or bias
+    if arch == "gpt2":
+        top = {
+            "token_embd": "transformer.wte",
+            "position_embd": "transformer.wpe",
+            "output_norm": "transformer.ln_f",
+            "output": "lm_head",
+        }
+        layer_prefix, names = "transformer.h", _GPT2_NAMES
+    else:
+        top = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+        layer_prefix, names = "model.layers", _LLAMA_NAMES
+    if base in top:
+        return f"{top[base]}.{kind}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        return f"{layer_prefix}.{parts[1]}.{names[parts[2]]}.{kind}"
+    if base == "rope_freqs":
+        return None  # recomputed from the config's rope scaling
+    raise ModelLoadError(
+        f"unexpected tensor {name!r} in a GGUF file of architecture {arch!r}",
+        "the file may come from a newer converter; name a Hugging Face directory instead",
+    )
+
+
+def _unpermute_rotary_rows(weights, num_heads: int):
+    """Undo llama.cpp's interleaving of the rotary halves in each head's rows.
+
+    weights: [num_heads * head_dim, hidden]; llama.cpp stored each head's rows as
+    (head_dim/2, 2) pairs, Hugging Face as (2, head_dim/2) halves.
+    """
+    rows = weights.shape[0]
+    half = rows // num_heads // 2
+    w = weights.reshape(num_heads, half, 2, *weights.shape[1:])
+    return w.swapaxes(1, 2).reshape(weights.shape)

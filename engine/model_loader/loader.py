@@ -1,0 +1,71 @@
+"""Build a model for this rank and fill it from the checkpoint through the layers' loaders."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from llmctl.engine.config import ModelConfig
+from llmctl.engine.distributed.partition import PipelineShard
+from llmctl.engine.errors import ModelLoadError
+from llmctl.engine.model_loader.weights import CheckpointTensor, count_weights, iterate_weights
+from llmctl.engine.models.registry import get_model_class
+from llmctl.engine.platform import torch_dtype
+
+ProgressFn = Callable[[int, int, str], None]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    model_config: ModelConfig,
+    shard: PipelineShard,
+    device: str,
+    progress: ProgressFn | None = None,
+) -> nn.Module:
+    model_class = get_model_class(model_config.architecture)
+    with torch.device(device), _default_dtype(torch_dtype(model_config.dtype)):
+        model = model_class(model_config.hf_config, shard)
+    weights = iterate_weights(model_config.path)
+    if progress is not None:
+        weights = _with_progress(weights, count_weights(model_config.path), progress)
+    loaded = model.load_weights(weights)
+    _check_all_loaded(model, loaded, model_config.path)
+    for module in model.modules():
+        process = getattr(module, "process_weights_after_loading", None)
+        if process is not None:
+            process()
+    return model.eval()
+
+
+def _with_progress(
+    weights: Iterator[tuple[str, CheckpointTensor]], total: int, progress: ProgressFn
+) -> Iterator[tuple[str, CheckpointTensor]]:
+    for i, item in enumerate(weights, 1):
+        yield item
+        progress(i, total, "loading weights")
+
+
+def _check_all_loaded(model: nn.Module, loaded: set[str], path: str) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded_ids = {id(params[name]) for name in loaded if name in params}
+    missing = sorted(name for name, p in params.items() if id(p) not in loaded_ids)
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        raise ModelLoadError(
+            f"the checkpoint in {path} lacks {len(missing)} weights the model needs: {shown}",
+            "the weight files are incomplete or belong to another model; copy them again",
+        )

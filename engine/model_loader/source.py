@@ -1,0 +1,116 @@
+"""Where a model's files are: resolve what the user named into a local Hugging Face directory.
+
+Accepted: a directory with config.json; a .gguf file (or a directory holding one), converted once
+into a cached Hugging Face directory; a hub id such as `facebook/opt-13b` that is already in the
+local Hugging Face cache; nothing, for the bundled SmolLM2. llmctl never downloads at run time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmctl.engine.errors import ModelLoadError, ModelNotFoundError
+from llmctl.engine.model_loader.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+_NAME_HINT = (
+    "name a local Hugging Face directory (with config.json and weights), a .gguf file, or a hub "
+    "id already in the local Hugging Face cache; llmctl never downloads models"
+)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: str  # a local Hugging Face directory
+    display_name: str
+    gguf_file: str | None = None  # the GGUF file it was converted from
+
+    def load_hf_config(self) -> Any:
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.from_pretrained(self.path, local_files_only=True)
+        except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+            raise ModelLoadError(
+                f"cannot read {os.path.join(self.path, 'config.json')}: {exc}",
+                "check that the file is a complete Hugging Face config.json",
+            ) from exc
+
+    def architecture(self, hf_config: Any) -> str:
+        archs = getattr(hf_config, "architectures", None) or []
+        if archs:
+            return archs[0]
+        raise ModelLoadError(
+            f"{self.path}/config.json names no architectures",
+            'add "architectures": ["LlamaForCausalLM"] (or the right class) to config.json',
+        )
+
+
+def resolve_model(model: str | None, progress=None) -> ModelSource:
+    if model is None or model == "":
+        gguf_path = default_model_path()
+        return _from_gguf(gguf_path, DEFAULT_MODEL_NAME, progress)
+    path = Path(os.path.expanduser(model))
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return _from_gguf(path, path.stem, progress)
+        raise ModelNotFoundError(f"{model} is a file but not a .gguf file", _NAME_HINT)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            _check_weights(path)
+            return ModelSource(path=str(path.resolve()), display_name=model)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _from_gguf(ggufs[0], model, progress)
+        if len(ggufs) > 1:
+            raise ModelNotFoundError(
+                f"{model} holds several .gguf files: {', '.join(g.name for g in ggufs)}",
+                "name the .gguf file to load",
+            )
+        raise ModelNotFoundError(f"{model} has no config.json and no .gguf file", _NAME_HINT)
+    cached = _from_hf_cache(model)
+    if cached is not None:
+        return cached
+    raise ModelNotFoundError(f"model {model!r} not found", _NAME_HINT)
+
+
+def _from_gguf(path: Path, name: str, progress) -> ModelSource:
+    from llmctl.engine.model_loader.gguf import ensure_converted
+
+    directory = ensure_converted(path, progress)
+    return ModelSource(path=str(directory), display_name=name, gguf_file=str(path))
+
+
+def _check_weights(path: Path) -> None:
+    if any((path / f).is_file() for f in _WEIGHT_FILES) or any(path.glob("*.safetensors")):
+        return
+    raise ModelLoadError(
+        f"{path} has a config.json but no weights (model.safetensors, an index, "
+        "or pytorch_model.bin)",
+        "copy the weight files next to config.json",
+    )
+
+
+def _from_hf_cache(repo_id: str) -> ModelSource | None:
+    if repo_id.count("/") != 1 or repo_id.startswith(("/", ".", "~")):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:
+        return None
+    try:
+        directory = snapshot_download(repo_id, local_files_only=True)
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        return None
+    _check_weights(Path(directory))
+    return ModelSource(path=directory, display_name=repo_id)

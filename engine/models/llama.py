@@ -1,0 +1,205 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2 (QKV bias), SmolLM2 (tied embeddings)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmctl.engine.distributed.parallel_state import get_tp_group
+from llmctl.engine.distributed.partition import PipelineShard, head_shards
+from llmctl.engine.layers.activation import SiluAndMul
+from llmctl.engine.layers.attention import Attention
+from llmctl.engine.layers.layernorm import RMSNorm
+from llmctl.engine.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from llmctl.engine.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from llmctl.engine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from llmctl.engine.model_loader.weights import CheckpointTensor
+from llmctl.engine.models.utils import IntermediateTensors, load_weights, make_layers
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], bias=bias
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, input_shards=self.gate_up_proj.shards[0]
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        hidden = config.hidden_size
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(config, "head_dim", None) or hidden // num_heads
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
+        shards = head_shards(num_heads, num_kv_heads, get_tp_group().world_size)
+        self.o_proj = RowParallelLinear(
+            num_heads * head_dim,
+            hidden,
+            bias=o_bias,
+            input_shards=[s.num_q_heads * head_dim for s in shards],
+        )
+        self.rotary_emb = RotaryEmbedding(
+            head_dim, config.max_position_embeddings, rope_parameters(config)
+        )
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.attn = Attention(
+            self.qkv_proj.num_heads, head_dim, head_dim**-0.5, self.qkv_proj.num_kv_heads
+        )
+        self.head_dim = head_dim
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        num_tokens = hidden_states.shape[0]
+        q, k = self.rotary_emb(
+            positions,
+            q.view(num_tokens, -1, self.head_dim),
+            k.reshape(num_tokens, -1, self.head_dim),
+        )
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.contiguous())
+        return self.o_proj(out)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias)
+        self.mlp = LlamaMLP(
+            config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, shard: PipelineShard, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        self.shard = shard
+        if shard.is_first:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = make_layers(
+            config.num_hidden_layers,
+            shard,
+            lambda i: LlamaDecoderLayer(config, qkv_bias, o_bias),
+        )
+        if shard.is_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if self.shard.is_first:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+        for layer in self.layers[self.shard.start_layer : self.shard.end_layer]:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        if not self.shard.is_last:
+            return {"hidden_states": hidden_states, "residual": residual}
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    # (fused parameter, checkpoint part, shard id)
+    stacked_params = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+    qkv_bias = False
+
+    def __init__(self, config: Any, shard: PipelineShard):
+        super().__init__()
+        self.config = config
+        self.shard = shard
+        attention_bias = getattr(config, "attention_bias", False)
+        qkv_bias = self.qkv_bias or attention_bias
+        self.model = LlamaModel(config, shard, qkv_bias, attention_bias)
+        if shard.is_last:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if getattr(config, "tie_word_embeddings", False):
+                if shard.is_first:
+                    self.lm_head.tie_weights(self.model.embed_tokens)
+        self.sliding_window = _sliding_window(config)
+
+    @property
+    def reads_tied_embedding(self) -> bool:
+        """The last stage loads the LM head from the embedding tensor (tied, other stage)."""
+        return getattr(self.config, "tie_word_embeddings", False) and not self.shard.is_first
+
+    def forward(self, input_ids, positions, intermediate_tensors=None):
+        return self.model(input_ids, positions, intermediate_tensors)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
+        tied = self.reads_tied_embedding
+
+        def rename(name: str) -> str | None:
+            if "rotary_emb.inv_freq" in name:
+                return None
+            if tied and name == "model.embed_tokens.weight":
+                return "lm_head.weight"
+            return name
+
+        return load_weights(
+            self,
+            weights,
+            stacked=self.stacked_params,
+            rename=rename,
+            shard=self.shard,
+            layer_marker="layers",
+        )
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+def _sliding_window(config: Any) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)

@@ -1,0 +1,34 @@
+"""Model registry: the config's `architectures` name -> the class that implements it."""
+
+from __future__ import annotations
+
+import importlib
+
+from llmctl.engine.errors import UnsupportedArchitectureError
+
+# architecture -> (module under llmctl.engine.models, class name)
+_MODELS = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
+    "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
+    "OPTForCausalLM": ("opt", "OPTForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def check_architecture(architecture: str) -> None:
+    if architecture not in _MODELS:
+        raise UnsupportedArchitectureError(
+            f"model architecture {architecture!r} is not supported",
+            f"llmctl runs {', '.join(supported_architectures())}",
+        )
+
+
+def get_model_class(architecture: str) -> type:
+    check_architecture(architecture)
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(f"llmctl.engine.models.{module}"), name)

@@ -1,0 +1,83 @@
+"""What the device can do: which device to use, which dtype is fast on it, CPU tuning."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+
+from llmctl.engine.errors import ConfigError
+
+logger = logging.getLogger("llmctl")
+
+
+@functools.cache
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def default_device() -> str:
+    return "cuda" if cuda_available() else "cpu"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str | None) -> str:
+    """Turn "auto" into the dtype that is fast on `device`.
+
+    On CUDA, "auto" is the checkpoint's dtype (float16 for float32 checkpoints, as vLLM does).
+    On the CPU, "auto" is float32: even with AVX512-BF16 the bfloat16 path is slower end to end
+    here (elementwise ops and attention upcast), and float32 matches Hugging Face token for token.
+    """
+    if dtype != "auto":
+        if device == "cpu" and dtype == "float16":
+            raise ConfigError(
+                "float16 is not supported on the CPU",
+                "use --dtype float32 (or bfloat16)",
+            )
+        return dtype
+    if device == "cuda":
+        if checkpoint_dtype in (None, "float32"):
+            return "float16"
+        return checkpoint_dtype
+    return "float32"
+
+
+def torch_dtype(dtype: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+@functools.cache
+def tune_cpu_allocator() -> None:
+    """Keep freed activation buffers in the heap instead of returning them to the kernel.
+
+    glibc serves allocations above the mmap threshold with fresh pages, so every step pays page
+    faults for its multi-megabyte activations and KV gathers; a high threshold lets the heap reuse
+    them. (vLLM's CPU backend gets the same effect by preloading tcmalloc.)
+    """
+    if os.environ.get("LLMCTL_NO_MALLOC_TUNING"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)
+        libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1)
+    except (OSError, AttributeError):
+        logger.debug("mallopt unavailable; leaving the allocator as it is")
