@@ -115,7 +115,10 @@ class OutputProcessor:
                 completion.logprobs.append(self._logprobs(out.new_token_ids[-1], out.logprobs))
                 completion.cumulative_logprob += out.logprobs.sampled_logprob
             finished = out.finish_reason is not None
-            stop_string = completion.detokenizer.update(out.new_token_ids, finished)
+            text_ids = out.new_token_ids
+            if out.finish_reason == "stop":
+                text_ids = text_ids[:-1]  # a stop token (EOS or stop_token_ids) is not text
+            stop_string = completion.detokenizer.update(text_ids, finished)
             if stop_string is not None and not finished:
                 completion.finish_reason, completion.stop_reason = "stop", stop_string
                 stopped.append(out.request_id)

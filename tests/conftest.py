@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random models of each supported family, saved as real checkpoints, and
+the real bundled SmolLM2-135M. Hugging Face transformers on the same weights is the oracle."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from support import TinyModels
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> Path:
+    """The bundled SmolLM2-135M-Instruct, converted from its GGUF to a Hugging Face directory."""
+    from llmctl.engine.model_loader.source import resolve_model
+
+    return Path(resolve_model(None).path)
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(smol_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smol_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, smol_tokenizer) -> TinyModels:
+    return TinyModels(tmp_path_factory.mktemp("tiny-models"), smol_tokenizer)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _quiet_threads():
+    # Two cores: keep torch from oversubscribing when tests start worker processes.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    import torch
+
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """hf_greedy(model, prompt_ids, n): Hugging Face's own greedy generate with EOS disabled,
+    the oracle for token-exact tests."""
+    return _hf_greedy

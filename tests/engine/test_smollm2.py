@@ -1,0 +1,68 @@
+"""The real bundled model: SmolLM2-135M-Instruct from its GGUF, token-exact against Hugging Face
+transformers' own GGUF loader (the same dequantized weights)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmctl.engine import LLM, SamplingParams
+from llmctl.engine.model_loader.default_model import default_model_path
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "The three primary colors are",
+]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return LLM(use_tqdm_on_load=False)  # no model named: the bundled default
+
+
+@pytest.fixture(scope="module")
+def hf_smol():
+    from transformers import AutoModelForCausalLM
+
+    gguf = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name).eval()
+
+
+def test_default_model_is_smollm2(smol):
+    config = smol.llm_engine.config.model_config
+    assert config.served_model_name == "SmolLM2-135M-Instruct"
+    assert config.hf_config.num_hidden_layers == 30
+    assert config.num_attention_heads == 9 and config.num_kv_heads == 3
+    assert config.dtype == "float32"
+
+
+def test_four_prompts_match_transformers(smol, hf_smol, hf_greedy):
+    tokenizer = smol.get_tokenizer()
+    outputs = smol.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False
+    )
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        ids = tokenizer.encode(prompt)
+        assert output.prompt_token_ids == ids
+        assert output.outputs[0].token_ids == hf_greedy(hf_smol, ids, 32)
+
+
+def test_chat_uses_the_gguf_chat_template(smol, hf_smol, hf_greedy):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = smol.chat(messages, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    tokenizer = smol.get_tokenizer()
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    assert out.prompt_token_ids == ids
+    expected = hf_greedy(hf_smol, ids, 24)
+    completion = out.outputs[0]
+    # Stops at <|im_end|> (the model's EOS) or after 24 tokens, like transformers would.
+    assert completion.token_ids == expected[: len(completion.token_ids)]
+    assert "Paris" in completion.text
+    if completion.finish_reason == "stop":
+        assert completion.token_ids[-1] == tokenizer.eos_token_id
+        assert "<|im_end|>" not in completion.text

@@ -1,0 +1,106 @@
+"""Test support: the tiny model families the tests build, and how they are built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+VOCAB = 49152  # the SmolLM2 tokenizer's size; tiny models share that tokenizer
+
+
+def tiny_configs() -> dict:
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3)
+    return {
+        "llama": LlamaConfig(
+            **common, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256
+        ),
+        # A sliding window shorter than prompt + output, so the window is exercised.
+        "mistral": MistralConfig(
+            **common,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            max_position_embeddings=256,
+            sliding_window=24,
+        ),
+        "qwen2": Qwen2Config(
+            **common,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+        ),
+        "gpt2": GPT2Config(vocab_size=VOCAB, n_positions=256, n_embd=64, n_layer=3, n_head=4),
+        "opt": OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            word_embed_proj_dim=64,
+        ),
+        # opt-350m's shape: narrower embedding (project_in/out), LayerNorm after each block.
+        "opt-350m-style": OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            word_embed_proj_dim=32,
+            do_layer_norm_before=False,
+        ),
+        # 9 heads / 3 KV heads like SmolLM2: the uneven tensor-parallel case.
+        "llama-9-heads": LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=72,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+        ),
+    }
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "gpt2", "opt", "opt-350m-style"]
+
+
+class TinyModels:
+    """Builds (once per session) a tiny random model per family: seeded, saved with its
+    tokenizer, and kept in memory as the Hugging Face oracle."""
+
+    def __init__(self, root: Path, tokenizer) -> None:
+        self.root = root
+        self.tokenizer = tokenizer
+        self._cache: dict[tuple, tuple[Path, object]] = {}
+
+    def get(self, family: str, *, save: str = "safetensors") -> tuple[Path, object]:
+        key = (family, save)
+        if key not in self._cache:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(tiny_configs()[family]).eval()
+            path = self.root / f"{family}-{save}"
+            if save == "safetensors":
+                model.save_pretrained(path)
+            elif save == "sharded":
+                model.save_pretrained(path, max_shard_size="2MB")
+            elif save == "bin":
+                path.mkdir(parents=True)
+                model.config.architectures = [type(model).__name__]
+                model.config.save_pretrained(path)
+                torch.save(model.state_dict(), path / "pytorch_model.bin")
+            else:
+                raise ValueError(save)
+            self.tokenizer.save_pretrained(path)
+            self._cache[key] = (path, model)
+        return self._cache[key]
+
+    def path(self, family: str, **kw) -> Path:
+        return self.get(family, **kw)[0]
