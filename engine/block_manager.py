@@ -153,7 +153,7 @@ class BlockManager:
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], tokens: int) -> None:
         """Name the blocks that `tokens` tokens fill, so later requests can find them."""
-        num_full = tokens // self.block_size
+        num_full = min(tokens, request.num_tokens) // self.block_size  # only known tokens
         start = self.req_num_hashed.get(request.request_id, 0)
         if num_full <= start:
             return

@@ -1,0 +1,135 @@
+"""Offline throughput: llmctl vs Hugging Face transformers' batched generate, same model, one run.
+
+Workload (issue #2): 64 prompts of 32 random token ids, 128 greedy output tokens each, EOS
+ignored; and a single stream (1 prompt, 128 tokens). Both engines get the same token ids and the
+same float32 weights (the bundled SmolLM2-135M GGUF, dequantized). Each engine runs in its own
+fresh process, after a short warm-up, so neither inherits the other's allocator or thread state.
+
+    python benchmarks/throughput.py            # both workloads
+    python benchmarks/throughput.py --batch 64 --output-len 128 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def make_prompts(batch: int, prompt_len: int, vocab: int = 49152, seed: int = 0) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    # Skip the first ids (special tokens) so no prompt holds an EOS or chat marker.
+    return torch.randint(100, vocab, (batch, prompt_len), generator=g).tolist()
+
+
+def run_llmctl(prompts: list[list[int]], output_len: int, repeats: int) -> dict:
+    from llmctl.engine import LLM, SamplingParams
+
+    llm = LLM(use_tqdm_on_load=False)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:2], params.replace(max_tokens=4), use_tqdm=False)  # warm-up
+    times, outputs = [], None
+    for _ in range(repeats):
+        llm.llm_engine.scheduler.block_manager.reset_prefix_cache()  # no reuse between repeats
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"seconds": min(times), "tokens": tokens, "first_ids": outputs[0].outputs[0].token_ids}
+
+
+def run_transformers(prompts: list[list[int]], output_len: int, repeats: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmctl.engine.model_loader.default_model import default_model_path
+
+    gguf = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name).eval()
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+
+    def generate(input_ids, attention_mask, n):
+        with torch.inference_mode():
+            return model.generate(
+                input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+
+    generate(ids[:2], mask[:2], 4)  # warm-up
+    times, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = generate(ids, mask, output_len)
+        times.append(time.perf_counter() - start)
+    new = out[:, ids.shape[1] :]
+    return {"seconds": min(times), "tokens": new.numel(), "first_ids": new[0].tolist()}
+
+
+def _child(engine: str, args) -> dict:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        engine,
+        "--batch",
+        str(args.batch),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--output-len",
+        str(args.output_len),
+        "--repeats",
+        str(args.repeats),
+    ]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if result.returncode != 0:
+        sys.stderr.write(result.stderr)
+        raise SystemExit(f"{engine} benchmark failed")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def compare(args) -> dict:
+    ours = _child("llmctl", args)
+    theirs = _child("transformers", args)
+    label = f"{args.batch} x {args.prompt_len}-token prompts -> {args.output_len} tokens"
+    ours_tps = ours["tokens"] / ours["seconds"]
+    theirs_tps = theirs["tokens"] / theirs["seconds"]
+    print(f"\n{label}")
+    print(f"  llmctl        {ours['seconds']:8.2f} s  {ours_tps:9.1f} output tok/s")
+    print(f"  transformers  {theirs['seconds']:8.2f} s  {theirs_tps:9.1f} output tok/s")
+    print(f"  ratio (llmctl / transformers): {ours_tps / theirs_tps:.2f}x")
+    same = ours["first_ids"] == theirs["first_ids"]
+    print(f"  first sequence identical: {same}")
+    return {"workload": label, "llmctl": ours_tps, "transformers": theirs_tps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--child", choices=["llmctl", "transformers"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        prompts = make_prompts(args.batch, args.prompt_len)
+        run = run_llmctl if args.child == "llmctl" else run_transformers
+        print(json.dumps(run(prompts, args.output_len, args.repeats)))
+        return
+    batches = [args.batch] if args.batch else [64, 1]
+    for batch in batches:
+        compare(argparse.Namespace(**{**vars(args), "batch": batch}))
+
+
+if __name__ == "__main__":
+    main()
