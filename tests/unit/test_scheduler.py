@@ -30,7 +30,7 @@ def req(rid, n_prompt, max_tokens=8, **params):
 def step(s: Scheduler, token: int = 7):
     out = s.schedule()
     sampled = {}
-    for rid, n in out.num_scheduled_tokens.items():
+    for rid in out.num_scheduled_tokens:
         r = s.requests[rid]
         if r.num_computed_tokens >= r.num_tokens:
             sampled[rid] = token
