@@ -29,7 +29,7 @@ def token_ids(outputs) -> list[list[int]]:
 def test_batch_of_8_matches_transformers(family, tiny_models, hf_greedy):
     path, hf_model = tiny_models.get(family)
     prompts = random_prompts(PROMPT_LENGTHS)
-    llm = LLM(str(path), use_tqdm_on_load=False, kv_cache_space_gib=0.05)
+    llm = LLM(str(path), use_tqdm_on_load=False, dtype="float32", kv_cache_space_gib=0.05)
     outputs = llm.generate(prompts, GREEDY_32, use_tqdm=False)
     expected = [hf_greedy(hf_model, p, 32) for p in prompts]
     assert token_ids(outputs) == expected
@@ -45,7 +45,7 @@ def test_checkpoint_formats_load_identically(save, tiny_models, hf_greedy):
     else:
         assert (path / "pytorch_model.bin").is_file()
     prompts = random_prompts([9, 17])
-    llm = LLM(str(path), use_tqdm_on_load=False, kv_cache_space_gib=0.05)
+    llm = LLM(str(path), use_tqdm_on_load=False, dtype="float32", kv_cache_space_gib=0.05)
     assert token_ids(llm.generate(prompts, GREEDY_32, use_tqdm=False)) == [
         hf_greedy(hf_model, p, 32) for p in prompts
     ]
@@ -58,6 +58,7 @@ def test_preemption_keeps_outputs(tiny_models, hf_greedy):
     llm = LLM(
         str(path),
         use_tqdm_on_load=False,
+        dtype="float32",
         max_model_len=80,
         num_gpu_blocks_override=6,
     )
@@ -75,6 +76,7 @@ def test_prefix_caching_on_and_off(enable_prefix_caching, tiny_models, hf_greedy
     llm = LLM(
         str(path),
         use_tqdm_on_load=False,
+        dtype="float32",
         kv_cache_space_gib=0.05,
         enable_prefix_caching=enable_prefix_caching,
     )
@@ -95,7 +97,7 @@ def test_prefix_caching_on_and_off(enable_prefix_caching, tiny_models, hf_greedy
 def test_alone_or_in_a_batch_of_32(tiny_models):
     path, _ = tiny_models.get("gpt2")
     prompts = random_prompts([5 + (i * 7) % 40 for i in range(32)], seed=3)
-    llm = LLM(str(path), use_tqdm_on_load=False, kv_cache_space_gib=0.05)
+    llm = LLM(str(path), use_tqdm_on_load=False, dtype="float32", kv_cache_space_gib=0.05)
     batch = token_ids(llm.generate(prompts, GREEDY_32, use_tqdm=False))
     alone = [token_ids(llm.generate([p], GREEDY_32, use_tqdm=False))[0] for p in prompts[:6]]
     assert alone == batch[:6]
@@ -108,6 +110,7 @@ def test_chunked_prefill_of_long_prompts(tiny_models, hf_greedy):
     llm = LLM(
         str(path),
         use_tqdm_on_load=False,
+        dtype="float32",
         kv_cache_space_gib=0.05,
         max_num_batched_tokens=16,
     )
@@ -118,7 +121,13 @@ def test_chunked_prefill_of_long_prompts(tiny_models, hf_greedy):
 def test_kv_cache_lines_are_logged(tiny_models, caplog):
     path = tiny_models.path("llama")
     with caplog.at_level(logging.INFO, logger="llmctl"):
-        llm = LLM(str(path), use_tqdm_on_load=False, kv_cache_space_gib=0.01, max_model_len=200)
+        llm = LLM(
+            str(path),
+            use_tqdm_on_load=False,
+            dtype="float32",
+            kv_cache_space_gib=0.01,
+            max_model_len=200,
+        )
     text = caplog.text
     blocks = int(re.search(r"# KV cache blocks: (\d+) \(block size 16\)", text).group(1))
     # 3 layers x 2 (K, V) x 16 slots x 2 KV heads x 16 dims x 4 bytes per block
@@ -131,7 +140,7 @@ def test_kv_cache_lines_are_logged(tiny_models, caplog):
 
 def test_text_and_token_ids_agree(tiny_models, smol_tokenizer):
     path = tiny_models.path("opt")
-    llm = LLM(str(path), use_tqdm_on_load=False, kv_cache_space_gib=0.05)
+    llm = LLM(str(path), use_tqdm_on_load=False, dtype="float32", kv_cache_space_gib=0.05)
     out = llm.generate("Hello world, this is a test", GREEDY_32, use_tqdm=False)[0]
     assert out.prompt == "Hello world, this is a test"
     assert out.prompt_token_ids == smol_tokenizer.encode("Hello world, this is a test")

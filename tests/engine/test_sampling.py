@@ -14,7 +14,9 @@ from llmctl.engine import LLM, SamplingParams
 @pytest.fixture(scope="module")
 def llama(tiny_models):
     path, hf_model = tiny_models.get("llama")
-    return LLM(str(path), use_tqdm_on_load=False, kv_cache_space_gib=0.05), hf_model
+    return LLM(
+        str(path), use_tqdm_on_load=False, dtype="float32", kv_cache_space_gib=0.05
+    ), hf_model
 
 
 def prompts_of(lengths, seed=0):
@@ -200,7 +202,9 @@ def test_unseeded_sampling_follows_the_engine_seed(tiny_models):
     params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
 
     def sample(seed: int) -> list[int]:
-        llm = LLM(str(path), use_tqdm_on_load=False, kv_cache_space_gib=0.02, seed=seed)
+        llm = LLM(
+            str(path), use_tqdm_on_load=False, dtype="float32", kv_cache_space_gib=0.02, seed=seed
+        )
         return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
 
     assert sample(0) == sample(0)

@@ -20,7 +20,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smol():
-    return LLM(use_tqdm_on_load=False)  # no model named: the bundled default
+    # No model named: the bundled default. float32, to compare with transformers' float32.
+    return LLM(use_tqdm_on_load=False, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +67,18 @@ def test_chat_uses_the_gguf_chat_template(smol, hf_smol, hf_greedy):
     if completion.finish_reason == "stop":
         assert completion.token_ids[-1] == tokenizer.eos_token_id
         assert "<|im_end|>" not in completion.text
+
+
+def test_default_dtype_on_this_cpu_still_answers():
+    """dtype="auto" (bfloat16 where the CPU has it) gives a sensible answer."""
+    from llmctl.engine.platform import cpu_has_native_bf16
+
+    llm = LLM(use_tqdm_on_load=False, kv_cache_space_gib=0.5)
+    expected = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert llm.llm_engine.config.model_config.dtype == expected
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=24),
+        use_tqdm=False,
+    )[0]
+    assert "Paris" in out.outputs[0].text
