@@ -221,6 +221,35 @@ class EngineArgs:
     pipeline_layer_partition: str | tuple[int, ...] | None = None
     device: str = "auto"
 
+    def __post_init__(self) -> None:
+        # Checks that need no file and no torch, so a typo fails before anything loads.
+        normalize_dtype(self.dtype)
+        CacheConfig(
+            block_size=self.block_size,
+            kv_cache_space_gib=self.kv_cache_space_gib,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+        )
+        SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or self.max_num_seqs,
+        )
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}",
+                "allow a positive token budget per step",
+            )
+        ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+        )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(
+                f"max_model_len must be at least 1, got {self.max_model_len}",
+                "pass a positive --max-model-len",
+            )
+
     def create_engine_config(self, progress=None) -> EngineConfig:
         from llmctl.engine import platform
         from llmctl.engine.model_loader.source import resolve_model
@@ -255,7 +284,11 @@ class EngineArgs:
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens or max(8192, self.max_num_seqs),
+            max_num_batched_tokens=(
+                max(8192, self.max_num_seqs)
+                if self.max_num_batched_tokens is None
+                else self.max_num_batched_tokens
+            ),
             max_model_len=max_model_len,
         )
         parallel_config = ParallelConfig(

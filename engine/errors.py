@@ -66,7 +66,8 @@ class RequestBatchError(InvalidRequestError):
         first_index, first = next(iter(errors.items()))
         count = len(errors)
         message = (
-            f"{count} of {len(outputs)} prompts rejected; prompt {first_index}: {first.message}"
+            f"{count} of {len(outputs)} prompts rejected; the prompt at index {first_index} "
+            f"(counting from 0): {first.message}"
         )
         super().__init__(message, first.hint, first.param)
 

@@ -7,7 +7,6 @@ outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +15,7 @@ from llmctl.engine.config import EngineArgs
 from llmctl.engine.errors import InvalidRequestError, RequestBatchError
 from llmctl.engine.llm_engine import LLMEngine, PromptType
 from llmctl.engine.outputs import RequestOutput
+from llmctl.engine.progress import generation_progress
 from llmctl.engine.sampling_params import SamplingParams
 
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
@@ -88,14 +88,12 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            {
-                "prompt_token_ids": self.apply_chat_template(
-                    conversation, add_generation_prompt, chat_template
-                )
-            }
-            for conversation in conversations
-        ]
+        prompts = []
+        for conversation in conversations:
+            text = self.apply_chat_template(conversation, add_generation_prompt, chat_template)
+            # The template writes the special tokens itself: none are added when encoding.
+            ids = self.llm_engine.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(
@@ -103,7 +101,8 @@ class LLM:
         conversation: list[dict],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
-    ) -> list[int]:
+    ) -> str:
+        """The prompt text the model's chat template makes of `conversation`."""
         tokenizer = self.llm_engine.tokenizer
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError(
@@ -111,14 +110,12 @@ class LLM:
                 "use generate() with a plain prompt, or pass chat_template=",
                 param="messages",
             )
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             conversation,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
         )
-        # The template writes the special tokens itself.
-        return tokenizer.encode(text, add_special_tokens=False)
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
@@ -144,7 +141,7 @@ class LLM:
             index_of[request_id] = i
         results: list[RequestOutput | None] = [None] * len(prompts)
         try:
-            with _progress(use_tqdm, len(index_of)) as advance:
+            with generation_progress(use_tqdm, len(index_of)) as advance:
                 while engine.has_unfinished_requests():
                     for output in engine.step():
                         if output.finished and output.request_id in index_of:
@@ -166,34 +163,3 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]  # one prompt given as token ids
     return list(prompts)
-
-
-@contextlib.contextmanager
-def _progress(enabled: bool, total: int):
-    if not enabled or total == 0:
-        yield lambda output: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    columns = (
-        TextColumn("Processed prompts"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[rate]}"),
-    )
-    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("generate", total=total, rate="")
-        generated = 0
-        elapsed = progress.get_time
-
-        start = elapsed()
-
-        def advance(output: RequestOutput) -> None:
-            nonlocal generated
-            generated += sum(len(c.token_ids) for c in output.outputs)
-            rate = generated / max(elapsed() - start, 1e-9)
-            progress.update(task, advance=1, rate=f"{rate:.1f} toks/s")
-
-        yield advance

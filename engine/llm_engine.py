@@ -177,8 +177,9 @@ class LLMEngine:
     def _tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
+                text = prompt.get("prompt")
+                return text, self._tokenize(list(prompt["prompt_token_ids"]))[1]
+            if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
                 raise InvalidRequestError(

@@ -1,37 +1,87 @@
-"""Rich progress bars for weight loading and batch generation, on stderr."""
+"""Rich progress bars on stderr: while weights load, and while a batch generates.
+
+Bars draw only on a terminal; redirected to a file or CI log they print nothing. The console
+writes to whatever sys.stderr is when it writes, so log lines emitted under a live bar (through a
+handler on the same kind of console) print above it instead of tearing it.
+"""
 
 from __future__ import annotations
 
+import io
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 ProgressFn = Callable[[int, int, str], None]
 
 
-@contextmanager
-def rich_progress(transient: bool = True) -> Iterator[ProgressFn]:
-    """Yields progress(done, total, description): one bar per description."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
+class CurrentStderr(io.TextIOBase):
+    """A file that writes to the current sys.stderr (a live bar redirects it)."""
 
-    columns = (
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=Console(stderr=True), transient=transient) as progress:
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+    def fileno(self) -> int:
+        return sys.stderr.fileno()
+
+
+def stderr_console():
+    from rich.console import Console
+
+    return Console(file=CurrentStderr(), highlight=False, emoji=False)
+
+
+@contextmanager
+def rich_progress() -> Iterator[ProgressFn]:
+    """Yields progress(done, total, description): one bar per description."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    console = stderr_console()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    with Progress(
+        *columns, console=console, transient=True, disable=not console.is_terminal
+    ) as bar:
         tasks: dict[str, int] = {}
 
         def update(done: int, total: int, description: str) -> None:
             if description not in tasks:
-                tasks[description] = progress.add_task(description, total=total or None)
-            progress.update(tasks[description], completed=done, total=total or None)
+                tasks[description] = bar.add_task(description, total=total or None)
+            bar.update(tasks[description], completed=done, total=total or None)
 
         yield update
+
+
+@contextmanager
+def generation_progress(enabled: bool, total: int) -> Iterator[Callable]:
+    """Yields advance(request_output): one step per finished request, with tokens/s."""
+    console = stderr_console()
+    if not enabled or total == 0 or not console.is_terminal:
+        yield lambda output: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (
+        TextColumn("Processed prompts"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[rate]}"),
+    )
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("generate", total=total, rate="")
+        start = bar.get_time()
+        generated = 0
+
+        def advance(output) -> None:
+            nonlocal generated
+            generated += sum(len(c.token_ids) for c in output.outputs)
+            rate = generated / max(bar.get_time() - start, 1e-9)
+            bar.update(task, advance=1, rate=f"{rate:.1f} toks/s")
+
+        yield advance
