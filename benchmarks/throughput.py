@@ -2,8 +2,12 @@
 
 Workload (issue #2): 64 prompts of 32 random token ids, 128 greedy output tokens each, EOS
 ignored; and a single stream (1 prompt, 128 tokens). Both engines get the same token ids and the
-same float32 weights (the bundled SmolLM2-135M GGUF, dequantized). Each engine runs in its own
-fresh process, after a short warm-up, so neither inherits the other's allocator or thread state.
+same weights (the bundled SmolLM2-135M GGUF, dequantized). Each run is a fresh process, after a
+short warm-up, so none inherits another's allocator or thread state.
+
+Runs: llmctl with its default dtype ("auto": bfloat16 on CPUs with AVX512-BF16, else float32),
+llmctl in float32, and transformers in float32 (its default for this model) and in bfloat16, so
+ratios are shown both default-to-default and at equal dtype.
 
     python benchmarks/throughput.py            # both workloads
     python benchmarks/throughput.py --batch 64 --output-len 128 --repeats 3
@@ -27,10 +31,10 @@ def make_prompts(batch: int, prompt_len: int, vocab: int = 49152, seed: int = 0)
     return torch.randint(100, vocab, (batch, prompt_len), generator=g).tolist()
 
 
-def run_llmctl(prompts: list[list[int]], output_len: int, repeats: int) -> dict:
+def run_llmctl(prompts: list[list[int]], output_len: int, repeats: int, dtype: str) -> dict:
     from llmctl.engine import LLM, SamplingParams
 
-    llm = LLM(use_tqdm_on_load=False)
+    llm = LLM(use_tqdm_on_load=False, dtype=dtype)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], params.replace(max_tokens=4), use_tqdm=False)  # warm-up
     times, outputs = [], None
@@ -40,10 +44,15 @@ def run_llmctl(prompts: list[list[int]], output_len: int, repeats: int) -> dict:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"seconds": min(times), "tokens": tokens, "first_ids": outputs[0].outputs[0].token_ids}
+    return {
+        "seconds": min(times),
+        "tokens": tokens,
+        "first_ids": outputs[0].outputs[0].token_ids,
+        "dtype": llm.llm_engine.config.model_config.dtype,
+    }
 
 
-def run_transformers(prompts: list[list[int]], output_len: int, repeats: int) -> dict:
+def run_transformers(prompts: list[list[int]], output_len: int, repeats: int, dtype: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -51,6 +60,8 @@ def run_transformers(prompts: list[list[int]], output_len: int, repeats: int) ->
 
     gguf = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name).eval()
+    if dtype != "auto":
+        model = model.to(getattr(torch, dtype))
     ids = torch.tensor(prompts)
     mask = torch.ones_like(ids)
 
@@ -72,45 +83,57 @@ def run_transformers(prompts: list[list[int]], output_len: int, repeats: int) ->
         out = generate(ids, mask, output_len)
         times.append(time.perf_counter() - start)
     new = out[:, ids.shape[1] :]
-    return {"seconds": min(times), "tokens": new.numel(), "first_ids": new[0].tolist()}
+    return {
+        "seconds": min(times),
+        "tokens": new.numel(),
+        "first_ids": new[0].tolist(),
+        "dtype": str(model.dtype).removeprefix("torch."),
+    }
 
 
-def _child(engine: str, args) -> dict:
-    cmd = [
-        sys.executable,
-        __file__,
-        "--child",
-        engine,
-        "--batch",
-        str(args.batch),
-        "--prompt-len",
-        str(args.prompt_len),
-        "--output-len",
-        str(args.output_len),
-        "--repeats",
-        str(args.repeats),
-    ]
+RUNS = [
+    ("llmctl", "auto"),
+    ("llmctl", "float32"),
+    ("transformers", "auto"),
+    ("transformers", "bfloat16"),
+]
+
+
+def _child(engine: str, dtype: str, args) -> dict:
+    cmd = [sys.executable, __file__, "--child", engine, "--dtype", dtype]
+    for flag in ("batch", "prompt_len", "output_len", "repeats"):
+        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if result.returncode != 0:
         sys.stderr.write(result.stderr)
-        raise SystemExit(f"{engine} benchmark failed")
+        raise SystemExit(f"{engine} ({dtype}) benchmark failed")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def compare(args) -> dict:
-    ours = _child("llmctl", args)
-    theirs = _child("transformers", args)
-    label = f"{args.batch} x {args.prompt_len}-token prompts -> {args.output_len} tokens"
-    ours_tps = ours["tokens"] / ours["seconds"]
-    theirs_tps = theirs["tokens"] / theirs["seconds"]
-    print(f"\n{label}")
-    print(f"  llmctl        {ours['seconds']:8.2f} s  {ours_tps:9.1f} output tok/s")
-    print(f"  transformers  {theirs['seconds']:8.2f} s  {theirs_tps:9.1f} output tok/s")
-    print(f"  ratio (llmctl / transformers): {ours_tps / theirs_tps:.2f}x")
-    same = ours["first_ids"] == theirs["first_ids"]
-    print(f"  first sequence identical: {same}")
-    return {"workload": label, "llmctl": ours_tps, "transformers": theirs_tps}
+def compare(args) -> None:
+    results = {(engine, dtype): _child(engine, dtype, args) for engine, dtype in RUNS}
+    print(f"\n{args.batch} x {args.prompt_len}-token prompts -> {args.output_len} tokens each")
+    rate = {}
+    for (engine, dtype), r in results.items():
+        rate[(engine, dtype)] = r["tokens"] / r["seconds"]
+        label = f"{engine} ({'default, ' if dtype == 'auto' else ''}{r['dtype']})"
+        print(f"  {label:34s} {r['seconds']:8.2f} s  {rate[(engine, dtype)]:8.1f} output tok/s")
+    ours, theirs = results[("llmctl", "auto")], results[("transformers", "auto")]
+
+    def ratio(a: tuple[str, str], b: tuple[str, str]) -> str:
+        return f"{rate[a] / rate[b]:.2f}x"
+
+    lines = [
+        ("defaults", ("llmctl", "auto"), ("transformers", "auto")),
+        ("float32 both", ("llmctl", "float32"), ("transformers", "auto")),
+    ]
+    if ours["dtype"] == "bfloat16":
+        lines.append(("bfloat16 both", ("llmctl", "auto"), ("transformers", "bfloat16")))
+    for name, a, b in lines:
+        print(f"  ratio llmctl / transformers, {name + ':':15s} {ratio(a, b)}")
+    same = results[("llmctl", "float32")]["first_ids"] == theirs["first_ids"]
+    print(f"  float32 outputs identical (first sequence): {same}")
 
 
 def main() -> None:
@@ -120,11 +143,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--child", choices=["llmctl", "transformers"], help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="auto", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         prompts = make_prompts(args.batch, args.prompt_len)
         run = run_llmctl if args.child == "llmctl" else run_transformers
-        print(json.dumps(run(prompts, args.output_len, args.repeats)))
+        print(json.dumps(run(prompts, args.output_len, args.repeats, args.dtype)))
         return
     batches = [args.batch] if args.batch else [64, 1]
     for batch in batches:

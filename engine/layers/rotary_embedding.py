@@ -62,12 +62,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
+        self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        # One instance serves every layer of a model, and a step's layers share one positions
+        # tensor: look the rows up once per step, not once per layer.
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == dtype:
+            return last[2], last[3]
+        cos = self.cos_cache.index_select(0, positions).unsqueeze(1).to(dtype)
+        sin = self.sin_cache.index_select(0, positions).unsqueeze(1).to(dtype)
+        self._last = (positions, dtype, cos, sin)
+        return cos, sin
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
-        cos = self.cos_cache.index_select(0, positions).unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache.index_select(0, positions).unsqueeze(1).to(q.dtype)
+        cos, sin = self._cos_sin(positions, q.dtype)
         return _apply(q, cos, sin), _apply(k, cos, sin)
 
 

@@ -40,7 +40,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool):
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool, rotary_emb: RotaryEmbedding):
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
@@ -54,9 +54,7 @@ class LlamaAttention(nn.Module):
             bias=o_bias,
             input_shards=[s.num_q_heads * head_dim for s in shards],
         )
-        self.rotary_emb = RotaryEmbedding(
-            head_dim, config.max_position_embeddings, rope_parameters(config)
-        )
+        self.rotary_emb = rotary_emb
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.attn = Attention(
             self.qkv_proj.num_heads, head_dim, head_dim**-0.5, self.qkv_proj.num_kv_heads
@@ -77,9 +75,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool):
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool, rotary_emb: RotaryEmbedding):
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias)
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, rotary_emb)
         self.mlp = LlamaMLP(
             config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False)
         )
@@ -105,10 +103,17 @@ class LlamaModel(nn.Module):
         self.shard = shard
         if shard.is_first:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        # One rotary table for all layers (not a submodule of each: its buffers are not weights).
+        rotary_emb = RotaryEmbedding(
+            head_dim, config.max_position_embeddings, rope_parameters(config)
+        )
         self.layers = make_layers(
             config.num_hidden_layers,
             shard,
-            lambda i: LlamaDecoderLayer(config, qkv_bias, o_bias),
+            lambda i: LlamaDecoderLayer(config, qkv_bias, o_bias, rotary_emb),
         )
         if shard.is_last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

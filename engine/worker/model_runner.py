@@ -207,7 +207,7 @@ class ModelRunner:
         visible = key_pos < lens
         if self.sliding_window is not None:
             visible &= key_pos >= lens - self.sliding_window
-        bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+        bias = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
         md.decode_block_ids = torch.from_numpy(table.reshape(-1)).to(self.device)
         md.decode_max_len = max_blocks * bs
         md.decode_bias = bias.view(len(states), 1, 1, -1).to(self.device)
