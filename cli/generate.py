@@ -19,6 +19,7 @@ app = typer.Typer()
 
 _SAMPLING = "Sampling"
 _ENGINE = "Engine"
+_PARALLEL = "Parallelism"
 
 
 @app.command()
@@ -152,6 +153,46 @@ def generate(
             rich_help_panel=_ENGINE,
         ),
     ] = None,
+    tensor_parallel_size: Annotated[
+        int | None,
+        typer.Option(
+            "--tensor-parallel-size",
+            "-tp",
+            help="Ranks that split each layer (Megatron-LM tensor parallelism). (default: 1)",
+            show_default=False,
+            rich_help_panel=_PARALLEL,
+        ),
+    ] = None,
+    pipeline_parallel_size: Annotated[
+        int | None,
+        typer.Option(
+            "--pipeline-parallel-size",
+            "-pp",
+            help="Pipeline stages that split the layers. (default: 1)",
+            show_default=False,
+            rich_help_panel=_PARALLEL,
+        ),
+    ] = None,
+    distributed_executor_backend: Annotated[
+        str | None,
+        typer.Option(
+            "--distributed-executor-backend",
+            help="uni, mp or ray. (default: mp when this node has a device per rank, else ray; "
+            "on the CPU, devices are LLMCTL_CPU_DEVICES or the cores)",
+            show_default=False,
+            rich_help_panel=_PARALLEL,
+        ),
+    ] = None,
+    pipeline_layer_partition: Annotated[
+        str | None,
+        typer.Option(
+            "--pipeline-layer-partition",
+            help='Layers per pipeline stage, e.g. "10,11,9". (default: equal shares, the '
+            "remainder before the last stage)",
+            show_default=False,
+            rich_help_panel=_PARALLEL,
+        ),
+    ] = None,
     json_output: Annotated[
         bool,
         typer.Option(
@@ -185,6 +226,10 @@ def generate(
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
         "enable_prefix_caching": enable_prefix_caching,
+        "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
+        "distributed_executor_backend": distributed_executor_backend,
+        "pipeline_layer_partition": pipeline_layer_partition,
     }
     engine_kwargs = {name: value for name, value in engine_kwargs.items() if value is not None}
 

@@ -132,6 +132,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 8192
+    # Batches in flight at once (pipeline parallelism): running requests are split into this
+    # many batches so that every pipeline stage has work.
+    max_concurrent_batches: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -143,6 +146,11 @@ class SchedulerConfig:
             raise ConfigError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}",
                 "allow a positive token budget per step",
+            )
+        if self.max_concurrent_batches < 1:
+            raise ConfigError(
+                f"max_concurrent_batches must be at least 1, got {self.max_concurrent_batches}",
+                "use 1 to disable pipelining of batches, or the number of pipeline stages",
             )
 
 
@@ -219,6 +227,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     pipeline_layer_partition: str | tuple[int, ...] | None = None
+    max_concurrent_batches: int | None = None  # default: pipeline_parallel_size
     device: str = "auto"
 
     def __post_init__(self) -> None:
@@ -262,6 +271,12 @@ class EngineArgs:
         hf_config = source.load_hf_config()
         architecture = source.architecture(hf_config)
         check_architecture(architecture)
+        layer_partition = parse_layer_partition(
+            self.pipeline_layer_partition or os.environ.get("LLMCTL_PP_LAYER_PARTITION")
+        )
+        check_layout(
+            hf_config, self.tensor_parallel_size, self.pipeline_parallel_size, layer_partition
+        )
         resolved_dtype = platform.resolve_dtype(dtype, device, _checkpoint_dtype(hf_config))
         max_model_len = _resolve_max_model_len(hf_config, self.max_model_len)
         model_config = ModelConfig(
@@ -290,14 +305,13 @@ class EngineArgs:
                 else self.max_num_batched_tokens
             ),
             max_model_len=max_model_len,
+            max_concurrent_batches=self.max_concurrent_batches or self.pipeline_parallel_size,
         )
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
-            pipeline_layer_partition=parse_layer_partition(
-                self.pipeline_layer_partition or os.environ.get("LLMCTL_PP_LAYER_PARTITION")
-            ),
+            pipeline_layer_partition=layer_partition,
         )
         return EngineConfig(
             model_config=model_config,
@@ -329,6 +343,25 @@ def parse_layer_partition(
             "every stage needs at least one layer",
         )
     return parts
+
+
+def check_layout(hf_config: Any, tp: int, pp: int, explicit: tuple[int, ...] | None) -> None:
+    """Refuse a TP x PP layout the model cannot take, before any worker starts."""
+    from llmctl.engine.distributed.partition import column_shards, head_shards, layer_partition
+
+    heads = getattr(hf_config, "num_attention_heads", None) or hf_config.n_head
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_shards(heads, kv_heads, tp)
+    intermediate = (
+        getattr(hf_config, "intermediate_size", None)
+        or getattr(hf_config, "ffn_dim", None)
+        or getattr(hf_config, "n_inner", None)
+        or 4 * (getattr(hf_config, "n_embd", None) or hf_config.hidden_size)
+    )
+    column_shards(intermediate, tp, "MLP features")
+    column_shards(hf_config.vocab_size, tp, "vocabulary entries")
+    layers = getattr(hf_config, "num_hidden_layers", None) or hf_config.n_layer
+    layer_partition(layers, pp, explicit)
 
 
 def _checkpoint_dtype(hf_config: Any) -> str | None:

@@ -16,6 +16,17 @@ class LLMCtlError(Exception):
         self.hint = hint
         super().__init__(message if hint is None else f"{message}. Hint: {hint}")
 
+    def __reduce__(self):
+        # Errors cross process boundaries (worker processes, Ray actors) with their fields.
+        return (_rebuild, (type(self), self.message, self.hint, dict(self.__dict__)))
+
+
+def _rebuild(cls: type, message: str, hint: str | None, state: dict) -> LLMCtlError:
+    error = cls.__new__(cls)
+    LLMCtlError.__init__(error, message, hint)
+    error.__dict__.update(state)
+    return error
+
 
 class ConfigError(LLMCtlError, ValueError):
     """An engine or cluster setting has an impossible value."""

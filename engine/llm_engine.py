@@ -57,7 +57,7 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(mc.tokenizer)
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc.path)
         self.vocab_size = mc.hf_config.vocab_size
-        self.executor = Executor.get_class(engine_config.parallel_config)(engine_config, progress)
+        self.executor = Executor.get_class(engine_config)(engine_config, progress)
         try:
             self.num_blocks = self.executor.determine_num_available_blocks()
             knob = (
@@ -91,6 +91,7 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> str:
         """Validate, tokenize and queue a request; returns its id. Raises InvalidRequestError."""
+        self.executor.check_alive()
         request_id = str(next(self._ids)) if request_id is None else request_id
         if self.output_processor.has_request(request_id):
             raise InvalidRequestError(
@@ -144,12 +145,16 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
-        return self.postprocess(scheduler_output, runner_output)
+        finished_batch = self.executor.execute_model(scheduler_output)
+        return self.postprocess(finished_batch)
 
     def postprocess(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+        self, finished_batch: tuple[SchedulerOutput, ModelRunnerOutput] | None
     ) -> list[RequestOutput]:
+        """Apply a finished batch's tokens (None: the pipeline is still filling)."""
+        if finished_batch is None:
+            return []
+        scheduler_output, runner_output = finished_batch
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._generation_tokens += len(core_outputs)
         request_outputs, stopped = self.output_processor.process_outputs(core_outputs)

@@ -92,15 +92,26 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
 
+    def _batch_size_cap(self) -> int:
+        """Most requests in one batch: with several batches in flight (pipeline parallelism),
+        the active requests are shared out so that every stage has a batch to work on."""
+        cap = self.config.max_num_seqs
+        batches = self.config.max_concurrent_batches
+        if batches > 1:
+            active = min(len(self.running) + len(self.waiting), cap)
+            cap = max(1, -(-active // batches))
+        return cap
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        cap = self._batch_size_cap()
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
         preempted = False
 
         # Running requests first, oldest first.
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < cap:
             request = self.running[i]
             if request.in_flight:
                 i += 1
@@ -127,7 +138,7 @@ class Scheduler:
 
         # Then waiting requests, unless this step had to preempt (memory is short).
         new_requests: list[Request] = []
-        while self.waiting and budget > 0 and not preempted:
+        while self.waiting and budget > 0 and not preempted and len(num_scheduled) < cap:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
@@ -261,7 +272,10 @@ class Scheduler:
                 )
             )
             request.num_tokens_sent = request.num_tokens
-        finished, self.finished_req_ids = self.finished_req_ids, set()
+        # Workers learn of finished requests with the next batch they run.
+        finished = set()
+        if num_scheduled:
+            finished, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,

@@ -10,7 +10,7 @@ VOCAB = 49152  # the SmolLM2 tokenizer's size; tiny models share that tokenizer
 def tiny_configs() -> dict:
     from transformers import GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4)
     return {
         "llama": LlamaConfig(
             **common, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256
@@ -31,12 +31,12 @@ def tiny_configs() -> dict:
             max_position_embeddings=256,
             tie_word_embeddings=True,
         ),
-        "gpt2": GPT2Config(vocab_size=VOCAB, n_positions=256, n_embd=64, n_layer=3, n_head=4),
+        "gpt2": GPT2Config(vocab_size=VOCAB, n_positions=256, n_embd=64, n_layer=4, n_head=4),
         "opt": OPTConfig(
             vocab_size=VOCAB,
             hidden_size=64,
             ffn_dim=128,
-            num_hidden_layers=3,
+            num_hidden_layers=4,
             num_attention_heads=4,
             max_position_embeddings=256,
             word_embed_proj_dim=64,
@@ -46,7 +46,7 @@ def tiny_configs() -> dict:
             vocab_size=VOCAB,
             hidden_size=64,
             ffn_dim=128,
-            num_hidden_layers=3,
+            num_hidden_layers=4,
             num_attention_heads=4,
             max_position_embeddings=256,
             word_embed_proj_dim=32,

@@ -45,33 +45,6 @@ class GroupCoordinator:
         dist.all_reduce(tensor, group=self.device_group)
         return tensor
 
-    def all_gather(self, tensor, dim: int = -1):
-        """Concatenate each rank's `tensor` along `dim` (shapes may differ along `dim`)."""
-        if self.world_size == 1:
-            return tensor
-        import torch
-        import torch.distributed as dist
-
-        sizes = self.all_gather_object(tensor.shape[dim])
-        pieces = []
-        for size in sizes:
-            shape = list(tensor.shape)
-            shape[dim] = size
-            pieces.append(torch.empty(shape, dtype=tensor.dtype, device=tensor.device))
-        if all(size == tensor.shape[dim] for size in sizes):
-            dist.all_gather(pieces, tensor.contiguous(), group=self.device_group)
-        else:
-            # Uneven shards: pad to the largest, gather, then trim.
-            largest = max(sizes)
-            pad_shape = list(tensor.shape)
-            pad_shape[dim] = largest
-            padded = torch.zeros(pad_shape, dtype=tensor.dtype, device=tensor.device)
-            padded.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
-            gathered = [torch.empty_like(padded) for _ in sizes]
-            dist.all_gather(gathered, padded, group=self.device_group)
-            pieces = [g.narrow(dim, 0, s) for g, s in zip(gathered, sizes, strict=True)]
-        return torch.cat(pieces, dim=dim)
-
     def all_gather_object(self, obj) -> list:
         if self.world_size == 1:
             return [obj]
@@ -81,16 +54,50 @@ class GroupCoordinator:
         dist.all_gather_object(out, obj, group=self.cpu_group)
         return out
 
-    def send(self, tensor, dst_in_group: int) -> None:
+    def gather(self, tensor, dim: int = -1, sizes: list[int] | None = None):
+        """Concatenate the ranks' tensors along `dim` on the group's first rank (None elsewhere).
+
+        `sizes` (each rank's extent along `dim`) may differ (uneven tensor parallelism): shards
+        are padded to the largest for the collective and trimmed after. Unknown sizes cost one
+        extra object collective.
+        """
+        if self.world_size == 1:
+            return tensor
+        import torch
         import torch.distributed as dist
 
-        dist.send(tensor, self.ranks[dst_in_group], group=self.device_group)
+        sizes = sizes or self.all_gather_object(tensor.shape[dim])
+        largest = max(sizes)
+        if tensor.shape[dim] != largest:
+            pad_shape = list(tensor.shape)
+            pad_shape[dim] = largest - tensor.shape[dim]
+            tensor = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=dim)
+        tensor = tensor.contiguous()
+        if self.is_first_rank:
+            pieces = [torch.empty_like(tensor) for _ in sizes]
+            dist.gather(tensor, pieces, dst=self.ranks[0], group=self.device_group)
+            return torch.cat([p.narrow(dim, 0, s) for p, s in zip(pieces, sizes, strict=True)], dim)
+        dist.gather(tensor, None, dst=self.ranks[0], group=self.device_group)
+        return None
 
-    def recv(self, tensor, src_in_group: int):
+    def send_tensor_dict(self, tensors: dict, dst_in_group: int) -> list:
+        """Send each tensor (in key order) to a rank of this group; returns the pending sends."""
         import torch.distributed as dist
 
-        dist.recv(tensor, self.ranks[src_in_group], group=self.device_group)
-        return tensor
+        dst = self.ranks[dst_in_group]
+        return [
+            dist.isend(tensors[key].contiguous(), dst, group=self.device_group)
+            for key in sorted(tensors)
+        ]
+
+    def recv_tensor_dict(self, buffers: dict, src_in_group: int) -> dict:
+        """Fill `buffers` (preallocated, keyed like the sender's dict) from a rank of this group."""
+        import torch.distributed as dist
+
+        src = self.ranks[src_in_group]
+        for key in sorted(buffers):
+            dist.recv(buffers[key], src, group=self.device_group)
+        return buffers
 
 
 _TP: GroupCoordinator | None = None
@@ -109,6 +116,67 @@ def get_pp_group() -> GroupCoordinator:
     if _PP is None:
         _PP = GroupCoordinator(ranks=[0], rank=0)
     return _PP
+
+
+def init_distributed_environment(
+    world_size: int,
+    rank: int,
+    init_method: str,
+    backend: str,
+    timeout_s: float = 600.0,
+) -> None:
+    """Join the world: Gloo on the CPU, NCCL on CUDA (with a Gloo group for Python objects)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        world_size=world_size,
+        rank=rank,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def initialize_model_parallel(tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+    """Create this rank's TP and PP groups from the rank mesh (ranks.reshape).
+
+    Every rank creates every group, in the same order, as torch.distributed requires.
+    """
+    import torch.distributed as dist
+
+    from llmctl.engine.distributed import ranks
+
+    rank = dist.get_rank()
+    backend = dist.get_backend()
+    tp_group = pp_group = None
+    for group_ranks_list, kind in (
+        (ranks.tp_groups(pipeline_parallel_size, tensor_parallel_size), "tp"),
+        (ranks.pp_groups(pipeline_parallel_size, tensor_parallel_size), "pp"),
+    ):
+        for group_ranks in group_ranks_list:
+            device_group = dist.new_group(group_ranks, backend=backend)
+            cpu_group = (
+                device_group if backend == "gloo" else dist.new_group(group_ranks, backend="gloo")
+            )
+            if rank in group_ranks:
+                coordinator = GroupCoordinator(group_ranks, rank, device_group, cpu_group)
+                if kind == "tp":
+                    tp_group = coordinator
+                else:
+                    pp_group = coordinator
+    set_groups(tp_group, pp_group)
+
+
+def destroy_distributed_environment() -> None:
+    import torch.distributed as dist
+
+    reset_groups()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def set_groups(tp: GroupCoordinator, pp: GroupCoordinator) -> None:

@@ -1,59 +1,136 @@
 """The executor contract: run a method on every worker (`collective_rpc`) and collect results.
 
 Backends: `uni` (the worker in this process), `mp` (one process per rank) and `ray` (one actor per
-rank). `Executor.get_class` picks one; Ray is imported only when the Ray backend is used.
+rank). `Executor.get_class` picks one as vLLM's documentation says: `mp` when not inside a Ray
+placement group and this node has a device for every rank, otherwise `ray`. Ray is imported only
+when the Ray backend is used.
+
+Pipelining: `execute_model` keeps up to `max_concurrent_batches` batches in flight (the number of
+pipeline stages), so stage 0 computes batch k+1 while stage 1 computes batch k. It returns the
+oldest batch once the pipeline is full, or when nothing new was scheduled.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from abc import ABC, abstractmethod
-from typing import Any
+from collections import deque
+from typing import Any, Protocol
 
 from llmctl.engine.config import EngineConfig, ParallelConfig
+from llmctl.engine.distributed import ranks
+from llmctl.engine.errors import ConfigError, EngineDeadError
 from llmctl.engine.model_runner_output import ModelRunnerOutput
 from llmctl.engine.scheduler_output import SchedulerOutput
 
+logger = logging.getLogger("llmctl")
+
+# On a CPU-only node, the number of ranks it can host: one per core unless declared.
+CPU_DEVICES_ENV = "LLMCTL_CPU_DEVICES"
+
+
+class Future(Protocol):
+    def result(self) -> Any: ...
+
+
+class Done:
+    """A future whose value is already known (the uni backend runs synchronously)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
+
+
+def local_device_count(device: str) -> int:
+    """Devices on this node for the backend rule: CUDA devices, or on the CPU the declared
+    LLMCTL_CPU_DEVICES (default: the cores this process may use)."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    declared = os.environ.get(CPU_DEVICES_ENV)
+    if declared:
+        try:
+            return int(declared)
+        except ValueError:
+            raise ConfigError(
+                f"{CPU_DEVICES_ENV}={declared!r} is not an integer",
+                f"set {CPU_DEVICES_ENV} to the number of ranks this node may host",
+            ) from None
+    return len(os.sched_getaffinity(0))
+
+
+def in_ray_placement_group() -> bool:
+    """True inside a Ray task or actor scheduled in a placement group (checked without importing
+    Ray when this process is not a Ray worker)."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is None:  # never imported (or blocked): this process is not a Ray worker
+        return False
+    from ray.util import get_current_placement_group
+
+    return ray.is_initialized() and get_current_placement_group() is not None
+
+
+def choose_backend(parallel_config: ParallelConfig, device: str) -> str:
+    if parallel_config.distributed_executor_backend is not None:
+        return parallel_config.distributed_executor_backend
+    world = parallel_config.world_size
+    if world == 1:
+        return "uni"
+    if not in_ray_placement_group() and local_device_count(device) >= world:
+        return "mp"
+    return "ray"
+
 
 class Executor(ABC):
+    max_concurrent_batches = 1
+
     def __init__(self, engine_config: EngineConfig, progress=None) -> None:
         self.engine_config = engine_config
         self.parallel_config = engine_config.parallel_config
+        self._in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
+        self.is_dead = False
         self._init_executor(progress)
 
     @staticmethod
-    def get_class(parallel_config: ParallelConfig) -> type[Executor]:
-        backend = parallel_config.distributed_executor_backend
-        if backend is None:
-            backend = "uni" if parallel_config.world_size == 1 else "mp"
+    def get_class(engine_config: EngineConfig) -> type[Executor]:
+        backend = choose_backend(engine_config.parallel_config, engine_config.device_config.device)
         if backend == "uni":
             from llmctl.engine.executor.uniproc import UniProcExecutor
 
             return UniProcExecutor
-        from llmctl.engine.errors import ConfigError
+        if backend == "mp":
+            from llmctl.engine.executor.multiproc import MultiprocExecutor
 
-        raise ConfigError(
-            f"distributed_executor_backend={backend!r} is not available in this build",
-            "use --distributed-executor-backend uni with tensor_parallel_size=1",
-        )
+            return MultiprocExecutor
+        from llmctl.engine.executor.ray import RayExecutor
+
+        return RayExecutor
 
     @abstractmethod
     def _init_executor(self, progress) -> None: ...
 
     @abstractmethod
+    def collective_rpc_async(
+        self, method: str, args: tuple = (), kwargs: dict | None = None
+    ) -> Future:
+        """Start `method` on every worker; the future's result is one value per rank."""
+
     def collective_rpc(
-        self,
-        method: str,
-        args: tuple = (),
-        kwargs: dict | None = None,
-        timeout: float | None = None,
+        self, method: str, args: tuple = (), kwargs: dict | None = None
     ) -> list[Any]:
         """Call `method` on every worker; one result per rank, in rank order."""
+        return self.collective_rpc_async(method, args, kwargs).result()
 
     @property
     def output_rank(self) -> int:
-        """The rank whose execute_model result carries the sampled tokens (last stage, tp 0)."""
         pc = self.parallel_config
-        return (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+        return ranks.output_rank(pc.pipeline_parallel_size, pc.tensor_parallel_size)
 
     def determine_num_available_blocks(self) -> int:
         return min(self.collective_rpc("determine_num_available_blocks"))
@@ -61,8 +138,30 @@ class Executor(ABC):
     def initialize_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_cache", (num_blocks,))
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collective_rpc("execute_model", (scheduler_output,))[self.output_rank]
+    def execute_model(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[SchedulerOutput, ModelRunnerOutput] | None:
+        """Submit a batch; return a finished batch and its output, or None while filling."""
+        self.check_alive()
+        if scheduler_output.total_num_scheduled_tokens:
+            future = self.collective_rpc_async("execute_model", (scheduler_output,))
+            self._in_flight.append((scheduler_output, future))
+            if len(self._in_flight) < self.max_concurrent_batches:
+                return None
+        if not self._in_flight:
+            return None
+        oldest, future = self._in_flight.popleft()
+        return oldest, future.result()[self.output_rank]
+
+    def check_alive(self) -> None:
+        if self.is_dead:
+            raise EngineDeadError(
+                "the engine's workers are gone after an earlier failure",
+                "start a new LLM (or restart the server)",
+            )
+
+    def rank_info(self) -> list[dict]:
+        return self.collective_rpc("rank_info")
 
     def check_health(self) -> None:
         self.collective_rpc("check_health")

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from llmctl.engine.executor.base import Executor
+from llmctl.engine.executor.base import Done, Executor
 from llmctl.engine.worker.worker import Worker
 
 
@@ -14,11 +12,10 @@ class UniProcExecutor(Executor):
         self.worker.init_device()
         self.worker.load_model(progress)
 
-    def collective_rpc(
-        self,
-        method: str,
-        args: tuple = (),
-        kwargs: dict | None = None,
-        timeout: float | None = None,
-    ) -> list[Any]:
-        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+    def collective_rpc_async(
+        self, method: str, args: tuple = (), kwargs: dict | None = None
+    ) -> Done:
+        return Done([getattr(self.worker, method)(*args, **(kwargs or {}))])
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -69,6 +69,8 @@ class LinearBase(nn.Module):
     def process_weights_after_loading(self) -> None:
         if _cpu_prepack_enabled(self.weight):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 64)
+            # The packed copy replaces the plain weight: keep one copy in memory.
+            self.weight.data = self.weight.data.new_empty(0)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self._packed is not None:

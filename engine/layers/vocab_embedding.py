@@ -22,6 +22,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
         self.num_embeddings = num_embeddings
         shards = column_shards(num_embeddings, self.tp_size, "vocabulary entries")
+        self.shards = shards
         self.vocab_start = offsets(shards)[self.tp_rank]
         self.vocab_end = self.vocab_start + shards[self.tp_rank]
         self.weight = nn.Parameter(
@@ -60,13 +61,17 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
+        self._tied = True
 
     def process_weights_after_loading(self) -> None:
         if _cpu_prepack_enabled(self.weight):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 64)
+            if not getattr(self, "_tied", False):  # a tied weight still serves the embedding
+                self.weight.data = self.weight.data.new_empty(0)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden_size] -> float32 logits [num_rows, vocab_size]."""
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """[num_rows, hidden_size] -> float32 logits [num_rows, vocab_size] on tp_rank 0 (the
+        rank that samples); None on the other tensor-parallel ranks."""
         if self._packed is not None:
             logits = torch.ops.mkldnn._linear_pointwise(
                 hidden_states, self._packed, self.bias, "none", [], ""
@@ -74,7 +79,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         else:
             logits = F.linear(hidden_states, self.weight, self.bias)
         if self.tp_size > 1:
-            logits = get_tp_group().all_gather(logits, dim=-1)
+            logits = get_tp_group().gather(logits, dim=-1, sizes=self.shards)
+            if logits is None:
+                return None
         return logits.float()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

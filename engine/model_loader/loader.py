@@ -42,6 +42,9 @@ def load_model(
         weights = _with_progress(weights, count_weights(model_config.path), progress)
     loaded = model.load_weights(weights)
     _check_all_loaded(model, loaded, model_config.path)
+    unique = {id(p): p for p in model.parameters()}.values()
+    # What this rank holds, before CPU repacking replaces some weights by packed copies.
+    model.loaded_weight_bytes = sum(p.numel() * p.element_size() for p in unique)
     for module in model.modules():
         process = getattr(module, "process_weights_after_loading", None)
         if process is not None:

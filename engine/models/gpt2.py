@@ -108,6 +108,8 @@ class GPT2LMHeadModel(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, config.n_embd)
             if shard.is_first:
                 self.lm_head.tie_weights(self.transformer.wte)
+        self.hidden_size = config.n_embd
+        self.intermediate_keys = ("hidden_states",)  # what one pipeline stage sends the next
         self.sliding_window = None
 
     def forward(

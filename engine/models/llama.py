@@ -160,6 +160,11 @@ class LlamaForCausalLM(nn.Module):
             if getattr(config, "tie_word_embeddings", False):
                 if shard.is_first:
                     self.lm_head.tie_weights(self.model.embed_tokens)
+        self.hidden_size = config.hidden_size
+        self.intermediate_keys = (
+            "hidden_states",
+            "residual",
+        )  # what one pipeline stage sends the next
         self.sliding_window = _sliding_window(config)
 
     @property

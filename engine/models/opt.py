@@ -148,6 +148,8 @@ class OPTForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, config.word_embed_proj_dim)
             if shard.is_first:
                 self.lm_head.tie_weights(self.model.decoder.embed_tokens)
+        self.hidden_size = config.hidden_size
+        self.intermediate_keys = ("hidden_states",)  # what one pipeline stage sends the next
         self.sliding_window = None
 
     def forward(

@@ -71,6 +71,18 @@ class ModelRunner:
             for layer in self.attention_layers()
         )
 
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights as loaded (before CPU repacking)."""
+        return self.model.loaded_weight_bytes
+
+    def make_empty_intermediate_tensors(self, num_tokens: int) -> IntermediateTensors:
+        """Buffers for the hidden states this stage receives from the previous one."""
+        shape = (num_tokens, self.model.hidden_size)
+        return {
+            key: torch.empty(shape, dtype=self.dtype, device=self.device)
+            for key in self.model.intermediate_keys
+        }
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []
         for layer in self.attention_layers():
@@ -93,20 +105,23 @@ class ModelRunner:
         self,
         scheduler_output: SchedulerOutput,
         intermediate_tensors: IntermediateTensors | None = None,
-        is_last_stage: bool = True,
-    ) -> ModelRunnerOutput | IntermediateTensors:
+    ) -> ModelRunnerOutput | IntermediateTensors | None:
+        """Run one step. Returns the sampled tokens (last pipeline stage, tp_rank 0), the
+        hidden states for the next stage (other stages), or None (other tensor-parallel ranks)."""
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput()
         inputs = self._prepare_inputs(scheduler_output)
         with set_forward_context(inputs.attn_metadata):
             hidden = self.model(inputs.input_ids, inputs.positions, intermediate_tensors)
-        if not is_last_stage:
+        if not self.model.shard.is_last:
             return hidden
         output = ModelRunnerOutput()
         if not inputs.sampled_states:
             return output
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        if logits is None:
+            return None  # another tensor-parallel rank samples
         tokens, logprobs = self.sampler(logits, self._sampling_metadata(inputs.sampled_states))
         for state, token, lp in zip(inputs.sampled_states, tokens, logprobs, strict=True):
             output.sampled_token_ids[state.req_id] = token

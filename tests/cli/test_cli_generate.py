@@ -287,6 +287,14 @@ def test_options_reach_llm_under_engine_args_names(invoke, monkeypatch):
         "--max-num-batched-tokens",
         "512",
         "--no-enable-prefix-caching",
+        "-tp",
+        "2",
+        "-pp",
+        "3",
+        "--distributed-executor-backend",
+        "ray",
+        "--pipeline-layer-partition",
+        "1,2,1",
     )
 
     assert result.exit_code == 0, result.output
@@ -301,9 +309,22 @@ def test_options_reach_llm_under_engine_args_names(invoke, monkeypatch):
             max_num_seqs=4,
             max_num_batched_tokens=512,
             enable_prefix_caching=False,
+            tensor_parallel_size=2,
+            pipeline_parallel_size=3,
+            distributed_executor_backend="ray",
+            pipeline_layer_partition="1,2,1",
         ),
     )
     prompts, params, use_tqdm = calls["generate"]
     assert prompts == ["a", "b"] and use_tqdm is False
     assert params == SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, stop=["x", "y"])
     assert calls["shutdown"]
+
+
+def test_tensor_parallel_generation_matches_one_process(invoke, tiny_llama, reference_llm):
+    args = ("generate", tiny_llama, "-p", "Hello there", "--max-tokens", "12", "--dtype", "float32")
+    args = (*args, *SMALL_CACHE)
+    single = invoke(*args)
+    parallel = invoke(*args, "-tp", "2", "--distributed-executor-backend", "mp")
+    assert single.exit_code == 0 and parallel.exit_code == 0, parallel.output
+    assert parallel.stdout == single.stdout

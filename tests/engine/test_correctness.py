@@ -130,8 +130,8 @@ def test_kv_cache_lines_are_logged(tiny_models, caplog):
         )
     text = caplog.text
     blocks = int(re.search(r"# KV cache blocks: (\d+) \(block size 16\)", text).group(1))
-    # 3 layers x 2 (K, V) x 16 slots x 2 KV heads x 16 dims x 4 bytes per block
-    assert blocks == int(0.01 * 2**30) // (3 * 2 * 16 * 2 * 16 * 4)
+    # 4 layers x 2 (K, V) x 16 slots x 2 KV heads x 16 dims x 4 bytes per block
+    assert blocks == int(0.01 * 2**30) // (4 * 2 * 16 * 2 * 16 * 4)
     tokens = blocks * 16
     assert f"KV cache size: {tokens:,} tokens" in text
     assert f"Maximum concurrency for 200 tokens per request: {tokens / 200:.2f}x" in text

@@ -82,3 +82,31 @@ def test_default_dtype_on_this_cpu_still_answers():
         use_tqdm=False,
     )[0]
     assert "Paris" in out.outputs[0].text
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"tensor_parallel_size": 2},  # uneven: 9 heads / 3 KV heads -> 6+3 and 2+1
+        {"pipeline_parallel_size": 2},
+    ],
+    ids=["tp2-uneven", "pp2"],
+)
+def test_parallel_layouts_match_one_process(smol, layout):
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    single = [o.outputs[0].token_ids for o in smol.generate(PROMPTS, params, use_tqdm=False)]
+    with LLM(
+        use_tqdm_on_load=False,
+        dtype="float32",
+        kv_cache_space_gib=0.5,
+        distributed_executor_backend="mp",
+        **layout,
+    ) as llm:
+        parallel = llm.generate(PROMPTS, params, use_tqdm=False)
+        info = llm.llm_engine.executor.rank_info()
+    assert [o.outputs[0].token_ids for o in parallel] == single
+    if "tensor_parallel_size" in layout:
+        # Rank 0 holds two of the three KV-head groups, rank 1 one: uneven weights.
+        assert info[0]["weight_bytes"] > info[1]["weight_bytes"]
+    else:
+        assert [r["layers"] for r in info] == [(0, 15), (15, 30)]

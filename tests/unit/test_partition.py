@@ -69,3 +69,14 @@ def test_bad_layer_partitions():
     assert "sum to 30" in err.value.hint
     with pytest.raises(ConfigError):
         layer_partition(3, 4)
+
+
+def test_rank_mesh():
+    from llmctl.engine.distributed import ranks
+
+    assert ranks.reshape(2, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert ranks.tp_groups(2, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert ranks.pp_groups(2, 4) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert ranks.coord(6, 2, 4) == ranks.RankCoord(6, 1, 2)
+    assert ranks.output_rank(2, 4) == 4
+    assert ranks.output_rank(1, 2) == 0

@@ -159,3 +159,18 @@ def test_prefix_cache_hit_reported_once():
     new = out.scheduled_new_reqs[0]
     assert new.num_computed_tokens == 8 and out.num_scheduled_tokens["b"] == 1
     assert s.get_stats().prefix_cache_hits == 8
+
+
+def test_pipelined_batches_share_out_the_requests():
+    s = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_model_len=64, max_concurrent_batches=2),
+        CacheConfig(block_size=4),
+        64,
+    )
+    for i in range(5):
+        s.add_request(req(str(i), 4))
+    first = s.schedule()
+    second = s.schedule()  # while the first batch is in flight on the first stage
+    assert list(first.num_scheduled_tokens) == ["0", "1", "2"]
+    assert list(second.num_scheduled_tokens) == ["3", "4"]
+    assert s.schedule().num_scheduled_tokens == {}  # every request is in flight

@@ -1,0 +1,305 @@
+"""MultiprocExecutor: one worker process per rank on this node.
+
+Workers are fresh interpreters (`python -m llmctl.engine.executor.multiproc --fd N`), not
+multiprocessing children, so a user's script is never re-imported in them (no `if __name__ ==
+"__main__"` guard needed). Each gets one end of a socketpair, wrapped in a multiprocessing
+Connection, which frames and pickles each message; calls are pickled once and the same bytes sent
+to every worker:
+
+    engine -> worker   ("job", engine_config, rank, init_method, num_threads)   first, once
+                       ("call", call_id, method, args, kwargs)  |  ("shutdown",)
+    worker -> engine   ("ready", rank, pid)                      once the model is loaded
+                       ("init_error", rank, exception, traceback)
+                       ("result", call_id, value)  |  ("error", call_id, exception, traceback)
+
+A worker answers calls in the order they were sent. A reader thread in each worker drains its
+pipe into a queue, so the engine's sends never wait for a busy worker: no deadlock between a
+large call and a large reply. The engine waits on the replies and on the processes' sentinels
+together, so a worker that dies (killed, out of memory) is noticed at once; the engine then stops
+every worker and raises EngineDeadError naming the rank. Workers die with the engine process
+(PR_SET_PDEATHSIG) and ignore Ctrl-C, which the engine handles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import pickle
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import weakref
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from llmctl.engine.errors import EngineDeadError, LLMCtlError
+from llmctl.engine.executor.base import Executor
+
+logger = logging.getLogger("llmctl")
+
+_POLL_S = 0.5
+_READY_TIMEOUT_S = float(os.environ.get("LLMCTL_WORKER_START_TIMEOUT", "900"))
+_SHUTDOWN_GRACE_S = 5.0
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "is unresponsive"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name}"
+    return f"exited with code {exitcode}"
+
+
+class _PendingCall:
+    def __init__(self, executor: MultiprocExecutor, call_id: int) -> None:
+        self.executor = executor
+        self.call_id = call_id
+
+    def result(self) -> list[Any]:
+        return self.executor._collect(self.call_id)
+
+
+class MultiprocExecutor(Executor):
+    def _init_executor(self, progress) -> None:
+        pc = self.parallel_config
+        self.world_size = pc.world_size
+        self.max_concurrent_batches = pc.pipeline_parallel_size
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        threads = max(1, len(os.sched_getaffinity(0)) // self.world_size)
+        self.processes: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+        self.sentinels: list[int] = []  # pidfds: readable once the process exits
+        # Runs at shutdown(), garbage collection or interpreter exit, whichever comes first.
+        self._finalizer = weakref.finalize(
+            self, _stop_workers, self.processes, self.conns, self.sentinels
+        )
+        try:
+            for rank in range(self.world_size):
+                parent_end, child_end = socket.socketpair()
+                process = subprocess.Popen(
+                    [sys.executable, "-m", __name__, "--fd", str(child_end.fileno())],
+                    pass_fds=[child_end.fileno()],
+                    stdin=subprocess.DEVNULL,
+                )
+                child_end.close()
+                self.processes.append(process)
+                self.sentinels.append(os.pidfd_open(process.pid))
+                conn = Connection(parent_end.detach())
+                self.conns.append(conn)
+                conn.send(("job", self.engine_config, rank, init_method, threads))
+            self._next_call_id = 0
+            self._replies: list[dict[int, tuple]] = [{} for _ in range(self.world_size)]
+            self._wait_ready(progress)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.pids = [p.pid for p in self.processes]
+        logger.info(
+            "Started %d worker processes (tp=%d, pp=%d), pids %s",
+            self.world_size,
+            pc.tensor_parallel_size,
+            pc.pipeline_parallel_size,
+            self.pids,
+        )
+
+    def _wait_ready(self, progress) -> None:
+        pending = set(range(self.world_size))
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while pending:
+            if time.monotonic() > deadline:
+                raise EngineDeadError(
+                    f"worker ranks {sorted(pending)} did not load the model within "
+                    f"{_READY_TIMEOUT_S:.0f} s",
+                    "check the worker logs; raise LLMCTL_WORKER_START_TIMEOUT for huge models",
+                )
+            for rank in self._ready_or_dead(pending):
+                message = self.conns[rank].recv()
+                if message[0] == "init_error":
+                    _, _, exc, trace = message
+                    logger.debug("worker rank %d failed to start:\n%s", rank, trace)
+                    if isinstance(exc, LLMCtlError):
+                        raise exc
+                    raise EngineDeadError(
+                        f"worker rank {rank} failed to start: {type(exc).__name__}: {exc}",
+                        "run with --debug (or logging at DEBUG) for the worker's traceback",
+                    )
+                pending.discard(rank)
+                if progress:
+                    progress(self.world_size - len(pending), self.world_size, "starting workers")
+
+    def _ready_or_dead(self, ranks: set[int]) -> list[int]:
+        """Ranks among `ranks` with a message waiting; raises if one of them died."""
+        conns = {self.conns[r]: r for r in ranks}
+        sentinels = {self.sentinels[r]: r for r in ranks}
+        ready = wait(list(conns) + list(sentinels), timeout=_POLL_S)
+        with_message = [conns[c] for c in ready if c in conns]
+        for obj in ready:
+            if obj in sentinels and sentinels[obj] not in with_message:
+                self._fail(sentinels[obj])
+        return with_message
+
+    def collective_rpc_async(
+        self, method: str, args: tuple = (), kwargs: dict | None = None
+    ) -> _PendingCall:
+        self.check_alive()
+        call_id = self._next_call_id
+        self._next_call_id += 1
+        payload = pickle.dumps(("call", call_id, method, args, kwargs or {}))
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(payload)
+            except OSError:
+                self._fail(rank)
+        return _PendingCall(self, call_id)
+
+    def _collect(self, call_id: int) -> list[Any]:
+        missing = {r for r in range(self.world_size) if call_id not in self._replies[r]}
+        while missing:
+            for rank in self._ready_or_dead(missing):
+                try:
+                    message = self.conns[rank].recv()
+                except (EOFError, OSError):
+                    self._fail(rank)
+                kind, reply_id = message[0], message[1]
+                if kind == "error":
+                    _, _, exc, trace = message
+                    logger.error("worker rank %d raised:\n%s", rank, trace)
+                    self._fail(rank, f"raised {type(exc).__name__}: {exc}")
+                self._replies[rank][reply_id] = message[2]
+                if reply_id == call_id:
+                    missing.discard(rank)
+        return [self._replies[r].pop(call_id) for r in range(self.world_size)]
+
+    def _fail(self, rank: int, what: str | None = None) -> None:
+        process = self.processes[rank]
+        try:
+            process.wait(timeout=0.1)
+        except subprocess.TimeoutExpired:
+            pass
+        what = what or describe_exit(process.returncode)
+        self.is_dead = True
+        self.shutdown()
+        raise EngineDeadError(
+            f"worker rank {rank} (pid {process.pid}) {what}; the engine stopped all workers",
+            "check the machine's memory (a killed worker is often the OOM killer: dmesg), "
+            "then start the engine again",
+        )
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _stop_workers(processes: list, conns: list[Connection], sentinels: list[int]) -> None:
+    shutdown = pickle.dumps(("shutdown",))
+    for conn in conns:
+        try:
+            conn.send_bytes(shutdown)
+        except OSError:
+            pass
+    deadline = time.monotonic() + _SHUTDOWN_GRACE_S
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    for conn in conns:
+        conn.close()
+    for fd in sentinels:
+        os.close(fd)
+    sentinels.clear()
+
+
+# -- the worker process ------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _read_calls(conn: Connection, inbox: queue.SimpleQueue) -> None:
+    while True:
+        try:
+            inbox.put(conn.recv_bytes())
+        except (EOFError, OSError):
+            inbox.put(None)  # the engine is gone
+            return
+
+
+def _worker_main(fd: int) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conn = Connection(fd)
+    _, engine_config, rank, init_method, threads = conn.recv()
+    import torch
+
+    from llmctl.engine.worker.worker import Worker
+
+    torch.set_num_threads(threads)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_read_calls, args=(conn, inbox), daemon=True).start()
+    try:
+        worker = Worker(engine_config, rank, rank, distributed_init_method=init_method)
+        worker.init_device()
+        worker.load_model()
+    except BaseException as exc:  # report why, then exit: the engine raises it
+        conn.send(("init_error", rank, _picklable(exc), traceback.format_exc()))
+        return
+    conn.send(("ready", rank, os.getpid()))
+    while True:
+        raw = inbox.get()
+        if raw is None:
+            break
+        message = pickle.loads(raw)
+        if message[0] == "shutdown":
+            break
+        _, call_id, method, args, kwargs = message
+        try:
+            reply = ("result", call_id, getattr(worker, method)(*args, **kwargs))
+        except BaseException as exc:
+            reply = ("error", call_id, _picklable(exc), traceback.format_exc())
+        conn.send(reply)
+    worker.shutdown()
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    try:
+        pickle.dumps(exc)
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="llmctl worker process (started by the engine)")
+    parser.add_argument("--fd", type=int, required=True)
+    _worker_main(parser.parse_args().fd)

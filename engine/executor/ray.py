@@ -1,0 +1,266 @@
+"""RayExecutor: one Ray actor per rank, in one placement group with one bundle per rank.
+
+Ranks follow the mesh of `ranks.reshape(pp, tp)`: a tensor-parallel group is a row and must sit on
+one node; pipeline stages may span nodes. Bundles ask for a "GPU" each when the cluster has GPUs
+for every rank (real ones, or logical ones declared with `ray start --num-gpus N` on CPU-only
+nodes), otherwise for a "CPU". Actors keep their node's own environment (VLLM_HOST_IP, NCCL and
+Gloo interface variables): nothing of the driver's environment is copied to them.
+
+This module is imported only when the Ray backend is chosen; Ray itself is imported here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import weakref
+from typing import Any
+
+from llmctl.engine.distributed import ranks
+from llmctl.engine.errors import ConfigError, EngineDeadError, LLMCtlError
+from llmctl.engine.executor.base import Executor
+
+logger = logging.getLogger("llmctl")
+
+_PLACEMENT_TIMEOUT_S = float(os.environ.get("LLMCTL_RAY_PLACEMENT_TIMEOUT", "60"))
+_POLL_S = 0.5
+
+
+class RayWorker:
+    """The actor body: hosts one Worker and runs its methods by name."""
+
+    def __init__(self) -> None:
+        self.worker = None
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def environment(self, names: list[str]) -> dict[str, str | None]:
+        return {name: os.environ.get(name) for name in names}
+
+    def start(self, engine_config, rank: int, local_rank: int, init_method: str, threads: int):
+        import torch
+
+        from llmctl.engine.worker.worker import Worker
+
+        torch.set_num_threads(threads)
+        self.worker = Worker(engine_config, rank, local_rank, distributed_init_method=init_method)
+        self.worker.init_device()
+        self.worker.load_model()
+        return os.getpid()
+
+    def execute_method(self, method: str, args: tuple, kwargs: dict) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+
+class _RayCall:
+    def __init__(self, executor: RayExecutor, refs: list) -> None:
+        self.executor = executor
+        self.refs = refs
+
+    def result(self) -> list[Any]:
+        return self.executor._get(self.refs)
+
+
+class RayExecutor(Executor):
+    def _init_executor(self, progress) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        pc = self.parallel_config
+        self.world_size = pc.world_size
+        self.max_concurrent_batches = pc.pipeline_parallel_size
+        self._started_ray = False
+        if not ray.is_initialized():
+            self._started_ray = _connect_or_start_ray(self.world_size)
+        resource = self._bundle_resource(ray)
+        current = ray.util.get_current_placement_group()
+        if current is not None:
+            pg, self._own_pg = current, False
+        else:
+            pg = placement_group([{resource: 1.0}] * self.world_size, strategy="PACK")
+            self._own_pg = True
+        self.placement_group = pg
+        self.actors: list = []
+        self._finalizer = weakref.finalize(
+            self, _stop_actors, self.actors, pg if self._own_pg else None, self._started_ray
+        )
+        try:
+            ready, _ = ray.wait([pg.ready()], timeout=_PLACEMENT_TIMEOUT_S)
+            if not ready:
+                raise ConfigError(
+                    f"Ray cannot place {self.world_size} workers needing 1 {resource} each: "
+                    f"the cluster has {ray.cluster_resources().get(resource, 0):g} {resource}",
+                    "add nodes or devices (ray start --num-gpus N declares logical GPUs on CPU "
+                    "nodes), or lower tensor_parallel_size x pipeline_parallel_size",
+                )
+            actor_class = ray.remote(RayWorker)
+            options = {"num_cpus": 1.0} if resource == "CPU" else {"num_gpus": 1.0, "num_cpus": 0}
+            actors = [
+                actor_class.options(
+                    **options,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=i
+                    ),
+                ).remote()
+                for i in range(self.world_size)
+            ]
+            self.actors.extend(self._order_by_node(ray, actors))
+            self._start_workers(ray, progress)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _bundle_resource(self, ray) -> str:
+        if self.engine_config.device_config.device == "cuda":
+            return "GPU"
+        return "GPU" if ray.cluster_resources().get("GPU", 0) >= self.world_size else "CPU"
+
+    def _order_by_node(self, ray, actors: list) -> list:
+        """Ranks in node order (the driver's node first), so each TP group is on one node."""
+        ips = ray.get([a.node_ip.remote() for a in actors])
+        driver_ip = ray.util.get_node_ip_address()
+        order = sorted(range(len(actors)), key=lambda i: (ips[i] != driver_ip, ips[i]))
+        actors = [actors[i] for i in order]
+        self.node_ips = [ips[i] for i in order]
+        pc = self.parallel_config
+        for stage, group in enumerate(
+            ranks.tp_groups(pc.pipeline_parallel_size, pc.tensor_parallel_size)
+        ):
+            nodes = {self.node_ips[r] for r in group}
+            if len(nodes) > 1:
+                raise ConfigError(
+                    f"the tensor-parallel group of pipeline stage {stage} (ranks {group}) would "
+                    f"span nodes {sorted(nodes)}",
+                    "use tensor_parallel_size <= the devices of one node and add "
+                    "--pipeline-parallel-size for the other nodes",
+                )
+        return actors
+
+    def _start_workers(self, ray, progress) -> None:
+        port = ray.get(self.actors[0].free_port.remote())
+        init_method = f"tcp://{self.node_ips[0]}:{port}"
+        per_node: dict[str, int] = {}
+        local_ranks = []
+        for ip in self.node_ips:
+            local_ranks.append(per_node.get(ip, 0))
+            per_node[ip] = per_node.get(ip, 0) + 1
+        cores = len(os.sched_getaffinity(0))
+        refs = [
+            actor.start.remote(
+                self.engine_config,
+                rank,
+                local_ranks[rank],
+                init_method,
+                max(1, cores // per_node[self.node_ips[rank]]),
+            )
+            for rank, actor in enumerate(self.actors)
+        ]
+        self.pids = self._get(refs, progress=progress, starting=True)
+        for rank, (ip, pid) in enumerate(zip(self.node_ips, self.pids, strict=True)):
+            logger.info("Ray worker rank %d on node %s, pid %d", rank, ip, pid)
+
+    def collective_rpc_async(
+        self, method: str, args: tuple = (), kwargs: dict | None = None
+    ) -> _RayCall:
+        import ray
+
+        self.check_alive()
+        # Put once; every actor receives the same object (the scheduler output each step).
+        args_ref, kwargs_ref = ray.put(args), ray.put(kwargs or {})
+        refs = [a.execute_method.remote(method, args_ref, kwargs_ref) for a in self.actors]
+        return _RayCall(self, refs)
+
+    def _get(self, refs: list, progress=None, starting: bool = False) -> list[Any]:
+        """Wait for every rank, failing at the first that dies or raises (no hang on the
+        others, which may be blocked in a collective with the dead one)."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        index = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        results: dict[int, Any] = {}
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL_S)
+            for ref in ready:
+                rank = index[ref]
+                try:
+                    results[rank] = ray.get(ref)
+                except RayTaskError as exc:
+                    cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+                    if starting and isinstance(cause, LLMCtlError):
+                        self.is_dead = True
+                        self.shutdown()
+                        raise cause from None
+                    self._fail(rank, f"raised {type(cause).__name__}: {cause}")
+                except RayActorError as exc:
+                    self._fail(rank, f"died ({type(exc).__name__})")
+                if progress:
+                    progress(len(results), len(refs), "starting workers")
+        return [results[r] for r in range(len(refs))]
+
+    def _fail(self, rank: int, what: str) -> None:
+        self.is_dead = True
+        node = self.node_ips[rank] if rank < len(getattr(self, "node_ips", [])) else "?"
+        self.shutdown()
+        raise EngineDeadError(
+            f"Ray worker rank {rank} on node {node} {what}; the engine stopped all workers",
+            "check that node (memory, `ray status`), then start the engine again",
+        )
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _connect_or_start_ray(world_size: int) -> bool:
+    """Join the cluster named by RAY_ADDRESS (or a local `ray start` cluster); else start a
+    private local instance. Returns True when this process started Ray."""
+    import ray
+
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+        return False
+    try:
+        ray.init(address="auto", logging_level=logging.WARNING)
+        return False
+    except ConnectionError:
+        pass
+    cores = len(os.sched_getaffinity(0))
+    ray.init(
+        num_cpus=max(cores, world_size),
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+    )
+    return True
+
+
+def _stop_actors(actors: list, pg, started_ray: bool) -> None:
+    try:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+    except ImportError:
+        return
+    if not ray.is_initialized():
+        return
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception:  # already dead
+            pass
+    if pg is not None:
+        try:
+            remove_placement_group(pg)
+        except Exception:
+            pass
+    if started_ray:
+        ray.shutdown()

@@ -1,0 +1,212 @@
+"""Tensor and pipeline parallelism through real worker processes (Gloo on the CPU), token-exact
+against Hugging Face transformers; worker death and impossible layouts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from support import VOCAB
+
+from llmctl.engine import LLM, SamplingParams
+from llmctl.engine.errors import ConfigError, EngineDeadError
+
+GREEDY_32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+LENGTHS = [3, 7, 12, 20, 31, 5, 16, 40]
+
+# (tensor_parallel_size, pipeline_parallel_size, pipeline_layer_partition)
+LAYOUTS = {
+    "tp2": (2, 1, None),
+    "tp4": (4, 1, None),  # the tiny Llama has 2 KV heads: tp=4 replicates them
+    "pp2": (1, 2, None),
+    "pp3-uneven": (1, 3, "2,1,1"),
+    "tp2-pp2": (2, 2, None),
+}
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def child_pids() -> set[int]:
+    """Live (not zombie) processes whose parent is this test process."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            found.add(int(entry))
+    return found
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models, hf_greedy):
+    cache = {}
+
+    def get(family: str) -> list[list[int]]:
+        if family not in cache:
+            _, hf_model = tiny_models.get(family)
+            cache[family] = [hf_greedy(hf_model, p, 32) for p in prompts()]
+        return cache[family]
+
+    return get
+
+
+def run(path, tp, pp, partition=None, backend="mp", **kwargs) -> list[list[int]]:
+    before = child_pids()
+    with LLM(
+        str(path),
+        use_tqdm_on_load=False,
+        dtype="float32",
+        kv_cache_space_gib=0.05,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        pipeline_layer_partition=partition,
+        distributed_executor_backend=backend,
+        **kwargs,
+    ) as llm:
+        info = llm.llm_engine.executor.rank_info()
+        assert [r["rank"] for r in info] == list(range(tp * pp))
+        outputs = llm.generate(prompts(), GREEDY_32, use_tqdm=False)
+    assert child_pids() <= before  # every worker process is gone
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
+def test_layouts_on_mp_match_transformers(family, layout, tiny_models, expected):
+    tp, pp, partition = LAYOUTS[layout]
+    assert run(tiny_models.path(family), tp, pp, partition) == expected(family)
+
+
+def test_uneven_tensor_parallel_on_9_heads(tiny_models, expected):
+    # 9 query heads / 3 KV heads on 2 ranks: 6 + 3 query heads, 2 + 1 KV heads.
+    assert run(tiny_models.path("llama-9-heads"), 2, 1) == expected("llama-9-heads")
+
+
+def test_pipelining_off_gives_the_same_tokens(tiny_models, expected):
+    path = tiny_models.path("llama")
+    assert run(path, 1, 2, max_concurrent_batches=1) == expected("llama")
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_ray_backend_matches_transformers(tp, pp, tiny_models, expected):
+    pytest.importorskip("ray")
+    assert run(tiny_models.path("llama"), tp, pp, backend="ray") == expected("llama")
+
+
+def test_per_rank_weights_shrink_with_tp(tiny_models):
+    path = tiny_models.path("llama")
+    sizes = {}
+    for tp in (1, 2):
+        with LLM(
+            str(path),
+            use_tqdm_on_load=False,
+            kv_cache_space_gib=0.01,
+            tensor_parallel_size=tp,
+            distributed_executor_backend="uni" if tp == 1 else "mp",
+        ) as llm:
+            sizes[tp] = max(r["weight_bytes"] for r in llm.llm_engine.executor.rank_info())
+    # Embedding, LM head, attention and MLP are all split; only the norms are replicated.
+    assert sizes[2] <= 0.55 * sizes[1]
+
+
+def test_killed_worker_raises_within_10_seconds(tiny_models):
+    before = child_pids()
+    llm = LLM(
+        str(tiny_models.path("llama")),
+        use_tqdm_on_load=False,
+        kv_cache_space_gib=0.05,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+    )
+    engine = llm.llm_engine
+    pids = [r["pid"] for r in engine.executor.rank_info()]
+    for i, p in enumerate(prompts()):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError) as err:
+        while True:
+            engine.step()
+    assert time.monotonic() - start < 10
+    assert "rank 1" in err.value.message and "SIGKILL" in err.value.message
+    assert child_pids() <= before  # the surviving worker was stopped too
+    with pytest.raises(EngineDeadError):
+        engine.step()
+    llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    "model, kwargs, message, hint",
+    [
+        (
+            "llama-9-heads",
+            {"tensor_parallel_size": 16},
+            "tensor_parallel_size=16 cannot split 9 attention heads",
+            "--pipeline-parallel-size",
+        ),
+        (
+            "llama",
+            {"pipeline_parallel_size": 5},
+            "pipeline_parallel_size=5 exceeds the model's 4 layers",
+            "4 or less",
+        ),
+        (
+            "llama",
+            {"pipeline_parallel_size": 2, "pipeline_layer_partition": "1,2"},
+            "summing to 3",
+            "sum to 4",
+        ),
+        (
+            "llama",
+            {"pipeline_parallel_size": 2, "pipeline_layer_partition": "4,0"},
+            "gives a stage no layers",
+            "at least one layer",
+        ),
+    ],
+)
+def test_impossible_layouts_refused_before_any_process(tiny_models, model, kwargs, message, hint):
+    before = child_pids()
+    with pytest.raises(ConfigError) as err:
+        LLM(str(tiny_models.path(model)), use_tqdm_on_load=False, **kwargs)
+    assert message in err.value.message
+    assert hint in err.value.hint
+    assert child_pids() == before
+
+
+def test_mp_backend_works_without_ray(tiny_models, expected):
+    """Ray is imported only by the Ray backend: with `import ray` failing, mp still runs."""
+    script = f"""
+import sys
+sys.modules["ray"] = None  # any `import ray` now raises ImportError
+from llmctl.engine import LLM, SamplingParams
+llm = LLM({str(tiny_models.path("llama"))!r}, use_tqdm_on_load=False, dtype="float32",
+          kv_cache_space_gib=0.02, tensor_parallel_size=2)
+out = llm.generate([{prompts()[0]!r}], SamplingParams(temperature=0, max_tokens=32,
+                   ignore_eos=True), use_tqdm=False)
+print(out[0].outputs[0].token_ids)
+print(type(llm.llm_engine.executor).__name__)
+llm.shutdown()
+"""
+    env = {**os.environ, "LLMCTL_CPU_DEVICES": "2"}  # enough local devices: the rule picks mp
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[-1] == "MultiprocExecutor"
+    assert lines[-2] == str(expected("llama")[0])
