@@ -1,0 +1,239 @@
+"""Paged decode attention on the CPU: a fused C++ kernel, with gather + SDPA as the fallback.
+
+    paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, window)
+
+q: [num_seqs, num_heads, head_dim]; key_cache, value_cache: [num_blocks, block_size,
+num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks_per_seq] int64 (rows padded with
+any valid block id); seq_lens: [num_seqs] int64, the tokens visible to each sequence's query,
+itself included. Query head h reads KV head h // (num_heads // num_kv_heads). With a sliding
+window the query (position seq_len - 1) sees keys at positions > seq_len - 1 - window.
+
+The kernel (paged_attention_cpu.cpp) reads each K and V row once, for all the query heads that
+share it, straight from the paged cache; gather + scaled_dot_product_attention first copies
+every sequence's blocks. It is compiled with -march=native on first use (10-20 s) into
+$LLMCTL_CACHE_DIR/torch_extensions, else $TORCH_EXTENSIONS_DIR, else torch's default extensions
+directory, under a name that hashes the source, the flags, torch, Python and the CPU's features,
+so a cache directory shared by different machines never serves a binary built for another CPU.
+If it cannot be built, paged_decode_attention_sdpa does the work and one warning says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("llmctl")
+
+_SOURCE = Path(__file__).with_suffix(".cpp")
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_MAX_HEAD_DIM = 256  # kMaxHeadDim in the kernel
+_BUILT_MARKER = "built.ok"
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged KV cache; see the module doc."""
+    if q.device.type == "cpu" and q.dtype in _KERNEL_DTYPES and q.shape[-1] <= _MAX_HEAD_DIM:
+        op = _kernel()
+        if op is not None:
+            return op(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window)
+    return paged_decode_attention_sdpa(
+        q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window
+    )
+
+
+def kernel_available() -> bool:
+    """True when the C++ kernel is built and loaded (building it now if needed)."""
+    return _kernel() is not None
+
+
+def paged_decode_attention_sdpa(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """The fallback: gather each sequence's blocks with index_select, then one batched SDPA."""
+    block_ids, bias = decode_sdpa_metadata(
+        block_tables, seq_lens, key_cache.shape[1], sliding_window, q.dtype
+    )
+    return gathered_sdpa(q, key_cache, value_cache, block_ids, bias, scale)
+
+
+def decode_sdpa_metadata(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat block ids [num_seqs * max_blocks] and additive mask [num_seqs, 1, 1, max_len]."""
+    num_seqs, max_blocks = block_tables.shape
+    key_pos = torch.arange(max_blocks * block_size, device=seq_lens.device).unsqueeze(0)
+    lens = seq_lens.unsqueeze(1)
+    visible = key_pos < lens
+    if sliding_window is not None:
+        visible &= key_pos >= lens - sliding_window
+    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    bias.masked_fill_(~visible, float("-inf"))
+    return block_tables.reshape(-1), bias.view(num_seqs, 1, 1, -1)
+
+
+def gathered_sdpa(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """What Attention._decode does per layer, given decode_sdpa_metadata's tensors."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = key_cache.shape[2]
+    shape = (num_seqs, -1, num_kv_heads, head_dim)
+    keys = key_cache.index_select(0, block_ids).view(shape).transpose(1, 2)
+    values = value_cache.index_select(0, block_ids).view(shape).transpose(1, 2)
+    # [num_seqs, num_kv_heads, group, head_dim]: a KV head's query heads as its query rows
+    grouped = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=bias, scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+# -- building the kernel -----------------------------------------------------------------------
+
+
+@functools.cache
+def _kernel() -> Callable[..., torch.Tensor] | None:
+    try:
+        return build_kernel()
+    except Exception as e:  # a missing compiler, ninja or header: degrade, don't fail the engine
+        logger.warning(
+            "CPU paged attention kernel unavailable, decoding with gather + "
+            "scaled_dot_product_attention instead: %s",
+            _first_error_line(e),
+        )
+        logger.debug("building the CPU paged attention kernel failed", exc_info=True)
+        return None
+
+
+def build_kernel(march: str = "native", extra_cflags: tuple[str, ...] = ()) -> Callable:
+    """Compile (or reuse) the kernel for -march=`march` and return its torch op.
+
+    Each flag set gets its own extension name and op namespace, so several builds can be
+    loaded in one process (the tests load a portable build next to the native one).
+    """
+    from torch.utils import cpp_extension
+
+    name, cflags, ldflags = _build_spec(march, extra_cflags)
+    build_dir = _build_root() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    library = build_dir / f"{name}.so"
+    with _exclusive(build_dir.with_suffix(".lock")):
+        if (build_dir / _BUILT_MARKER).exists() and library.exists():
+            torch.ops.load_library(str(library))
+        else:
+            # torch's own lock is a file that a killed build leaves behind, after which every
+            # load() waits forever. Builders of this directory all hold the flock above, so a
+            # lock file found here is stale.
+            with contextlib.suppress(FileNotFoundError):
+                (build_dir / "lock").unlink()
+            compiler = os.environ.get("CXX", "c++")  # what cpp_extension runs
+            if not shutil.which(compiler):
+                raise RuntimeError(f"no C++ compiler ({compiler}) on PATH; install g++")
+            logger.info("Compiling the CPU paged attention kernel (once) into %s", build_dir)
+            with _ninja_on_path():
+                cpp_extension.load(
+                    name=name,
+                    sources=[str(_SOURCE)],
+                    extra_cflags=[*cflags, f"-DLLMCTL_OP_NAMESPACE={name}"],
+                    extra_ldflags=ldflags,
+                    build_directory=str(build_dir),
+                    is_python_module=False,
+                    verbose=False,
+                )
+            (build_dir / _BUILT_MARKER).touch()
+    return getattr(torch.ops, name).paged_decode_attention
+
+
+def _build_spec(march: str, extra_cflags: tuple[str, ...]) -> tuple[str, list[str], list[str]]:
+    """(extension name, cflags, ldflags); the name hashes everything the binary depends on."""
+    from llmctl.engine.platform import cpu_flags
+
+    cflags = ["-O3", f"-march={march}", "-fopenmp", *extra_cflags]
+    ldflags = ["-fopenmp"]  # resolves to the libgomp torch already loaded (same soname)
+    key = hashlib.sha256(_SOURCE.read_bytes())
+    for part in (
+        " ".join(cflags),
+        " ".join(ldflags),
+        torch.__version__,
+        sys.version,
+        " ".join(sorted(cpu_flags())),
+    ):
+        key.update(b"\0" + part.encode())
+    return f"llmctl_paged_attention_{key.hexdigest()[:16]}", cflags, ldflags
+
+
+def _build_root() -> Path:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if os.environ.get("LLMCTL_CACHE_DIR"):
+        return Path(os.environ["LLMCTL_CACHE_DIR"]) / "torch_extensions"
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """An flock: held by one process at a time, released by the kernel if that process dies."""
+    import fcntl
+
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """load() runs `ninja` from PATH; the venv's ninja is not on it unless the venv is active."""
+    if shutil.which("ninja"):
+        yield
+        return
+    candidates = [Path(sys.executable).parent]
+    with contextlib.suppress(ImportError):
+        import ninja
+
+        candidates.insert(0, Path(ninja.BIN_DIR))
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([*map(str, candidates), old])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
+def _first_error_line(e: Exception) -> str:
+    lines = str(e).splitlines() or [type(e).__name__]
+    errors = [line.strip() for line in lines if "error:" in line]
+    return (errors or lines)[0][:300]
