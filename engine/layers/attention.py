@@ -4,10 +4,10 @@ KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (keys
 Token t of a sequence lives in slot block_table[t // block_size] * block_size + t % block_size.
 
 A step's tokens are laid out decodes first (one token per sequence), then prefills (a chunk of
-one sequence each). Decodes run as one batched call: each sequence's blocks are gathered with
-index_select and the query heads sharing a KV head are treated as that head's "query positions",
-so grouped-query attention needs no copies of the KV heads. Prefill chunks attend to their own
-keys (causal) or, after a prefix-cache hit or an earlier chunk, to the gathered cache with an
+one sequence each). Decodes run as one call of the fused paged-attention kernel
+(paged_attention_cpu: each K/V row read once, straight from the blocks, for all the query heads
+that share it; gather + SDPA where the kernel cannot be built). Prefill chunks attend to their
+own keys (causal) or, after a prefix-cache hit or an earlier chunk, to the gathered cache with an
 offset causal mask.
 """
 
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmctl.engine.forward_context import get_attn_metadata
+from llmctl.engine.layers.paged_attention_cpu import paged_decode_attention
 
 
 @dataclass
@@ -35,9 +36,9 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     num_decodes: int
-    decode_block_ids: torch.Tensor | None = None  # [num_decodes * max_blocks] int64
-    decode_max_len: int = 0  # max_blocks * block_size
-    decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, decode_max_len]: 0 or -inf
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
+    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64, the new token included
+    sliding_window: int | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -72,16 +73,15 @@ class Attention(nn.Module):
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
     def _decode(self, q, md: AttentionMetadata, key_cache, value_cache) -> torch.Tensor:
-        batch, length = md.num_decodes, md.decode_max_len
-        shape = (batch, length, self.num_kv_heads, self.head_dim)
-        keys = key_cache.index_select(0, md.decode_block_ids).view(shape).transpose(1, 2)
-        values = value_cache.index_select(0, md.decode_block_ids).view(shape).transpose(1, 2)
-        # [batch, num_kv_heads, group, head_dim]: a KV head's query heads as its query rows
-        grouped = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
-        out = F.scaled_dot_product_attention(
-            grouped, keys, values, attn_mask=md.decode_bias, scale=self.scale
+        return paged_decode_attention(
+            q,
+            key_cache,
+            value_cache,
+            md.decode_block_tables,
+            md.decode_seq_lens,
+            self.scale,
+            md.sliding_window,
         )
-        return out.reshape(batch, self.num_heads, self.head_dim)
 
     def _prefill(self, q, k, v, chunk: PrefillChunk, key_cache, value_cache) -> torch.Tensor:
         if chunk.block_ids is not None:

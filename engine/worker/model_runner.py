@@ -213,19 +213,12 @@ class ModelRunner:
         bs = self.block_size
         seq_lens = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
         num_blocks = -(-seq_lens // bs)
-        max_blocks = int(num_blocks.max())
-        table = np.zeros((len(states), max_blocks), dtype=np.int64)
+        table = np.zeros((len(states), int(num_blocks.max())), dtype=np.int64)
         for row, state in enumerate(states):
             table[row, : num_blocks[row]] = state.block_ids[: num_blocks[row]]
-        key_pos = torch.arange(max_blocks * bs).unsqueeze(0)
-        lens = torch.from_numpy(seq_lens).unsqueeze(1)
-        visible = key_pos < lens
-        if self.sliding_window is not None:
-            visible &= key_pos >= lens - self.sliding_window
-        bias = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
-        md.decode_block_ids = torch.from_numpy(table.reshape(-1)).to(self.device)
-        md.decode_max_len = max_blocks * bs
-        md.decode_bias = bias.view(len(states), 1, 1, -1).to(self.device)
+        md.decode_block_tables = torch.from_numpy(table).to(self.device)
+        md.decode_seq_lens = torch.from_numpy(seq_lens).to(self.device)
+        md.sliding_window = self.sliding_window
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         params = [s.sampling_params for s in states]

@@ -92,6 +92,10 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
+        if self.config.device_config.device == "cpu":
+            from llmctl.engine.layers.paged_attention_cpu import kernel_available
+
+            kernel_available()  # build (once per machine) or load the kernel now, not mid-request
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         pp = parallel_state.get_pp_group()
