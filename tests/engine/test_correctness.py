@@ -51,7 +51,8 @@ def test_checkpoint_formats_load_identically(save, tiny_models, hf_greedy):
     ]
 
 
-def test_preemption_keeps_outputs(tiny_models, hf_greedy):
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_preemption_keeps_outputs(enable_prefix_caching, tiny_models, hf_greedy):
     path, hf_model = tiny_models.get("llama")
     prompts = random_prompts([30, 28, 26, 24, 22, 20, 18, 16])
     # 6 blocks of 16 = 96 slots: one request of max_model_len=80 fits, eight cannot run at once.
@@ -61,6 +62,7 @@ def test_preemption_keeps_outputs(tiny_models, hf_greedy):
         dtype="float32",
         max_model_len=80,
         num_gpu_blocks_override=6,
+        enable_prefix_caching=enable_prefix_caching,
     )
     outputs = llm.generate(prompts, GREEDY_32, use_tqdm=False)
     assert llm.llm_engine.get_stats().num_preemptions > 0

@@ -210,3 +210,104 @@ llm.shutdown()
     lines = result.stdout.strip().splitlines()
     assert lines[-1] == "MultiprocExecutor"
     assert lines[-2] == str(expected("llama")[0])
+
+
+def session_pids(session: int) -> set[int]:
+    """Live processes of a session (a shell's Ctrl-C reaches its whole foreground group)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session and fields[0] != "Z":
+            found.add(int(entry))
+    return found
+
+
+_SCRIPT_HEAD = """
+import gc, os, sys, time
+from llmctl.engine import LLM, SamplingParams
+MODEL = {path!r}
+def start():
+    return LLM(MODEL, use_tqdm_on_load=False, kv_cache_space_gib=0.02, tensor_parallel_size=2,
+               distributed_executor_backend="mp")
+llm = start()
+pids = [r["pid"] for r in llm.llm_engine.executor.rank_info()]
+print("workers", *pids, flush=True)
+"""
+
+
+def _run_script(body: str, path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", _SCRIPT_HEAD.format(path=str(path)) + body],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own session, like a program started from a shell
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_garbage_collection_and_exit_stop_the_workers(tiny_models):
+    body = """
+del llm
+gc.collect()
+print("collected", *[pid for pid in pids if os.path.exists(f"/proc/{pid}")], flush=True)
+second = start()
+print("second", *[r["pid"] for r in second.llm_engine.executor.rank_info()], flush=True)
+# Exits without shutdown(): the interpreter's exit must stop these workers too.
+"""
+    proc = _run_script(body, tiny_models.path("llama"))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    lines = {line.split()[0]: line.split()[1:] for line in out.strip().splitlines()}
+    assert lines["collected"] == []  # garbage collection stopped the first workers
+    assert len(lines["second"]) == 2
+    for pid in map(int, lines["second"]):
+        assert not _alive(pid)
+    assert not session_pids(proc.pid)
+
+
+def test_ctrl_c_leaves_no_process(tiny_models):
+    body = """
+params = SamplingParams(max_tokens=2000, ignore_eos=True)
+print("generating", flush=True)
+llm.generate([[5, 6, 7]] * 8, params, use_tqdm=False)
+"""
+    proc = _run_script(body, tiny_models.path("llama"))
+    pids = [int(p) for p in proc.stdout.readline().split()[1:]]
+    assert proc.stdout.readline().strip() == "generating"
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    _, err = proc.communicate(timeout=30)
+    assert "KeyboardInterrupt" in err
+    deadline = time.monotonic() + 10
+    while session_pids(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not session_pids(proc.pid)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_layer_partition_from_the_environment(tiny_models, monkeypatch):
+    from llmctl.engine.config import EngineArgs
+
+    monkeypatch.setenv("LLMCTL_PP_LAYER_PARTITION", "1,3")
+    args = EngineArgs(model=str(tiny_models.path("llama")), pipeline_parallel_size=2)
+    assert args.create_engine_config().parallel_config.pipeline_layer_partition == (1, 3)
+    explicit = EngineArgs(
+        model=str(tiny_models.path("llama")),
+        pipeline_parallel_size=2,
+        pipeline_layer_partition="3,1",
+    )
+    assert explicit.create_engine_config().parallel_config.pipeline_layer_partition == (3, 1)
