@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--skip-ray", action="store_true")
+    parser.add_argument("--only", help="comma-separated layout names, e.g. 'tp=1,tp=2 mp'")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -88,6 +89,8 @@ def main() -> None:
     results = {}
     for name, layout in LAYOUTS:
         if args.skip_ray and layout.get("distributed_executor_backend") == "ray":
+            continue
+        if args.only and name not in args.only.split(",") and name != "tp=1":
             continue
         cmd = [sys.executable, __file__, "--child", json.dumps(layout)]
         cmd += ["--batch", str(args.batch), "--prompt-len", str(args.prompt_len)]

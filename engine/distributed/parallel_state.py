@@ -20,6 +20,7 @@ class GroupCoordinator:
     rank: int  # global rank of this process
     device_group: Any = field(default=None, repr=False)  # torch ProcessGroup for tensors
     cpu_group: Any = field(default=None, repr=False)  # Gloo group for Python objects
+    shm: Any = field(default=None, repr=False)  # ShmCommunicator when all ranks share a node
 
     @property
     def world_size(self) -> int:
@@ -40,6 +41,8 @@ class GroupCoordinator:
     def all_reduce(self, tensor):
         if self.world_size == 1:
             return tensor
+        if self.shm is not None and self.shm.fits(tensor):
+            return self.shm.all_reduce(tensor.contiguous())
         import torch.distributed as dist
 
         dist.all_reduce(tensor, group=self.device_group)
@@ -68,6 +71,10 @@ class GroupCoordinator:
 
         sizes = sizes or self.all_gather_object(tensor.shape[dim])
         largest = max(sizes)
+        if self.shm is not None:
+            per_unit = tensor.numel() // max(tensor.shape[dim], 1) * tensor.element_size()
+            if largest * per_unit <= self.shm.capacity:  # the same answer on every rank
+                return self.shm.gather(tensor, dim % tensor.dim(), sizes)
         if tensor.shape[dim] != largest:
             pad_shape = list(tensor.shape)
             pad_shape[dim] = largest - tensor.shape[dim]
@@ -169,11 +176,32 @@ def initialize_model_parallel(tensor_parallel_size: int, pipeline_parallel_size:
                 else:
                     pp_group = coordinator
     set_groups(tp_group, pp_group)
+    _attach_shared_memory(tp_group)
+
+
+def _attach_shared_memory(group: GroupCoordinator) -> None:
+    """Give a CPU group whose ranks share one node a shared-memory communicator."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    if group.world_size == 1 or dist.get_backend() != "gloo":
+        return
+    if os.environ.get("LLMCTL_SHM_COLLECTIVES", "1") == "0":
+        return
+    from llmctl.engine.distributed.shm_communicator import ShmCommunicator, same_node
+
+    if same_node(group.all_gather_object(socket.gethostname())):
+        group.shm = ShmCommunicator(group.cpu_group, group.rank_in_group, group.world_size)
 
 
 def destroy_distributed_environment() -> None:
     import torch.distributed as dist
 
+    for group in (_TP, _PP):
+        if group is not None and group.shm is not None:
+            group.shm.close()
     reset_groups()
     if dist.is_initialized():
         dist.destroy_process_group()
