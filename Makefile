@@ -1,5 +1,5 @@
 # Two entry points for a fresh machine (see README "Quick start"):
-#   make run    set up, then run the main job on the bundled default model
+#   make run    set up, then serve the bundled default model (OpenAI API on 127.0.0.1:8000)
 #   make test   set up, then pass the whole test suite (what .ci/run calls)
 
 PYTHON ?= python3
@@ -10,9 +10,10 @@ PIP := $(PY) -m pip
 # override it: make TORCH_SPEC="torch>=2.5" run
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.llmctl-setup
-PROMPT ?= The three most useful things to know about distributed inference are
+HOST ?= 127.0.0.1
+PORT ?= 8000
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +27,9 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 run: setup
-	$(VENV)/bin/llmctl generate --chat --prompt "$(PROMPT)" --max-tokens 96
+	@echo "Try: curl http://$(HOST):$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
+	@echo "       -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}]}'"
+	$(VENV)/bin/llmctl serve --host $(HOST) --port $(PORT)
 
 test: setup
 	$(VENV)/bin/ruff check .

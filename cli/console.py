@@ -39,23 +39,36 @@ def stderr_console() -> Console:
 
 
 def configure_logging(level: int) -> None:
-    """Show the engine's log records (logger "llmctl") at `level` and above on stderr.
+    """Show the engine's log records (logger "llmctl") at `level` and above on stderr: rich
+    lines on a terminal, plain unwrapped `LEVEL message` lines in a file or pipe.
 
     Replaces the handler a previous call installed, so repeated invocations in one process (tests)
     do not print each line twice.
     """
     logger = logging.getLogger(_LOGGER_NAME)
     for handler in list(logger.handlers):
-        if isinstance(handler, _CliLogHandler):
+        if isinstance(handler, _CliHandler):
             logger.removeHandler(handler)
-    logger.addHandler(
-        _CliLogHandler(console=stderr_console(), show_time=False, show_path=False, markup=False)
-    )
+    console = stderr_console()
+    if console.is_terminal:
+        handler = _CliLogHandler(console=console, show_time=False, show_path=False, markup=False)
+    else:
+        handler = _PlainHandler(console.file)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logger.addHandler(handler)
     logger.setLevel(level)
 
 
-class _CliLogHandler(RichHandler):
-    """The handler configure_logging installs (a class of its own so it can be found again)."""
+class _CliHandler:
+    """Marks the handlers configure_logging installs, so they can be found again."""
+
+
+class _CliLogHandler(_CliHandler, RichHandler):
+    pass
+
+
+class _PlainHandler(_CliHandler, logging.StreamHandler):
+    pass
 
 
 def print_error(exc: LLMCtlError, traceback: bool = False) -> None:

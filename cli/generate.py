@@ -11,6 +11,21 @@ from typing import Annotated
 import typer
 
 from llmctl.cli.console import CliState, stdout_console
+from llmctl.cli.engine_options import (
+    BlockSize,
+    DistributedExecutorBackend,
+    Dtype,
+    EnablePrefixCaching,
+    KvCacheSpaceGib,
+    MaxModelLen,
+    MaxNumBatchedTokens,
+    MaxNumSeqs,
+    Model,
+    PipelineLayerPartition,
+    PipelineParallelSize,
+    TensorParallelSize,
+    engine_kwargs,
+)
 from llmctl.cli.render import print_completions, print_json
 from llmctl.engine.errors import RequestBatchError
 from llmctl.engine.sampling_params import SamplingParams
@@ -18,8 +33,6 @@ from llmctl.engine.sampling_params import SamplingParams
 app = typer.Typer()
 
 _SAMPLING = "Sampling"
-_ENGINE = "Engine"
-_PARALLEL = "Parallelism"
 
 
 @app.command()
@@ -29,15 +42,7 @@ def generate(
         list[str],
         typer.Option("--prompt", "-p", help="Prompt text; repeat the option for a batch."),
     ],
-    model: Annotated[
-        str | None,
-        typer.Argument(
-            help="A Hugging Face model directory, a .gguf file, or a hub id already in the local "
-            "Hugging Face cache. Omitted: the bundled SmolLM2-135M-Instruct.",
-            metavar="MODEL",
-            show_default=False,
-        ),
-    ] = None,
+    model: Model = None,
     max_tokens: Annotated[
         int, typer.Option(help="Most tokens to generate per completion.", rich_help_panel=_SAMPLING)
     ] = 64,
@@ -99,100 +104,17 @@ def generate(
             rich_help_panel=_SAMPLING,
         ),
     ] = False,
-    dtype: Annotated[
-        str,
-        typer.Option(help="auto, float32, bfloat16 or float16.", rich_help_panel=_ENGINE),
-    ] = "auto",
-    max_model_len: Annotated[
-        int | None,
-        typer.Option(
-            help="Longest prompt + completion, in tokens. (default: the model's)",
-            show_default=False,
-            rich_help_panel=_ENGINE,
-        ),
-    ] = None,
-    kv_cache_space_gib: Annotated[
-        float | None,
-        typer.Option(
-            help="CPU: memory for the KV cache, in GiB. (default: 4)",
-            show_default=False,
-            rich_help_panel=_ENGINE,
-        ),
-    ] = None,
-    block_size: Annotated[
-        int | None,
-        typer.Option(
-            help="Tokens per KV cache block. (default: 16)",
-            show_default=False,
-            rich_help_panel=_ENGINE,
-        ),
-    ] = None,
-    max_num_seqs: Annotated[
-        int | None,
-        typer.Option(
-            help="Most requests per step. (default: 256)",
-            show_default=False,
-            rich_help_panel=_ENGINE,
-        ),
-    ] = None,
-    max_num_batched_tokens: Annotated[
-        int | None,
-        typer.Option(
-            help="Most tokens per step (longer prompts prefill in chunks). "
-            "(default: 8192, or --max-num-seqs if larger)",
-            show_default=False,
-            rich_help_panel=_ENGINE,
-        ),
-    ] = None,
-    enable_prefix_caching: Annotated[
-        bool | None,
-        typer.Option(
-            "--enable-prefix-caching/--no-enable-prefix-caching",
-            help="Reuse the KV cache of shared prompt prefixes. (default: enabled)",
-            show_default=False,
-            rich_help_panel=_ENGINE,
-        ),
-    ] = None,
-    tensor_parallel_size: Annotated[
-        int | None,
-        typer.Option(
-            "--tensor-parallel-size",
-            "-tp",
-            help="Ranks that split each layer (Megatron-LM tensor parallelism). (default: 1)",
-            show_default=False,
-            rich_help_panel=_PARALLEL,
-        ),
-    ] = None,
-    pipeline_parallel_size: Annotated[
-        int | None,
-        typer.Option(
-            "--pipeline-parallel-size",
-            "-pp",
-            help="Pipeline stages that split the layers. (default: 1)",
-            show_default=False,
-            rich_help_panel=_PARALLEL,
-        ),
-    ] = None,
-    distributed_executor_backend: Annotated[
-        str | None,
-        typer.Option(
-            "--distributed-executor-backend",
-            help="uni, mp or ray. (default: mp when this node has a device per rank, else ray; "
-            "on the CPU, devices are LLMCTL_CPU_DEVICES or the cores)",
-            show_default=False,
-            rich_help_panel=_PARALLEL,
-        ),
-    ] = None,
-    pipeline_layer_partition: Annotated[
-        str | None,
-        typer.Option(
-            "--pipeline-layer-partition",
-            help='Layers per pipeline stage, e.g. "10,11,9". (default: equal shares, the '
-            "remainder before the last stage)",
-            show_default=False,
-            rich_help_panel=_PARALLEL,
-        ),
-    ] = None,
+    dtype: Dtype = "auto",
+    max_model_len: MaxModelLen = None,
+    kv_cache_space_gib: KvCacheSpaceGib = None,
+    block_size: BlockSize = None,
+    max_num_seqs: MaxNumSeqs = None,
+    max_num_batched_tokens: MaxNumBatchedTokens = None,
+    enable_prefix_caching: EnablePrefixCaching = None,
+    tensor_parallel_size: TensorParallelSize = None,
+    pipeline_parallel_size: PipelineParallelSize = None,
+    distributed_executor_backend: DistributedExecutorBackend = None,
+    pipeline_layer_partition: PipelineLayerPartition = None,
     json_output: Annotated[
         bool,
         typer.Option(
@@ -218,26 +140,25 @@ def generate(
         ignore_eos=ignore_eos,
         seed=seed,
     )
-    engine_kwargs = {
-        "dtype": dtype,
-        "max_model_len": max_model_len,
-        "kv_cache_space_gib": kv_cache_space_gib,
-        "block_size": block_size,
-        "max_num_seqs": max_num_seqs,
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "enable_prefix_caching": enable_prefix_caching,
-        "tensor_parallel_size": tensor_parallel_size,
-        "pipeline_parallel_size": pipeline_parallel_size,
-        "distributed_executor_backend": distributed_executor_backend,
-        "pipeline_layer_partition": pipeline_layer_partition,
-    }
-    engine_kwargs = {name: value for name, value in engine_kwargs.items() if value is not None}
+    options = engine_kwargs(
+        dtype=dtype,
+        max_model_len=max_model_len,
+        kv_cache_space_gib=kv_cache_space_gib,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=enable_prefix_caching,
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        distributed_executor_backend=distributed_executor_backend,
+        pipeline_layer_partition=pipeline_layer_partition,
+    )
 
     from llmctl.engine.llm import LLM
 
     render = print_json if json_output else print_completions
     console = stdout_console()
-    with LLM(model, use_tqdm_on_load=state.progress, **engine_kwargs) as llm:
+    with LLM(model, use_tqdm_on_load=state.progress, **options) as llm:
         try:
             if chat:
                 conversations = [[{"role": "user", "content": text}] for text in prompt]

@@ -17,7 +17,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from llmctl.cli import generate
+from llmctl.cli import generate, serve
 from llmctl.cli.console import CliState, configure_logging, print_error
 from llmctl.engine.errors import LLMCtlError
 
@@ -49,6 +49,7 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
 )
 app.add_typer(generate.app)
+app.add_typer(serve.app)
 
 
 def _print_version(value: bool) -> None:

@@ -1,0 +1,178 @@
+"""AsyncLLM: the engine driven by a background thread, for asyncio callers (the API server).
+
+The engine is not thread-safe, so only its own thread touches it: callers post commands (add,
+abort) to a queue and wake the thread; the thread runs `step()` while work remains and hands each
+RequestOutput to the caller's asyncio queue with `call_soon_threadsafe`. Requests from all
+clients share the engine's batches. When a caller stops listening (a client disconnects), its
+request is aborted and its KV blocks are freed. If the engine dies (a worker process died), every
+waiting caller gets EngineDeadError and `dead_error` stays set for /health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from llmctl.engine.errors import EngineDeadError
+from llmctl.engine.llm_engine import EngineStats, LLMEngine, PromptType
+from llmctl.engine.outputs import RequestOutput
+from llmctl.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("llmctl")
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    stream: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    accepted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.dead_error: EngineDeadError | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._stopping = False
+        self._lock = threading.Lock()  # orders posting against the engine's death
+        self._stats = engine.get_stats()
+        self._thread = threading.Thread(target=self._run, name="llmctl-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self.dead_error is None and self._thread.is_alive()
+
+    def get_stats(self) -> EngineStats:
+        """The engine's counters as of its last step (read without stopping the engine)."""
+        return self._stats
+
+    async def generate(
+        self, prompt: PromptType, params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's RequestOutputs as the engine produces them, the last finished.
+
+        Raises InvalidRequestError before the first output if the engine rejects the request,
+        EngineDeadError if the engine dies. Closing the iterator early aborts the request.
+        """
+        if self.dead_error is not None:
+            raise self.dead_error
+        stream: asyncio.Queue = asyncio.Queue()
+        command = _Add(request_id, prompt, params, stream, asyncio.get_running_loop())
+        self._post(command)
+        await asyncio.wrap_future(command.accepted)  # raises the engine's validation error
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._post(_Abort(request_id))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout)
+        self.engine.shutdown()
+
+    # -- the engine thread ---------------------------------------------------------------------
+
+    def _post(self, command) -> None:
+        with self._lock:
+            if self.dead_error is not None:
+                if isinstance(command, _Add):
+                    command.accepted.set_exception(self.dead_error)
+                return
+            self._commands.put(command)
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping:
+            self._drain_commands()
+            if not engine.has_unfinished_requests():
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except EngineDeadError as exc:
+                self._die(exc)
+                return
+            except BaseException as exc:  # a bug: report it to every caller, stop serving
+                logger.exception("engine step failed")
+                self._die(EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}"))
+                return
+            self._stats = engine.get_stats()
+            for output in outputs:
+                self._deliver(output.request_id, output, output.finished)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                try:
+                    self.engine.add_request(command.request_id, command.prompt, command.params)
+                except BaseException as exc:
+                    command.accepted.set_exception(exc)
+                    continue
+                self._streams[command.request_id] = (command.stream, command.loop)
+                command.accepted.set_result(None)
+            else:
+                self.engine.abort_request(command.request_id)
+                self._streams.pop(command.request_id, None)
+        self._stats = self.engine.get_stats()
+
+    def _deliver(self, request_id: str, item, last: bool) -> None:
+        entry = self._streams.get(request_id)
+        if entry is None:
+            return
+        if last:
+            del self._streams[request_id]
+        stream, loop = entry
+        try:
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed
+            pass
+
+    def _die(self, error: EngineDeadError) -> None:
+        with self._lock:
+            self.dead_error = error
+        logger.error("engine stopped: %s", error.message)
+        for request_id in list(self._streams):
+            self._deliver(request_id, error, last=True)
+        # Requests posted after the failure fail at once.
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                command.accepted.set_exception(error)

@@ -1,0 +1,92 @@
+"""Prometheus metrics of the server: gauges read from the engine at scrape time, counters and
+latency histograms observed as requests progress."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+class _EngineCollector:
+    """Reads the engine's counters when Prometheus scrapes."""
+
+    def __init__(self, async_llm, model_name: str) -> None:
+        self.async_llm = async_llm
+        self.labels = {"model_name": model_name}
+
+    def collect(self):
+        stats = self.async_llm.get_stats()
+        names = list(self.labels)
+        values = list(self.labels.values())
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=names)
+            family.add_metric(values, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=names)
+            family.add_metric(values, value)
+            return family
+
+        yield gauge("llmctl:num_requests_running", "Requests in the running batch.",
+                    stats.num_running)  # fmt: skip
+        yield gauge("llmctl:num_requests_waiting", "Requests waiting to be scheduled.",
+                    stats.num_waiting)  # fmt: skip
+        yield gauge("llmctl:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
+                    stats.kv_cache_usage)  # fmt: skip
+        yield gauge("llmctl:prefix_cache_hit_rate", "Prompt tokens served by the prefix cache.",
+                    stats.prefix_cache_hit_rate)  # fmt: skip
+        yield counter("llmctl:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      stats.prefix_cache_queries)  # fmt: skip
+        yield counter("llmctl:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      stats.prefix_cache_hits)  # fmt: skip
+        yield counter("llmctl:prompt_tokens", "Prompt tokens admitted.", stats.prompt_tokens)
+        yield counter("llmctl:generation_tokens", "Tokens generated.", stats.generation_tokens)
+        yield counter("llmctl:num_preemptions", "Requests preempted for lack of KV blocks.",
+                      stats.num_preemptions)  # fmt: skip
+        yield gauge("llmctl:engine_alive", "1 while the engine runs, 0 once it died.",
+                    1.0 if self.async_llm.is_running else 0.0)  # fmt: skip
+
+
+class ServerMetrics:
+    def __init__(self, async_llm, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(async_llm, model_name))
+        labels = ["model_name"]
+        self.time_to_first_token = Histogram(
+            "llmctl:time_to_first_token_seconds",
+            "Time from a request's arrival to its first token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.inter_token_latency = Histogram(
+            "llmctl:inter_token_latency_seconds",
+            "Time between two tokens of one request.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.e2e_latency = Histogram(
+            "llmctl:e2e_request_latency_seconds",
+            "Time from a request's arrival to its last token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.requests = Counter(
+            "llmctl:request_success",
+            "Requests finished, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.model_name = model_name
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
