@@ -159,12 +159,9 @@ def run_server(
     """Load the model, then serve until SIGTERM or Ctrl-C; the workers stop with the server."""
     import uvicorn
 
-    from llmctl.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine.from_engine_args(engine_args, progress)
-    async_llm = AsyncLLM(engine)
+    async_llm = AsyncLLM.from_engine_args(engine_args, progress)
     try:
-        name = engine.config.model_config.served_model_name
+        name = async_llm.engine.config.model_config.served_model_name
 
         def listening() -> None:
             logger.info("Serving %s on http://%s:%d (OpenAI API under /v1)", name, host, port)
