@@ -119,10 +119,13 @@ class AsyncLLM:
         self._post(_Abort(request_id))
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop; the engine thread then shuts the engine down itself (Ray, for one,
+        expects the thread that started it to stop it)."""
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout)
-        if self.engine is not None:
+        if self._thread.is_alive() and self.engine is not None:
+            logger.warning("the engine thread did not stop within %.0f s", timeout)
             self.engine.shutdown()
 
     # -- the engine thread ---------------------------------------------------------------------
@@ -137,6 +140,12 @@ class AsyncLLM:
         self._wakeup.set()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self.engine.shutdown()
+
+    def _loop(self) -> None:
         engine = self.engine
         while not self._stopping:
             self._drain_commands()
