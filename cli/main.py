@@ -17,7 +17,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from llmctl.cli import generate, serve
+from llmctl.cli import generate, plan, serve
 from llmctl.cli.console import CliState, configure_logging, print_error
 from llmctl.engine.errors import LLMCtlError
 
@@ -50,6 +50,7 @@ app = typer.Typer(
 )
 app.add_typer(generate.app)
 app.add_typer(serve.app)
+app.add_typer(plan.app)
 
 
 def _print_version(value: bool) -> None:

@@ -46,7 +46,15 @@ def test_help_and_version_do_not_import_heavy_modules():
         from llmctl.cli.main import app
 
         runner = CliRunner()
-        for args in (["--version"], ["--help"], ["generate", "--help"]):
+        for args in (
+            ["--version"],
+            ["--help"],
+            ["generate", "--help"],
+            ["serve", "--help"],
+            ["plan", "--help"],
+            ["plan", "Llama-3.1-70B", "--json"],
+            ["plan", "--list-models"],
+        ):
             result = runner.invoke(app, args, catch_exceptions=False)
             assert result.exit_code == 0, (args, result.output)
         heavy = {"torch", "transformers", "safetensors", "gguf", "numpy"}

@@ -1,0 +1,254 @@
+"""`llmctl plan`: the TP x PP layout for a model on an inventory, its memory and KV cache.
+
+Parse, call `make_plan`, render. Never imports torch: planning is instant.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from llmctl.cli.console import stdout_console
+from llmctl.cli.engine_options import Dtype, MaxModelLen, PipelineLayerPartition
+
+app = typer.Typer()
+_INVENTORY = "Inventory"
+_MEMORY = "Memory"
+
+
+@app.command()
+def plan(
+    model: Annotated[
+        str | None,
+        typer.Argument(
+            help="A catalog name (see --list-models), a Hugging Face directory or a .gguf file. "
+            "Omitted: the bundled SmolLM2-135M-Instruct.",
+            metavar="MODEL",
+            show_default=False,
+        ),
+    ] = None,
+    list_models: Annotated[
+        bool, typer.Option("--list-models", help="Show the built-in catalog and exit.")
+    ] = False,
+    inventory: Annotated[
+        str | None,
+        typer.Option(
+            "--inventory",
+            "-i",
+            help="The cluster's inventory file (see templates/cluster.yaml).",
+            rich_help_panel=_INVENTORY,
+        ),
+    ] = None,
+    nodes: Annotated[
+        int, typer.Option(help="Nodes, without --inventory.", rich_help_panel=_INVENTORY)
+    ] = 1,
+    gpus_per_node: Annotated[
+        int, typer.Option(help="GPUs per node, without --inventory.", rich_help_panel=_INVENTORY)
+    ] = 8,
+    gpu_memory_gib: Annotated[
+        float,
+        typer.Option(help="Memory per GPU, without --inventory.", rich_help_panel=_INVENTORY),
+    ] = 80.0,
+    interconnect: Annotated[
+        str,
+        typer.Option(help="nvlink or pcie, without --inventory.", rich_help_panel=_INVENTORY),
+    ] = "nvlink",
+    device: Annotated[
+        str,
+        typer.Option(
+            help="cuda, or cpu to plan for llmctl's CPU engine (KV cache from "
+            "--kv-cache-space-gib).",
+            rich_help_panel=_INVENTORY,
+        ),
+    ] = "cuda",
+    dtype: Dtype = "auto",
+    max_model_len: MaxModelLen = None,
+    gpu_memory_utilization: Annotated[
+        float,
+        typer.Option(help="Fraction of each GPU's memory to use.", rich_help_panel=_MEMORY),
+    ] = 0.9,
+    kv_cache_dtype: Annotated[
+        str,
+        typer.Option(help="auto (the model's dtype), fp8, ...", rich_help_panel=_MEMORY),
+    ] = "auto",
+    kv_cache_space_gib: Annotated[
+        float | None,
+        typer.Option(
+            help="CPU: the KV cache per rank, in GiB. (default: 4)",
+            show_default=False,
+            rich_help_panel=_MEMORY,
+        ),
+    ] = None,
+    min_concurrency: Annotated[
+        int,
+        typer.Option(help="Requests of max-model-len the plan must hold.", rich_help_panel=_MEMORY),
+    ] = 1,
+    allow_uneven_tp: Annotated[
+        bool,
+        typer.Option(help="Allow tensor parallel sizes that do not divide the heads."),
+    ] = False,
+    tensor_parallel_size: Annotated[
+        int | None,
+        typer.Option(
+            "--tensor-parallel-size", "-tp", help="Evaluate this layout instead of choosing."
+        ),
+    ] = None,
+    pipeline_parallel_size: Annotated[
+        int | None,
+        typer.Option(
+            "--pipeline-parallel-size", "-pp", help="Evaluate this layout instead of choosing."
+        ),
+    ] = None,
+    pipeline_layer_partition: PipelineLayerPartition = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Choose the TP x PP layout for MODEL on the inventory and predict its KV-cache capacity.
+
+    Prints the layout, the memory of every GPU, the engine's KV-cache lines, the reasons, the
+    layouts rejected and why, and the commands to run. Exits 1 when nothing fits, saying how much
+    memory is missing and what would fit.
+    """
+    from llmctl.cluster.catalog import CATALOG
+
+    console = stdout_console()
+    if list_models:
+        _print_catalog(console, CATALOG, json_output)
+        return
+    try:
+        result = _make(
+            model,
+            inventory,
+            nodes,
+            gpus_per_node,
+            gpu_memory_gib,
+            interconnect,
+            device,
+            dtype,
+            max_model_len,
+            gpu_memory_utilization,
+            kv_cache_dtype,
+            kv_cache_space_gib,
+            min_concurrency,
+            allow_uneven_tp,
+            tensor_parallel_size,
+            pipeline_parallel_size,
+            pipeline_layer_partition,
+        )
+    except Exception as exc:
+        from llmctl.engine.errors import LLMCtlError
+
+        if json_output and isinstance(exc, LLMCtlError):
+            message = exc.message + (f". {exc.hint}" if exc.hint else "")
+            console.out(json.dumps({"error": message}), highlight=False)
+            raise typer.Exit(1) from None
+        raise
+    if json_output:
+        console.out(json.dumps(result.to_json(), indent=2), highlight=False)
+    else:
+        _print_plan(console, result)
+
+
+def _make(model, inventory, nodes, gpus, memory, interconnect, device, dtype, max_model_len,
+          utilization, kv_dtype, kv_space, concurrency, uneven, tp, pp, partition):  # fmt: skip
+    from llmctl.cluster.inventory import inventory_from_flags, load_inventory
+    from llmctl.cluster.model_spec import load_model_spec
+    from llmctl.cluster.plan import PlanOptions, make_plan
+    from llmctl.engine.config import parse_layer_partition
+
+    spec = load_model_spec(model)
+    inv = load_inventory(inventory) if inventory else inventory_from_flags(
+        nodes, gpus, memory, interconnect
+    )  # fmt: skip
+    options = PlanOptions(
+        dtype=dtype,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=utilization,
+        kv_cache_dtype=kv_dtype,
+        kv_cache_space_gib=kv_space,
+        min_concurrency=concurrency,
+        allow_uneven_tp=uneven,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        pipeline_layer_partition=parse_layer_partition(partition),
+        device=device,
+    )
+    return make_plan(spec, inv, options)
+
+
+def _print_catalog(console, catalog, as_json: bool) -> None:
+    rows = [
+        {
+            "name": spec.name,
+            "architecture": spec.architecture,
+            "params_b": round(spec.total_params() / 1e9, 3),
+            "layers": spec.num_layers,
+            "heads": spec.num_heads,
+            "kv_heads": spec.num_kv_heads,
+            "max_model_len": spec.max_position_embeddings,
+            "dtype": spec.dtype,
+        }
+        for spec in catalog.values()
+    ]
+    if as_json:
+        console.out(json.dumps(rows, indent=2), highlight=False)
+        return
+    table = Table(title="Model catalog (typed-in public configs)")
+    for column in ("name", "architecture", "params", "layers", "heads / KV", "context", "dtype"):
+        table.add_column(column)
+    for r in rows:
+        table.add_row(
+            r["name"],
+            r["architecture"],
+            f"{r['params_b']:.2f}B",
+            str(r["layers"]),
+            f"{r['heads']} / {r['kv_heads']}",
+            f"{r['max_model_len']:,}",
+            r["dtype"],
+        )
+    console.print(table)
+
+
+def _print_plan(console, plan) -> None:
+    gib = 1 << 30
+    console.print(
+        f"[bold]{plan.model}[/]: tensor_parallel_size={plan.tensor_parallel_size}, "
+        f"pipeline_parallel_size={plan.pipeline_parallel_size} on {plan.gpus_used} GPU(s), "
+        f"{plan.nodes_used} node(s), {plan.distributed_executor_backend} backend, {plan.dtype}"
+    )
+    table = Table(title="Per GPU")
+    for column in ("rank", "node", "stage", "tp rank", "layers", "weights", "activations",
+                   "reserve", "KV cache", "KV blocks"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for r in plan.ranks:
+        table.add_row(
+            str(r.rank),
+            str(r.node),
+            str(r.pp_rank),
+            str(r.tp_rank),
+            f"{r.layers[0]}-{r.layers[1] - 1}",
+            f"{r.weight_bytes / gib:.2f} GiB",
+            f"{r.activation_bytes / gib:.2f} GiB",
+            f"{r.reserve_bytes / gib:.2f} GiB",
+            f"{r.num_blocks * r.kv_block_bytes / gib:.2f} GiB",
+            f"{r.num_blocks:,}",
+        )
+    console.print(table)
+    for line in plan.log_lines():
+        console.print(line, highlight=False)
+    console.print("\n[bold]Why[/]")
+    for reason in plan.reasons:
+        console.print(f"  - {reason}", highlight=False)
+    if plan.alternatives:
+        console.print("[bold]Also possible[/]")
+        for layout, offer in plan.alternatives:
+            console.print(f"  - {layout}: {offer}", highlight=False)
+    if plan.rejected:
+        console.print("[bold]Rejected[/]")
+        for layout, why in plan.rejected:
+            console.print(f"  - {layout}: {why}", highlight=False)
+    console.print("[bold]Run[/]")
+    for command in plan.commands.values():
+        console.print(f"  {command}", highlight=False, soft_wrap=True)

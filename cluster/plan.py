@@ -1,0 +1,620 @@
+"""make_plan: choose the TP x PP layout for a model on an inventory, and predict its KV cache.
+
+Pure: a ModelSpec and an Inventory in, a Plan out (no SSH, no torch, no mutation).
+
+Memory per GPU is what each rank really holds (ModelSpec counts the engine's shards): its layers,
+the embedding on the first stage, the final norm and LM head on the last, an activation reserve
+for a profiling-sized batch, a fixed reserve for the CUDA context and NCCL, and the rest of
+gpu_memory_utilization x memory for the KV cache. The KV cache has as many blocks as the rank
+with the fewest can hold, as the engine does. On the CPU the KV cache is kv_cache_space_gib
+exactly, as the engine allocates it.
+
+The rules, from vLLM's distributed-serving guide, then better:
+  1. The model fits one GPU with room for min_concurrency requests of max_model_len: tp=1.
+  2. Else it fits one node: the smallest tensor-parallel size that fits (a size that divides the
+     heads, unless uneven TP is allowed); the node's full width is offered for throughput.
+     Without NVLink (PCIe), pipeline stages inside the node instead: activations cross the link
+     once per stage, not twice per layer.
+  3. If only a tp that does not divide the heads would fit: tp=1, pp = that many GPUs.
+  4. Else across nodes: tp = GPUs per node, pp = the fewest nodes that fit.
+Pipeline stages get an uneven layer split when it holds more KV cache (the first and last stages
+carry the embedding and LM head), printed as --pipeline-layer-partition.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from llmctl.cluster.errors import PlanError
+from llmctl.cluster.inventory import Inventory
+from llmctl.cluster.model_spec import ModelSpec
+from llmctl.engine.config import DTYPE_BYTES, normalize_dtype
+from llmctl.engine.distributed import ranks as rank_mesh
+from llmctl.engine.distributed.partition import layer_partition, valid_tp_sizes
+from llmctl.engine.errors import ConfigError
+
+GIB = 1 << 30
+GPU_FIXED_RESERVE = int(0.75 * GIB)  # CUDA context, NCCL buffers, allocator slack
+_KV_DTYPES = {"auto": None, "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1,
+              "fp8_e5m2": 1}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    min_concurrency: int = 1
+    block_size: int = 16
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    allow_uneven_tp: bool = False
+    tensor_parallel_size: int | None = None  # force a layout instead of choosing one
+    pipeline_parallel_size: int | None = None
+    pipeline_layer_partition: tuple[int, ...] | None = None
+    device: str = "cuda"  # "cpu": plan for llmctl's CPU engine on this inventory's nodes
+    kv_cache_space_gib: float | None = None  # CPU: the engine's KV budget per rank
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+                "use a fraction such as 0.9",
+            )
+        if self.min_concurrency < 1:
+            raise ConfigError(
+                f"min_concurrency must be at least 1, got {self.min_concurrency}",
+                "ask for at least one request",
+            )
+        if self.kv_cache_dtype not in _KV_DTYPES:
+            raise ConfigError(
+                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}",
+                f"use one of {', '.join(_KV_DTYPES)}",
+            )
+        if self.device not in ("cuda", "cpu"):
+            raise ConfigError(f"unknown device {self.device!r}", "use cuda or cpu")
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    rank: int
+    node: int
+    pp_rank: int
+    tp_rank: int
+    layers: tuple[int, int]
+    weight_bytes: int
+    activation_bytes: int
+    reserve_bytes: int
+    kv_bytes: int
+    kv_block_bytes: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    nodes_used: int
+    gpus_used: int
+    layer_partition: tuple[int, ...]
+    default_partition: bool
+    distributed_executor_backend: str
+    dtype: str
+    kv_cache_dtype: str
+    block_size: int
+    max_model_len: int
+    num_kv_blocks: int
+    ranks: tuple[RankMemory, ...]
+    reasons: tuple[str, ...]
+    rejected: tuple[tuple[str, str], ...]  # (layout, why not)
+    alternatives: tuple[tuple[str, str], ...] = ()  # (layout, what it offers)
+    commands: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        return self.kv_cache_tokens / self.max_model_len
+
+    @property
+    def per_gpu_weight_gib(self) -> float:
+        return max(r.weight_bytes for r in self.ranks) / GIB
+
+    @property
+    def per_gpu_kv_cache_gib(self) -> float:
+        return min(r.num_blocks * r.kv_block_bytes for r in self.ranks) / GIB
+
+    def log_lines(self) -> list[str]:
+        """The three lines the engine logs at start-up, as this plan predicts them."""
+        return [
+            f"# KV cache blocks: {self.num_kv_blocks} (block size {self.block_size})",
+            f"KV cache size: {self.kv_cache_tokens:,} tokens",
+            f"Maximum concurrency for {self.max_model_len:,} tokens per request: "
+            f"{self.max_concurrency:.2f}x",
+        ]
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "nodes_used": self.nodes_used,
+            "gpus_used": self.gpus_used,
+            "layer_partition": list(self.layer_partition),
+            "per_gpu_weight_gib": round(self.per_gpu_weight_gib, 4),
+            "per_gpu_kv_cache_gib": round(self.per_gpu_kv_cache_gib, 4),
+            "kv_cache_tokens": self.kv_cache_tokens,
+            "num_kv_blocks": self.num_kv_blocks,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "max_concurrency": round(self.max_concurrency, 2),
+            "distributed_executor_backend": self.distributed_executor_backend,
+            "dtype": self.dtype,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "reasons": list(self.reasons),
+            "rejected": [{"layout": layout, "why": why} for layout, why in self.rejected],
+            "alternatives": [{"layout": lay, "offers": why} for lay, why in self.alternatives],
+            "ranks": [r.__dict__ | {"layers": list(r.layers)} for r in self.ranks],
+            "commands": dict(self.commands),
+        }
+
+
+# -- the memory model --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    spec: ModelSpec
+    inventory: Inventory
+    options: PlanOptions
+    dtype: str
+    dtype_bytes: int
+    kv_bytes: int
+    max_model_len: int
+    gpu_gib: float  # memory of one device
+    gpus_per_node: int
+    nodes: int
+
+
+def _resolve(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> _Ctx:
+    from llmctl.engine.platform import resolve_dtype
+
+    dtype = resolve_dtype(normalize_dtype(options.dtype), options.device, _ckpt(spec.dtype))
+    dtype_bytes = DTYPE_BYTES[dtype]
+    kv_bytes = _KV_DTYPES[options.kv_cache_dtype] or dtype_bytes
+    max_len = options.max_model_len or spec.max_position_embeddings
+    if max_len > spec.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len={max_len} exceeds {spec.name}'s {spec.max_position_embeddings} tokens",
+            f"use --max-model-len {spec.max_position_embeddings} or less",
+        )
+    gpus = [n.gpus for n in inventory.nodes]
+    if options.device == "cuda":
+        missing = [n.host for n in inventory.nodes if n.gpus and n.gpu_memory_gib is None]
+        if missing:
+            raise ConfigError(
+                f"the inventory gives no gpu_memory_gib for {', '.join(missing)}",
+                "add gpu_memory_gib to every node with GPUs (or --gpu-memory-gib)",
+            )
+        if not any(gpus):
+            raise ConfigError("the inventory has no GPU", "give the nodes `gpus:` counts")
+        gpu_gib = min(n.gpu_memory_gib for n in inventory.nodes if n.gpus)
+    else:
+        gpu_gib = 0.0
+    return _Ctx(
+        spec=spec,
+        inventory=inventory,
+        options=options,
+        dtype=dtype,
+        dtype_bytes=dtype_bytes,
+        kv_bytes=kv_bytes,
+        max_model_len=max_len,
+        gpu_gib=gpu_gib,
+        gpus_per_node=min(g for g in gpus if g) if any(gpus) else 1,
+        nodes=len([g for g in gpus if g]) or len(gpus),
+    )
+
+
+def _ckpt(dtype: str) -> str | None:
+    try:
+        return normalize_dtype(dtype)
+    except ConfigError:
+        return None
+
+
+def _rank_memory(ctx: _Ctx, tp: int, pp: int, parts: list[int]) -> list[RankMemory]:
+    spec, opts = ctx.spec, ctx.options
+    out = []
+    starts = [sum(parts[:i]) for i in range(pp)]
+    for pp_rank, row in enumerate(rank_mesh.reshape(pp, tp)):
+        layers = parts[pp_rank]
+        first, last = pp_rank == 0, pp_rank == pp - 1
+        for tp_rank, rank in enumerate(row):
+            params = layers * spec.layer_params(tp_rank, tp)
+            if first:
+                params += spec.embedding_params(tp_rank, tp)
+            if last:
+                params += spec.head_params(tp_rank, tp, with_embedding=first)
+            weights = params * ctx.dtype_bytes
+            block = opts.block_size * spec.kv_bytes_per_token(layers, tp_rank, tp, ctx.kv_bytes)
+            if opts.device == "cpu":
+                activation = reserve = 0
+                kv = int((opts.kv_cache_space_gib or 4.0) * GIB)
+            else:
+                activation = _activation_bytes(ctx, tp_rank, tp)
+                reserve = GPU_FIXED_RESERVE
+                usable = int(ctx.gpu_gib * opts.gpu_memory_utilization * GIB)
+                kv = max(usable - weights - activation - reserve, 0)
+            out.append(
+                RankMemory(
+                    rank=rank,
+                    node=rank // ctx.gpus_per_node if opts.device == "cuda" else 0,
+                    pp_rank=pp_rank,
+                    tp_rank=tp_rank,
+                    layers=(starts[pp_rank], starts[pp_rank] + layers),
+                    weight_bytes=weights,
+                    activation_bytes=activation,
+                    reserve_bytes=reserve,
+                    kv_bytes=kv,
+                    kv_block_bytes=block,
+                    num_blocks=kv // block if block else 0,
+                )
+            )
+    return out
+
+
+def _activation_bytes(ctx: _Ctx, tp_rank: int, tp: int) -> int:
+    """Peak activations of a profiling batch: hidden states and residuals, this rank's QKV and
+    MLP intermediates, and float32 logits of the sampled rows."""
+    from llmctl.engine.distributed.partition import head_shards, split_evenly
+
+    spec, opts = ctx.spec, ctx.options
+    tokens = opts.max_num_batched_tokens
+    shard = head_shards(spec.num_heads, spec.num_kv_heads, tp)[tp_rank]
+    qkv = (shard.num_q_heads + 2 * shard.num_kv_heads) * spec.head_dim
+    inter = split_evenly(spec.intermediate_size, tp)[tp_rank]
+    per_token = (4 * spec.hidden_size + 2 * qkv + 3 * inter) * ctx.dtype_bytes
+    logits = min(tokens, opts.max_num_seqs) * spec.vocab_size * 4 * 2
+    return tokens * per_token + logits
+
+
+@dataclass(frozen=True)
+class _Eval:
+    tp: int
+    pp: int
+    parts: tuple[int, ...]
+    ranks: tuple[RankMemory, ...]
+    default_parts: bool
+
+    @property
+    def blocks(self) -> int:
+        return min(r.num_blocks for r in self.ranks)
+
+    def fits(self, ctx: _Ctx) -> bool:
+        needed = ctx.max_model_len * ctx.options.min_concurrency
+        return self.blocks * ctx.options.block_size >= needed
+
+
+def _evaluate(ctx: _Ctx, tp: int, pp: int, explicit: tuple[int, ...] | None = None) -> _Eval:
+    default = layer_partition(ctx.spec.num_layers, pp)
+    parts = list(layer_partition(ctx.spec.num_layers, pp, explicit)) if explicit else default
+    ranks = _rank_memory(ctx, tp, pp, parts)
+    evaluation = _Eval(tp, pp, tuple(parts), tuple(ranks), list(parts) == default)
+    if pp > 1 and explicit is None:
+        balanced = _balanced_partition(ctx, tp, pp)
+        if balanced is not None and balanced != default:
+            candidate = _rank_memory(ctx, tp, pp, balanced)
+            if min(r.num_blocks for r in candidate) > evaluation.blocks:
+                evaluation = _Eval(tp, pp, tuple(balanced), tuple(candidate), False)
+    return evaluation
+
+
+def _balanced_partition(ctx: _Ctx, tp: int, pp: int) -> list[int] | None:
+    """The layer split that maximizes the smallest stage's KV blocks.
+
+    A stage with L layers on tensor-parallel rank t holds B blocks when
+        usable - activation_t - reserve - fixed_s,t - L * layer_t >= B * L * block_t
+    (fixed: the embedding on the first stage, norm and LM head on the last). So at a target B a
+    stage can take at most L_s(B) layers; binary search the largest B whose L_s(B) cover the model.
+    """
+    if ctx.options.device == "cpu":
+        return None  # the KV budget is per rank, independent of the weights
+    spec, opts = ctx.spec, ctx.options
+    usable = int(ctx.gpu_gib * opts.gpu_memory_utilization * GIB)
+    stages = []  # per stage: [(room, layer_bytes, block_bytes_per_layer) per tp rank]
+    for stage in range(pp):
+        first, last = stage == 0, stage == pp - 1
+        per_rank = []
+        for t in range(tp):
+            fixed = spec.embedding_params(t, tp) if first else 0
+            fixed += spec.head_params(t, tp, with_embedding=first) if last else 0
+            room = usable - _activation_bytes(ctx, t, tp) - GPU_FIXED_RESERVE
+            room -= fixed * ctx.dtype_bytes
+            layer_bytes = spec.layer_params(t, tp) * ctx.dtype_bytes
+            block = opts.block_size * spec.kv_bytes_per_token(1, t, tp, ctx.kv_bytes)
+            per_rank.append((room, layer_bytes, block))
+        stages.append(per_rank)
+
+    def caps(blocks: int) -> list[int]:
+        return [
+            min(max(room, 0) // (layer + blocks * block) for room, layer, block in per_rank)
+            for per_rank in stages
+        ]
+
+    def split(limits: list[int]) -> list[int] | None:
+        if min(limits) < 1 or sum(limits) < spec.num_layers:
+            return None
+        parts = [1] * pp
+        for _ in range(spec.num_layers - pp):
+            # The stage with the most room left takes the next layer (ties: the smaller stage).
+            stage = max(range(pp), key=lambda s: (limits[s] - parts[s], -parts[s]))
+            parts[stage] += 1
+        return parts
+
+    low, high, best = 1, 1 << 26, None
+    while low <= high:
+        mid = (low + high) // 2
+        parts = split(caps(mid))
+        if parts is not None:
+            best, low = parts, mid + 1
+        else:
+            high = mid - 1
+    return best
+
+
+# -- choosing ----------------------------------------------------------------------------------
+
+
+def _layout(tp: int, pp: int) -> str:
+    return f"tp={tp}, pp={pp}"
+
+
+def _even_tp(spec: ModelSpec, tp: int) -> bool:
+    """vLLM's condition: tp divides the heads, and divides or is a multiple of the KV heads."""
+    kv = spec.num_kv_heads
+    return spec.num_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None = None) -> Plan:
+    options = options or PlanOptions()
+    ctx = _resolve(spec, inventory, options)
+    rejected: list[tuple[str, str]] = []
+    alternatives: list[tuple[str, str]] = []
+    if options.device == "cpu" or options.tensor_parallel_size or options.pipeline_parallel_size:
+        tp, pp = options.tensor_parallel_size or 1, options.pipeline_parallel_size or 1
+        valid = valid_tp_sizes(spec.num_heads, spec.num_kv_heads)
+        if tp not in valid:
+            raise ConfigError(
+                f"tensor_parallel_size={tp} cannot split {spec.num_heads} attention heads "
+                f"({spec.num_kv_heads} KV heads)",
+                f"use one of {', '.join(map(str, valid))}",
+            )
+        chosen = _evaluate(ctx, tp, pp, options.pipeline_layer_partition)
+        reasons = [f"{_layout(tp, pp)} as asked"]
+        if not chosen.fits(ctx):
+            raise _too_big(ctx, [chosen], f"the asked layout {_layout(tp, pp)}")
+        return _finish(ctx, chosen, reasons, rejected, alternatives)
+
+    need = ctx.max_model_len * options.min_concurrency
+    want = f"room for {options.min_concurrency} request(s) of {ctx.max_model_len:,} tokens"
+    gpus, nodes = ctx.gpus_per_node, ctx.nodes
+    pcie = any(n.interconnect == "pcie" for n in inventory.nodes if n.gpus)
+    tried: list[_Eval] = []
+
+    def attempt(tp: int, pp: int) -> _Eval | None:
+        if pp > spec.num_layers:
+            rejected.append((_layout(tp, pp), f"more stages than the {spec.num_layers} layers"))
+            return None
+        evaluation = _evaluate(ctx, tp, pp)
+        tried.append(evaluation)
+        if evaluation.fits(ctx):
+            return evaluation
+        held = evaluation.blocks * options.block_size
+        rejected.append((_layout(tp, pp), f"holds {held:,} KV tokens, needs {need:,}"))
+        return None
+
+    def allowed(tp: int) -> bool:
+        return _even_tp(spec, tp) or (
+            options.allow_uneven_tp and tp in valid_tp_sizes(spec.num_heads, spec.num_kv_heads)
+        )
+
+    # 1. One GPU.
+    chosen = attempt(1, 1)
+    if chosen is not None:
+        reasons = [f"the model fits one GPU with {want}: no distributed inference needed"]
+        if gpus > 1 and allowed(gpus):
+            wide = _evaluate(ctx, gpus, 1)
+            ratio = wide.blocks / max(chosen.blocks, 1)
+            alternatives.append(
+                (
+                    _layout(gpus, 1),
+                    f"the node's full width: {ratio:.1f}x the KV cache, for throughput",
+                )  # fmt: skip
+            )
+        return _finish(ctx, chosen, reasons, rejected, alternatives)
+
+    # 2. One node.
+    if gpus > 1:
+        if pcie:
+            for k in range(2, gpus + 1):
+                chosen = attempt(1, k)
+                if chosen is not None:
+                    reasons = [
+                        f"too big for one GPU; fits {k} GPUs of one node with {want}",
+                        "no NVLink (PCIe): pipeline stages inside the node, whose activations "
+                        "cross the link once per stage instead of twice per layer",
+                    ]
+                    return _finish(ctx, chosen, reasons, rejected, alternatives)
+        else:
+            for tp in range(2, gpus + 1):
+                if not allowed(tp):
+                    if tp in valid_tp_sizes(spec.num_heads, spec.num_kv_heads):
+                        uneven = _evaluate(ctx, tp, 1)
+                        if uneven.fits(ctx):
+                            chosen = attempt(1, tp)
+                            if chosen is not None:
+                                reasons = [
+                                    f"too big for one GPU; {tp} GPUs hold it, but tp={tp} does "
+                                    f"not divide {spec.num_heads} heads ({spec.num_kv_heads} KV)",
+                                    f"so pipeline parallel over {tp} GPUs (tp=1, pp={tp}), which "
+                                    "splits layers unevenly (--allow-uneven-tp would use tp)",
+                                ]
+                                return _finish(ctx, chosen, reasons, rejected, alternatives)
+                    rejected.append(
+                        (_layout(tp, 1), f"tp={tp} does not divide {spec.num_heads} heads")
+                    )
+                    continue
+                chosen = attempt(tp, 1)
+                if chosen is not None:
+                    reasons = [
+                        f"too big for one GPU; fits one node with tensor parallel over {tp} "
+                        f"GPUs with {want}",
+                        f"tp={tp} is the smallest tensor-parallel size that fits",
+                    ]
+                    if tp < gpus and allowed(gpus):
+                        wide = _evaluate(ctx, gpus, 1)
+                        ratio = wide.blocks / max(chosen.blocks, 1)
+                        alternatives.append(
+                            (
+                                _layout(gpus, 1),
+                                f"the node's full width: {ratio:.1f}x the KV cache, for throughput",
+                            )  # fmt: skip
+                        )
+                    return _finish(ctx, chosen, reasons, rejected, alternatives)
+
+    # 3. Across nodes: tp = GPUs per node, pp = nodes used.
+    tp = max((t for t in range(1, gpus + 1) if allowed(t)), default=1)
+    for n in range(2, nodes + 1):
+        chosen = attempt(tp, n)
+        if chosen is not None:
+            reasons = [
+                f"too big for one node; fits {n} nodes with {want}",
+                f"tensor parallel inside each node (tp={tp}"
+                + ("" if tp == gpus else f", the largest size <= {gpus} that divides the heads")
+                + f"), pipeline parallel across the {n} nodes (pp={n})",
+            ]
+            return _finish(ctx, chosen, reasons, rejected, alternatives)
+    raise _too_big(ctx, tried, f"{nodes} node(s) x {gpus} GPU(s) of {ctx.gpu_gib:g} GiB")
+
+
+def _finish(ctx: _Ctx, chosen: _Eval, reasons, rejected, alternatives) -> Plan:
+    spec, opts = ctx.spec, ctx.options
+    tp, pp = chosen.tp, chosen.pp
+    world = tp * pp
+    if opts.device == "cpu":
+        nodes_used = 1
+    else:
+        nodes_used = math.ceil(world / ctx.gpus_per_node) if world > ctx.gpus_per_node else 1
+    backend = "uni" if world == 1 else ("ray" if nodes_used > 1 else "mp")
+    reasons = list(reasons)
+    if not chosen.default_parts:
+        reasons.append(
+            f"uneven layer split {','.join(map(str, chosen.parts))}: the first and last stages "
+            "also hold the embedding and the LM head, so they take fewer layers and every stage "
+            "keeps about the same room for KV cache"
+        )
+    blocks = chosen.blocks
+    worst = min(chosen.ranks, key=lambda r: r.num_blocks)
+    reasons.append(
+        f"the KV cache has {blocks:,} blocks: as many as rank {worst.rank} (the fewest) holds"
+    )
+    serve = ["llmctl", "serve", spec.name if _is_catalog(spec) else spec.name]
+    serve += ["-tp", str(tp)] if tp > 1 else []
+    serve += ["-pp", str(pp)] if pp > 1 else []
+    if world > 1:
+        serve += ["--distributed-executor-backend", backend]
+    if not chosen.default_parts:
+        serve += ["--pipeline-layer-partition", ",".join(map(str, chosen.parts))]
+    if ctx.max_model_len != spec.max_position_embeddings:
+        serve += ["--max-model-len", str(ctx.max_model_len)]
+    if opts.dtype != "auto":
+        serve += ["--dtype", ctx.dtype]
+    commands = {"serve": " ".join(serve)}
+    if nodes_used > 1:
+        source = ctx.inventory.source if ctx.inventory.source != "<flags>" else "cluster.yaml"
+        commands["cluster_up"] = f"llmctl cluster up -i {source}"
+        commands["serve"] = " ".join(serve[:2] + ["-i", source] + serve[2:])
+    return Plan(
+        model=spec.name,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        nodes_used=nodes_used,
+        gpus_used=world,
+        layer_partition=chosen.parts,
+        default_partition=chosen.default_parts,
+        distributed_executor_backend=backend,
+        dtype=ctx.dtype,
+        kv_cache_dtype=opts.kv_cache_dtype,
+        block_size=opts.block_size,
+        max_model_len=ctx.max_model_len,
+        num_kv_blocks=blocks,
+        ranks=chosen.ranks,
+        reasons=tuple(reasons),
+        rejected=tuple(rejected),
+        alternatives=tuple(alternatives),
+        commands=commands,
+    )
+
+
+def _is_catalog(spec: ModelSpec) -> bool:
+    from llmctl.cluster.catalog import CATALOG
+
+    return CATALOG.get(spec.name) is spec
+
+
+def _too_big(ctx: _Ctx, tried: list[_Eval], what: str) -> PlanError:
+    """How much memory is missing, and what would fit instead."""
+    spec, opts = ctx.spec, ctx.options
+    need_tokens = ctx.max_model_len * opts.min_concurrency
+    weights = spec.total_params() * ctx.dtype_bytes
+    kv = need_tokens * spec.kv_bytes_per_token(spec.num_layers, 0, 1, ctx.kv_bytes)
+    if opts.device == "cpu":
+        best = max(tried, key=lambda e: e.blocks) if tried else None
+        held = best.blocks * opts.block_size if best else 0
+        return PlanError(
+            f"the KV cache of {opts.kv_cache_space_gib} GiB per rank holds {held:,} tokens; "
+            f"{need_tokens:,} are needed ({opts.min_concurrency} x {ctx.max_model_len:,})",
+            "raise --kv-cache-space-gib, or lower --max-model-len or --min-concurrency",
+        )
+    gpus_total = ctx.gpus_per_node * ctx.nodes
+    usable = ctx.gpu_gib * opts.gpu_memory_utilization * GIB
+    per_gpu_overhead = _activation_bytes(ctx, 0, 1) + GPU_FIXED_RESERVE
+    needed = weights + kv + per_gpu_overhead * gpus_total
+    available = usable * gpus_total
+    missing = max(needed - available, 0)
+    hints = []
+    room = usable - per_gpu_overhead
+    if room > 0:
+        hints.append(f"about {math.ceil((weights + kv) / room)} GPUs of {ctx.gpu_gib:g} GiB")
+    for label, bytes_per in (("8-bit", 1), ("4-bit", 0.5)):
+        if weights / ctx.dtype_bytes * bytes_per + kv + per_gpu_overhead * gpus_total <= available:
+            hints.append(
+                f"{label} quantized weights ({_gib(weights / ctx.dtype_bytes * bytes_per)})"
+            )
+            break
+    shorter = _longest_fitting_len(ctx, tried)
+    if shorter:
+        hints.append(f"--max-model-len {shorter}")
+    message = (
+        f"{spec.name} does not fit {what} with room for {opts.min_concurrency} request(s) of "
+        f"{ctx.max_model_len:,} tokens: weights {_gib(weights)} + KV cache {_gib(kv)} + "
+        f"activations and reserve {_gib(per_gpu_overhead)} per GPU"
+    )
+    if missing:
+        message += f"; {_gib(missing)} more memory is needed"
+    return PlanError(message, "what would fit: " + ("; ".join(hints) or "a larger inventory"))
+
+
+def _longest_fitting_len(ctx: _Ctx, tried: list[_Eval]) -> int | None:
+    best = max((e.blocks for e in tried), default=0)
+    tokens = best * ctx.options.block_size // ctx.options.min_concurrency
+    return tokens if 0 < tokens < ctx.max_model_len else None

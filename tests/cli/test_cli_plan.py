@@ -1,0 +1,83 @@
+"""`llmctl plan` as a user runs it: tables, JSON, inventory files and errors."""
+
+from __future__ import annotations
+
+import json
+
+from llmctl.cluster.catalog import CATALOG
+
+
+def test_list_models_shows_the_catalog(invoke):
+    result = invoke("plan", "--list-models", "--json")
+    assert result.exit_code == 0
+    names = [row["name"] for row in json.loads(result.stdout)]
+    assert names == list(CATALOG)
+    for required in ("Llama-3.1-405B", "Mixtral-8x7B", "Qwen2.5-72B", "OPT-13B", "GPT-2"):
+        assert required in names
+
+
+def test_json_plan_for_two_nodes(invoke):
+    result = invoke("plan", "Llama-3.1-405B", "--nodes", "2", "--max-model-len", "8192", "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert (plan["tensor_parallel_size"], plan["pipeline_parallel_size"]) == (8, 2)
+    assert plan["nodes_used"] == 2 and plan["gpus_used"] == 16
+    assert sum(plan["layer_partition"]) == 126
+    assert plan["kv_cache_tokens"] == plan["num_kv_blocks"] * plan["block_size"]
+    assert plan["max_concurrency"] == round(plan["kv_cache_tokens"] / 8192, 2)
+    assert plan["distributed_executor_backend"] == "ray"
+    assert plan["commands"]["cluster_up"].startswith("llmctl cluster up -i")
+
+
+def test_table_output_has_the_engine_lines_and_commands(invoke):
+    result = invoke("plan", "Llama-3.1-70B", "--max-model-len", "8192", env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "tensor_parallel_size=2" in out
+    assert "# KV cache blocks:" in out and "KV cache size:" in out
+    assert "Maximum concurrency for 8,192 tokens per request:" in out
+    assert "Why" in out and "Rejected" in out
+    assert "llmctl serve Llama-3.1-70B -tp 2 --distributed-executor-backend mp" in out
+
+
+def test_inventory_file(invoke, tmp_path):
+    inventory = tmp_path / "cluster.yaml"
+    inventory.write_text(
+        "name: t\nnodes:\n  - {host: 10.0.0.1, gpus: 4, gpu_memory_gib: 48, interconnect: pcie}\n"
+    )
+    result = invoke(
+        "plan", "Llama-2-70B", "-i", str(inventory), "--max-model-len", "4096", "--json"
+    )
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert (plan["tensor_parallel_size"], plan["pipeline_parallel_size"]) == (1, 4)
+
+
+def test_malformed_inventory_names_line_and_key(invoke, tmp_path):
+    inventory = tmp_path / "cluster.yaml"
+    inventory.write_text("name: t\nnodes:\n  - {host: 10.0.0.1, gpus: 4, gpu_mem: 48}\n")
+    result = invoke("plan", "GPT-2", "-i", str(inventory))
+    assert result.exit_code == 1
+    assert f"error: {inventory} line 3, nodes[0].gpu_mem: unknown key" in result.stderr
+    assert "gpu_memory_gib" in result.stderr
+
+
+def test_too_big_exits_non_zero(invoke):
+    result = invoke("plan", "Llama-3.1-405B", "--gpus-per-node", "2", "--gpu-memory-gib", "24")
+    assert result.exit_code == 1
+    assert "more memory is needed" in result.stderr
+    as_json = invoke("plan", "Llama-3.1-405B", "--gpus-per-node", "2", "--json")
+    assert as_json.exit_code == 1
+    assert "more memory is needed" in json.loads(as_json.stdout)["error"]
+
+
+def test_local_model_directory(invoke, tiny_models):
+    result = invoke("plan", str(tiny_models.path("gpt2")), "--gpus-per-node", "1", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["tensor_parallel_size"] == 1
+
+
+def test_unknown_model(invoke):
+    result = invoke("plan", "Llama-9-1T")
+    assert result.exit_code == 1
+    assert "--list-models" in result.stderr

@@ -1,0 +1,111 @@
+"""The planner against independent counts: catalog weights against transformers' own models (on
+the meta device), and predicted KV capacity against what the engine then logs."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+
+from llmctl.cluster.catalog import CATALOG
+from llmctl.cluster.inventory import inventory_from_flags
+from llmctl.cluster.model_spec import ModelSpec, load_model_spec
+from llmctl.cluster.plan import PlanOptions, make_plan
+from llmctl.engine import LLM
+
+
+def _hf_config(spec: ModelSpec):
+    """The Hugging Face config of a catalog entry, built independently of ModelSpec's counting."""
+    from transformers import (
+        GPT2Config,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        OPTConfig,
+        Qwen2Config,
+    )
+
+    common = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+    )
+    if spec.architecture == "GPT2LMHeadModel":
+        return GPT2Config(
+            vocab_size=spec.vocab_size,
+            n_embd=spec.hidden_size,
+            n_layer=spec.num_layers,
+            n_head=spec.num_heads,
+            n_positions=spec.max_position_embeddings,
+        )
+    if spec.architecture == "OPTForCausalLM":
+        return OPTConfig(
+            vocab_size=spec.vocab_size,
+            hidden_size=spec.hidden_size,
+            ffn_dim=spec.intermediate_size,
+            num_hidden_layers=spec.num_layers,
+            num_attention_heads=spec.num_heads,
+            max_position_embeddings=spec.max_position_embeddings,
+            word_embed_proj_dim=spec.hidden_size,
+        )
+    if spec.architecture == "MixtralForCausalLM":
+        return MixtralConfig(**common, num_local_experts=spec.num_experts)
+    if spec.architecture == "Qwen2ForCausalLM":
+        return Qwen2Config(**common)
+    if spec.architecture == "MistralForCausalLM":
+        return MistralConfig(**common, head_dim=spec.head_dim)
+    return LlamaConfig(**common, head_dim=spec.head_dim)
+
+
+@pytest.mark.parametrize("name", list(CATALOG))
+def test_catalog_weight_memory_matches_the_parameter_count(name):
+    from transformers import AutoModelForCausalLM
+
+    spec = CATALOG[name]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_hf_config(spec))
+    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    plan = make_plan(
+        spec,
+        inventory_from_flags(1, 1, 10_000),
+        PlanOptions(max_model_len=1024, dtype="bfloat16", tensor_parallel_size=1),
+    )
+    assert plan.ranks[0].weight_bytes == pytest.approx(params * 2, rel=0.02)
+
+
+def _engine_kv_tokens(caplog, model, **kwargs) -> int:
+    with caplog.at_level(logging.INFO, logger="llmctl"):
+        caplog.clear()
+        llm = LLM(model, use_tqdm_on_load=False, **kwargs)
+        llm.shutdown()
+    match = re.search(r"KV cache size: ([\d,]+) tokens", caplog.text)
+    return int(match.group(1).replace(",", ""))
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [{}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+    ids=["tp1", "tp2", "pp2"],
+)
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_plan_predicts_the_engines_kv_cache(which, layout, tiny_models, caplog):
+    space = 0.05
+    model = str(tiny_models.path("llama-9-heads")) if which == "tiny" else None
+    spec = load_model_spec(model)
+    plan = make_plan(
+        spec,
+        inventory_from_flags(1, 2, 1),
+        PlanOptions(device="cpu", kv_cache_space_gib=space, max_model_len=256, **layout),
+    )
+    backend = {"distributed_executor_backend": "mp"} if layout else {}
+    engine = _engine_kv_tokens(
+        caplog, model, kv_cache_space_gib=space, max_model_len=256, **layout, **backend
+    )
+    assert plan.kv_cache_tokens == pytest.approx(engine, rel=0.02)

@@ -1,0 +1,141 @@
+"""make_plan follows the seeds' rules, then does better (pure: no torch, no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmctl.cluster.catalog import CATALOG, find_in_catalog
+from llmctl.cluster.errors import PlanError
+from llmctl.cluster.inventory import inventory_from_flags
+from llmctl.cluster.model_spec import ModelSpec
+from llmctl.cluster.plan import PlanOptions, make_plan
+from llmctl.engine.errors import ConfigError
+
+SHORT = PlanOptions(max_model_len=4096)
+
+
+def test_fits_one_gpu():
+    plan = make_plan(CATALOG["Llama-3.1-8B"], inventory_from_flags(1, 8, 80), SHORT)
+    assert (plan.tensor_parallel_size, plan.pipeline_parallel_size) == (1, 1)
+    assert plan.distributed_executor_backend == "uni"
+    assert plan.alternatives and plan.alternatives[0][0] == "tp=8, pp=1"  # throughput option
+
+
+def test_model_needing_4_gpus_on_a_4_gpu_node_gets_tp4():
+    # Llama-2-70B in float16 is 138 GB: two 48 GB GPUs cannot hold it, four can.
+    plan = make_plan(CATALOG["Llama-2-70B"], inventory_from_flags(1, 4, 48), SHORT)
+    assert (plan.tensor_parallel_size, plan.pipeline_parallel_size) == (4, 1)
+    assert plan.distributed_executor_backend == "mp"
+    assert any(layout.startswith("tp=2") for layout, _ in plan.rejected)
+
+
+def test_16_gpus_in_2_nodes_for_a_model_too_big_for_one_node():
+    plan = make_plan(CATALOG["Llama-3.1-405B"], inventory_from_flags(2, 8, 80), SHORT)
+    assert (plan.tensor_parallel_size, plan.pipeline_parallel_size) == (8, 2)
+    assert plan.nodes_used == 2 and plan.gpus_used == 16
+    assert plan.distributed_executor_backend == "ray"
+    assert plan.commands["cluster_up"] == "llmctl cluster up -i cluster.yaml"
+    assert "-tp 8 -pp 2 --distributed-executor-backend ray" in plan.commands["serve"]
+
+
+def test_gpu_count_that_does_not_divide_the_heads_gives_pipeline_parallel():
+    # Llama-2-13B (40 heads, 26 GB in float16) on 3 GPUs of 16 GB: tp=2 is too small and tp=3
+    # does not divide 40 heads, so tp=1, pp=3.
+    plan = make_plan(CATALOG["Llama-2-13B"], inventory_from_flags(1, 3, 16), SHORT)
+    assert (plan.tensor_parallel_size, plan.pipeline_parallel_size) == (1, 3)
+    assert any("does not divide 40 heads" in r for r in plan.reasons)
+    uneven = make_plan(
+        CATALOG["Llama-2-13B"],
+        inventory_from_flags(1, 3, 16),
+        PlanOptions(max_model_len=4096, allow_uneven_tp=True),
+    )
+    assert (uneven.tensor_parallel_size, uneven.pipeline_parallel_size) == (3, 1)
+
+
+def test_pcie_nodes_prefer_pipeline_parallel():
+    plan = make_plan(CATALOG["Llama-2-70B"], inventory_from_flags(1, 4, 48, "pcie"), SHORT)
+    assert (plan.tensor_parallel_size, plan.pipeline_parallel_size) == (1, 4)
+    assert any("PCIe" in r for r in plan.reasons)
+
+
+def test_uneven_layer_split_balances_the_stages():
+    # Llama-3.1-70B's 128k-token vocabulary: the embedding and LM head outweigh a layer.
+    inventory = inventory_from_flags(1, 8, 40, "pcie")
+    plan = make_plan(CATALOG["Llama-3.1-70B"], inventory, PlanOptions(max_model_len=8192))
+    parts = plan.layer_partition
+    assert plan.pipeline_parallel_size == len(parts) and sum(parts) == 80
+    assert not plan.default_partition
+    assert parts[0] < max(parts) and parts[-1] < max(parts)  # the embedding and LM head stages
+    assert "--pipeline-layer-partition " + ",".join(map(str, parts)) in plan.commands["serve"]
+    even = make_plan(
+        CATALOG["Llama-3.1-70B"],
+        inventory,
+        PlanOptions(
+            max_model_len=8192, pipeline_parallel_size=5, pipeline_layer_partition=(16,) * 5
+        ),
+    )
+    assert even.layer_partition == (16,) * 5 and plan.num_kv_blocks > even.num_kv_blocks
+
+
+def test_min_concurrency_needs_more_gpus():
+    one = make_plan(CATALOG["Llama-3.1-70B"], inventory_from_flags(1, 8, 80), SHORT)
+    many = make_plan(
+        CATALOG["Llama-3.1-70B"],
+        inventory_from_flags(1, 8, 80),
+        PlanOptions(max_model_len=4096, min_concurrency=64),
+    )
+    assert many.tensor_parallel_size > one.tensor_parallel_size
+    assert many.kv_cache_tokens >= 64 * 4096
+
+
+def test_too_big_says_what_is_missing_and_what_would_fit():
+    with pytest.raises(PlanError) as err:
+        make_plan(CATALOG["Llama-3.1-70B"], inventory_from_flags(1, 4, 24), SHORT)
+    assert "GiB more memory is needed" in err.value.message
+    assert "GPUs of 24 GiB" in err.value.hint
+    assert "8-bit quantized weights" in err.value.hint
+
+
+def test_shorter_context_suggested_when_only_length_is_the_problem():
+    with pytest.raises(PlanError) as err:
+        make_plan(CATALOG["Llama-3.1-8B"], inventory_from_flags(1, 1, 24), PlanOptions())
+    assert "--max-model-len" in err.value.hint
+
+
+def test_log_lines_and_json():
+    plan = make_plan(CATALOG["Llama-3.1-8B"], inventory_from_flags(1, 8, 80), SHORT)
+    assert plan.log_lines()[0] == f"# KV cache blocks: {plan.num_kv_blocks} (block size 16)"
+    assert plan.log_lines()[1] == f"KV cache size: {plan.num_kv_blocks * 16:,} tokens"
+    data = plan.to_json()
+    for key in (
+        "tensor_parallel_size", "pipeline_parallel_size", "nodes_used", "gpus_used",
+        "layer_partition", "per_gpu_weight_gib", "per_gpu_kv_cache_gib", "kv_cache_tokens",
+        "num_kv_blocks", "block_size", "max_model_len", "max_concurrency",
+        "distributed_executor_backend", "reasons", "commands",
+    ):  # fmt: skip
+        assert key in data, key
+    assert data["max_concurrency"] == round(plan.kv_cache_tokens / 4096, 2)
+
+
+def test_forced_layout_is_evaluated_and_checked():
+    spec = CATALOG["SmolLM2-135M-Instruct"]
+    plan = make_plan(spec, inventory_from_flags(1, 8, 80), PlanOptions(tensor_parallel_size=2))
+    assert plan.tensor_parallel_size == 2
+    assert plan.ranks[0].weight_bytes > plan.ranks[1].weight_bytes  # 6+3 heads: uneven
+    with pytest.raises(ConfigError) as err:
+        make_plan(spec, inventory_from_flags(1, 8, 80), PlanOptions(tensor_parallel_size=16))
+    assert "1, 2, 3, 4, 5, 6, 7, 8, 9" in err.value.hint
+
+
+def test_catalog_lookup_by_hub_id():
+    assert find_in_catalog("facebook/opt-13b") is CATALOG["OPT-13B"]
+    assert find_in_catalog("gpt2") is CATALOG["GPT-2"]
+    assert find_in_catalog("llama-3.1-8b") is CATALOG["Llama-3.1-8B"]
+    assert find_in_catalog("nope") is None
+
+
+def test_tied_lm_head_counts_once_unless_stages_split_it():
+    spec: ModelSpec = CATALOG["SmolLM2-135M-Instruct"]
+    tied = spec.embedding_params() + spec.head_params(with_embedding=True)
+    split = spec.embedding_params() + spec.head_params(with_embedding=False)
+    assert split - tied == spec.vocab_size * spec.hidden_size
