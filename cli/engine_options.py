@@ -130,6 +130,23 @@ Model = Annotated[
 ]
 
 
-def engine_kwargs(**options) -> dict:
-    """EngineArgs keywords for the options the user gave (None: leave the engine's default)."""
-    return {name: value for name, value in options.items() if value is not None}
+# The EngineArgs options above, as parameters of a command (each command declares them).
+ENGINE_OPTIONS = (
+    "dtype",
+    "max_model_len",
+    "kv_cache_space_gib",
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "distributed_executor_backend",
+    "pipeline_layer_partition",
+)
+
+
+def engine_kwargs(parameters: dict) -> dict:
+    """EngineArgs keywords from a command's parameters (its `locals()`): the engine options the
+    user gave; None leaves the engine's default."""
+    return {name: parameters[name] for name in ENGINE_OPTIONS if parameters.get(name) is not None}

@@ -140,19 +140,7 @@ def generate(
         ignore_eos=ignore_eos,
         seed=seed,
     )
-    options = engine_kwargs(
-        dtype=dtype,
-        max_model_len=max_model_len,
-        kv_cache_space_gib=kv_cache_space_gib,
-        block_size=block_size,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        enable_prefix_caching=enable_prefix_caching,
-        tensor_parallel_size=tensor_parallel_size,
-        pipeline_parallel_size=pipeline_parallel_size,
-        distributed_executor_backend=distributed_executor_backend,
-        pipeline_layer_partition=pipeline_layer_partition,
-    )
+    options = engine_kwargs(locals())
 
     from llmctl.engine.llm import LLM
 

@@ -87,21 +87,7 @@ def serve(
     from llmctl.engine.server.api_server import run_server
 
     engine_args = EngineArgs(
-        model=model,
-        served_model_name=served_model_name,
-        **engine_kwargs(
-            dtype=dtype,
-            max_model_len=max_model_len,
-            kv_cache_space_gib=kv_cache_space_gib,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            distributed_executor_backend=distributed_executor_backend,
-            pipeline_layer_partition=pipeline_layer_partition,
-        ),
+        model=model, served_model_name=served_model_name, **engine_kwargs(locals())
     )
     key = api_key or os.environ.get("LLMCTL_API_KEY") or None
     if state.progress:

@@ -432,14 +432,7 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
     if chosen is not None:
         reasons = [f"the model fits one GPU with {want}: no distributed inference needed"]
         if gpus > 1 and allowed(gpus):
-            wide = _evaluate(ctx, gpus, 1)
-            ratio = wide.blocks / max(chosen.blocks, 1)
-            alternatives.append(
-                (
-                    _layout(gpus, 1),
-                    f"the node's full width: {ratio:.1f}x the KV cache, for throughput",
-                )  # fmt: skip
-            )
+            alternatives.append(_full_width(ctx, chosen, gpus))
         return _finish(ctx, chosen, reasons, rejected, alternatives)
 
     # 2. One node.
@@ -481,14 +474,7 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
                         f"tp={tp} is the smallest tensor-parallel size that fits",
                     ]
                     if tp < gpus and allowed(gpus):
-                        wide = _evaluate(ctx, gpus, 1)
-                        ratio = wide.blocks / max(chosen.blocks, 1)
-                        alternatives.append(
-                            (
-                                _layout(gpus, 1),
-                                f"the node's full width: {ratio:.1f}x the KV cache, for throughput",
-                            )  # fmt: skip
-                        )
+                        alternatives.append(_full_width(ctx, chosen, gpus))
                     return _finish(ctx, chosen, reasons, rejected, alternatives)
 
     # 3. Across nodes: tp = GPUs per node, pp = nodes used.
@@ -504,6 +490,12 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
             ]
             return _finish(ctx, chosen, reasons, rejected, alternatives)
     raise _too_big(ctx, tried, f"{nodes} node(s) x {gpus} GPU(s) of {ctx.gpu_gib:g} GiB")
+
+
+def _full_width(ctx: _Ctx, chosen: _Eval, gpus: int) -> tuple[str, str]:
+    """The throughput option: tensor parallel over the whole node."""
+    ratio = _evaluate(ctx, gpus, 1).blocks / max(chosen.blocks, 1)
+    return _layout(gpus, 1), f"the node's full width: {ratio:.1f}x the KV cache, for throughput"
 
 
 def _finish(ctx: _Ctx, chosen: _Eval, reasons, rejected, alternatives) -> Plan:

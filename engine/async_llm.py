@@ -166,12 +166,15 @@ class AsyncLLM:
             for output in outputs:
                 self._deliver(output.request_id, output, output.finished)
 
-    def _drain_commands(self) -> None:
+    def _pending_commands(self):
         while True:
             try:
-                command = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
-                break
+                return
+
+    def _drain_commands(self) -> None:
+        for command in self._pending_commands():
             if isinstance(command, _Add):
                 try:
                     self.engine.add_request(command.request_id, command.prompt, command.params)
@@ -203,11 +206,6 @@ class AsyncLLM:
         logger.error("engine stopped: %s", error.message)
         for request_id in list(self._streams):
             self._deliver(request_id, error, last=True)
-        # Requests posted after the failure fail at once.
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
+        for command in self._pending_commands():  # posted before the failure was known
             if isinstance(command, _Add):
                 command.accepted.set_exception(error)

@@ -104,3 +104,33 @@ class TinyModels:
 
     def path(self, family: str, **kw) -> Path:
         return self.get(family, **kw)[0]
+
+
+def _proc_stat(pid: str) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name: state, ppid, pgrp, session, ..."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def live_pids(*, parent: int | None = None, session: int | None = None) -> set[int]:
+    """Live (not zombie) processes with this parent, or in this session."""
+    import os
+
+    found = set()
+    for entry in os.listdir("/proc"):
+        fields = _proc_stat(entry) if entry.isdigit() else None
+        if fields is None or fields[0] == "Z":
+            continue
+        if (parent is not None and int(fields[1]) == parent) or (
+            session is not None and int(fields[3]) == session
+        ):
+            found.add(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    fields = _proc_stat(str(pid))
+    return fields is not None and fields[0] != "Z"

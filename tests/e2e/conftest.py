@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support import live_pids
 
 LLMCTL = str(Path(sys.executable).with_name("llmctl"))
 
@@ -25,18 +26,7 @@ def free_port() -> int:
 
 def session_pids(session: int) -> set[int]:
     """Live processes of a session: the server and every worker it started."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session and fields[0] != "Z":
-            found.add(int(entry))
-    return found
+    return live_pids(session=session)
 
 
 @dataclass

@@ -12,6 +12,7 @@ import time
 import httpx
 import openai
 import pytest
+from support import live_pids
 
 from llmctl.engine import LLM, SamplingParams
 
@@ -370,23 +371,9 @@ def test_parallel_layouts_answer_like_the_offline_engine(server_factory, tiny, o
     assert server.stop() == 0
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
 def test_killed_worker_fails_requests_and_health(server_factory, tiny):
     server = server_factory(tiny, *TINY_ARGS, "-tp", "2", "--distributed-executor-backend", "mp")
-    workers = _children(server.process.pid)
+    workers = sorted(live_pids(parent=server.process.pid))
     assert len(workers) == 2
     outcomes = []
 

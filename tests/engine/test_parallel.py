@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from support import VOCAB
+from support import VOCAB, alive, live_pids
 
 from llmctl.engine import LLM, SamplingParams
 from llmctl.engine.errors import ConfigError, EngineDeadError
@@ -36,18 +36,7 @@ def prompts(seed: int = 0) -> list[list[int]]:
 
 def child_pids() -> set[int]:
     """Live (not zombie) processes whose parent is this test process."""
-    me, found = os.getpid(), set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == me and fields[0] != "Z":
-            found.add(int(entry))
-    return found
+    return live_pids(parent=os.getpid())
 
 
 @pytest.fixture(scope="module")
@@ -214,18 +203,7 @@ llm.shutdown()
 
 def session_pids(session: int) -> set[int]:
     """Live processes of a session (a shell's Ctrl-C reaches its whole foreground group)."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session and fields[0] != "Z":
-            found.add(int(entry))
-    return found
+    return live_pids(session=session)
 
 
 _SCRIPT_HEAD = """
@@ -251,14 +229,6 @@ def _run_script(body: str, path) -> subprocess.Popen:
     )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_garbage_collection_and_exit_stop_the_workers(tiny_models):
     body = """
 del llm
@@ -275,7 +245,7 @@ print("second", *[r["pid"] for r in second.llm_engine.executor.rank_info()], flu
     assert lines["collected"] == []  # garbage collection stopped the first workers
     assert len(lines["second"]) == 2
     for pid in map(int, lines["second"]):
-        assert not _alive(pid)
+        assert not alive(pid)
     assert not session_pids(proc.pid)
 
 
@@ -296,7 +266,7 @@ llm.generate([[5, 6, 7]] * 8, params, use_tqdm=False)
     while session_pids(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not session_pids(proc.pid)
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
 
 
 def test_layer_partition_from_the_environment(tiny_models, monkeypatch):
