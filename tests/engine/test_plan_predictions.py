@@ -109,3 +109,13 @@ def test_plan_predicts_the_engines_kv_cache(which, layout, tiny_models, caplog):
         caplog, model, kv_cache_space_gib=space, max_model_len=256, **layout, **backend
     )
     assert plan.kv_cache_tokens == pytest.approx(engine, rel=0.02)
+
+
+def test_gguf_file_is_read_like_its_catalog_entry():
+    from llmctl.engine.model_loader.default_model import default_model_path
+
+    spec = load_model_spec(str(default_model_path()))
+    catalog = CATALOG["SmolLM2-135M-Instruct"]
+    assert (spec.num_layers, spec.num_heads, spec.num_kv_heads) == (30, 9, 3)
+    assert spec.tie_word_embeddings and spec.vocab_size == 49152
+    assert spec.total_params() == catalog.total_params()
