@@ -1,0 +1,107 @@
+"""Every command the launcher runs on a node, as an argv list built by a pure function.
+
+Nothing here executes anything: `launcher.py` hands these lists to a Transport, and `--dry-run`
+prints them with `shlex.join`. User values (paths, names, addresses) are argv elements, never
+pieces of a shell string.
+"""
+
+from __future__ import annotations
+
+RAY_PORT = 6379
+DEFAULT_SHM_SIZE = "10.24g"  # the seeds' --shm-size: NCCL and torch share memory through it
+HF_HOME_IN_CONTAINER = "/root/.cache/huggingface"
+LABEL_CLUSTER = "llmctl.cluster"
+LABEL_ROLE = "llmctl.role"
+LABEL_CONFIG = "llmctl.config-hash"
+
+# Printed inside a container: the versions `cluster status` and `doctor` compare across nodes.
+VERSIONS_SCRIPT = """\
+import json, platform, importlib.metadata as m
+def v(name):
+    try:
+        return m.version(name)
+    except m.PackageNotFoundError:
+        return None
+print(json.dumps({"python": platform.python_version(), "torch": v("torch"), "ray": v("ray"),
+                  "llmctl": v("llmctl")}))
+"""
+
+
+def ray_start_argv(
+    role: str, node_ip: str, head_ip: str, gpus: int | None, port: int = RAY_PORT
+) -> list[str]:
+    """`ray start --block` for a head or a worker, its node IP forced to VLLM_HOST_IP."""
+    argv = ["ray", "start", "--block", f"--node-ip-address={node_ip}", "--disable-usage-stats"]
+    if role == "head":
+        argv += ["--head", f"--port={port}"]
+    else:
+        argv += [f"--address={head_ip}:{port}"]
+    if gpus is not None:
+        argv.append(f"--num-gpus={gpus}")
+    return argv
+
+
+def docker_info_argv() -> list[str]:
+    return ["docker", "info", "--format", "{{.ServerVersion}} {{json .Runtimes}}"]
+
+
+def image_id_argv(image: str) -> list[str]:
+    return ["docker", "image", "inspect", "--format", "{{.Id}}", image]
+
+
+def docker_load_argv(path: str) -> list[str]:
+    return ["docker", "load", "--input", path]
+
+
+def docker_inspect_argv(container: str) -> list[str]:
+    return ["docker", "container", "inspect", container]
+
+
+def docker_rm_argv(container: str) -> list[str]:
+    return ["docker", "rm", "--force", container]
+
+
+def docker_logs_argv(container: str, tail: int | None = None) -> list[str]:
+    argv = ["docker", "logs"]
+    if tail is not None:
+        argv += ["--tail", str(tail)]
+    return argv + [container]
+
+
+def docker_exec_argv(container: str, command: list[str]) -> list[str]:
+    return ["docker", "exec", container, *command]
+
+
+def docker_ps_argv(cluster: str) -> list[str]:
+    return [
+        "docker", "ps", "--all", "--filter", f"label={LABEL_CLUSTER}={cluster}",
+        "--format", "{{.Names}}",
+    ]  # fmt: skip
+
+
+def ip_addr_argv() -> list[str]:
+    return ["ip", "-o", "addr", "show"]
+
+
+def model_listing_argv(model: str) -> list[str]:
+    """Name and size of each file of a model directory (or of a single GGUF file). Symlinks are
+    followed: a Hugging Face cache snapshot is a folder of links into its blobs."""
+    return ["find", "-L", model, "-maxdepth", "1", "-type", "f", "-printf", "%f\\t%s\\n"]
+
+
+def sha256_argv(paths: list[str]) -> list[str]:
+    return ["sha256sum", "--", *paths]
+
+
+def ray_status_argv(container: str) -> list[str]:
+    return docker_exec_argv(container, ["ray", "status"])
+
+
+def ray_list_nodes_argv(container: str) -> list[str]:
+    return docker_exec_argv(
+        container, ["ray", "list", "nodes", "--format", "json", "--limit", "1000"]
+    )
+
+
+def versions_argv(container: str) -> list[str]:
+    return docker_exec_argv(container, ["python3", "-c", VERSIONS_SCRIPT])

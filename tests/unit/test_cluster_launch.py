@@ -1,0 +1,243 @@
+"""Pure cluster code: the argv and env file of each node, idempotency hashes, parsers of captured
+output, and preflight problems named per node. No SSH, no Docker (tests/e2e/cluster has those).
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from llmctl.cluster.errors import (
+    ConfigError,
+    DockerUnavailableError,
+    HostUnreachableError,
+    ImageMissingError,
+    ModelMismatchError,
+    NodeNetworkError,
+)
+from llmctl.cluster.inventory import parse_inventory
+from llmctl.cluster.node_launch import NodeFacts, local_launch, node_launches
+from llmctl.cluster.parsers import (
+    DockerInfo,
+    model_fingerprint,
+    parse_docker_info,
+    parse_docker_inspect,
+    parse_ip_addr,
+    parse_listing,
+    parse_ray_nodes,
+    parse_ray_status,
+    parse_sha256sum,
+)
+from llmctl.cluster.preflight import probe_problems, public_ip_problems, raise_problems
+from llmctl.cluster.probe import NodeProbe
+
+DATA = Path(__file__).parent / "data"
+
+INVENTORY = """\
+name: demo
+image: llmctl:latest
+model: /models/smol
+hf_home: /data/hf
+env: {NCCL_IB_HCA: mlx5, HF_TOKEN: hf_secret}
+nodes:
+  - {host: n1, ip: 10.0.0.1, head: true, gpus: 2}
+  - {host: n2, ip: 10.0.0.2, gpus: 2, env: {GLOO_SOCKET_IFNAME: ens5}}
+"""
+
+FACTS = {
+    "n1": NodeFacts(ifname="eth0", image_id="sha256:aa", home="/root"),
+    "n2": NodeFacts(ifname="eth1", image_id="sha256:aa", home="/home/u"),
+}
+
+
+def launches(**kw):
+    return node_launches(parse_inventory(INVENTORY), FACTS, **kw)
+
+
+def test_head_and_worker_argv():
+    head, worker = launches(secrets={"RAY_AUTH_TOKEN": "t0k"})
+    argv = head.docker_run_argv()
+    assert argv[:3] == ["docker", "run", "--detach"]
+    assert argv[argv.index("--name") + 1] == "llmctl-demo"
+    assert argv[argv.index("--network") + 1] == "host"
+    assert argv[argv.index("--shm-size") + 1] == "10.24g"
+    assert "/data/hf:/root/.cache/huggingface" in argv
+    assert "/models/smol:/models/smol:ro" in argv
+    assert argv[argv.index("--env-file") + 1] == "/root/.llmctl/demo-10.0.0.1.env"
+    image_at = argv.index("llmctl:latest")
+    assert argv[image_at + 1 :] == [
+        "ray", "start", "--block", "--node-ip-address=10.0.0.1", "--disable-usage-stats",
+        "--head", "--port=6379", "--num-gpus=2",
+    ]  # fmt: skip
+    wargv = worker.docker_run_argv()
+    assert wargv[wargv.index("llmctl:latest") + 1 :] == [
+        "ray", "start", "--block", "--node-ip-address=10.0.0.2", "--disable-usage-stats",
+        "--address=10.0.0.1:6379", "--num-gpus=2",
+    ]  # fmt: skip
+    assert worker.env_file == "/home/u/.llmctl/demo-10.0.0.2.env"
+    assert "--gpus" not in argv  # no NVIDIA runtime probed
+
+
+def test_no_value_reaches_the_command_line():
+    """Env values, secrets above all, travel in the env file, never in argv (visible in ps)."""
+    head, _ = launches(secrets={"RAY_AUTH_TOKEN": "t0k"})
+    line = shlex.join(head.docker_run_argv())
+    for value in ("hf_secret", "t0k", "mlx5"):
+        assert value not in line
+    assert head.printable_env()["HF_TOKEN"] == "***"
+    assert head.printable_env()["RAY_AUTH_TOKEN"] == "***"
+    assert "HF_TOKEN=hf_secret\n" in head.env_file_text()
+
+
+def test_env_precedence_per_node():
+    head, worker = launches()
+    h, w = head.env_dict(), worker.env_dict()
+    assert h["VLLM_HOST_IP"] == "10.0.0.1" and w["VLLM_HOST_IP"] == "10.0.0.2"
+    assert h["NCCL_SOCKET_IFNAME"] == "eth0" and h["GLOO_SOCKET_IFNAME"] == "eth0"
+    # n2's probed interface is eth1, but its own env names GLOO's: the inventory wins.
+    assert w["NCCL_SOCKET_IFNAME"] == "eth1" and w["GLOO_SOCKET_IFNAME"] == "ens5"
+    assert h["NCCL_IB_HCA"] == w["NCCL_IB_HCA"] == "mlx5"
+
+
+def test_config_hash_is_stable_and_sees_changes():
+    a, b = launches(secrets={"RAY_AUTH_TOKEN": "x"}), launches(secrets={"RAY_AUTH_TOKEN": "x"})
+    assert a[0].config_hash == b[0].config_hash
+    changed_token = launches(secrets={"RAY_AUTH_TOKEN": "y"})
+    assert changed_token[0].config_hash != a[0].config_hash
+    facts = dict(FACTS, n1=NodeFacts(ifname="eth0", image_id="sha256:bb", home="/root"))
+    new_image = node_launches(parse_inventory(INVENTORY), facts, secrets={"RAY_AUTH_TOKEN": "x"})
+    assert new_image[0].config_hash != a[0].config_hash
+    assert new_image[1].config_hash == a[1].config_hash
+
+
+def test_env_with_line_break_is_refused():
+    text = INVENTORY.replace("mlx5", '"mlx5\\nEVIL=1"')
+    with pytest.raises(ConfigError, match="NCCL_IB_HCA contains a line break"):
+        node_launches(parse_inventory(text), FACTS)
+
+
+def test_local_launch_is_the_run_cluster_layout():
+    facts = NodeFacts(ifname="eth0", image_id="sha256:aa", nvidia_runtime=True, home="/root")
+    launch = local_launch("worker", "10.0.0.2", "10.0.0.1", "img", facts, hf_home="/hf", gpus=None)
+    argv = launch.docker_run_argv()
+    assert argv[argv.index("--name") + 1] == "llmctl-ray-worker"
+    assert argv[argv.index("--gpus") + 1] == "all"
+    assert "--address=10.0.0.1:6379" in argv and "--node-ip-address=10.0.0.2" in argv
+    assert not any(a.startswith("--num-gpus") for a in argv)  # Ray detects the GPUs
+
+
+# -- parsers, on captured output --------------------------------------------------------------
+def test_parse_ip_addr():
+    addresses = parse_ip_addr((DATA / "ip_addr.txt").read_text())
+    by_ip = {a.ip: a.ifname for a in addresses}
+    assert by_ip["127.0.0.1"] == "lo" and by_ip["192.0.2.2"] == "eth0"
+    veth = parse_ip_addr("7: eth0@if8    inet 10.77.0.12/24 brd 10.77.0.255 scope global eth0\\")
+    assert veth[0].ifname == "eth0" and str(veth[0].interface.network) == "10.77.0.0/24"
+
+
+def test_parse_ray_status_and_nodes():
+    status = parse_ray_status((DATA / "ray_status_1node.txt").read_text())
+    assert len(status.active_nodes) == 1 and status.gpus == 2.0 and status.totals["CPU"] == 2.0
+    assert "memory" not in status.totals
+    three = parse_ray_status((DATA / "ray_status_3nodes.txt").read_text())
+    assert len(three.active_nodes) == 3 and three.gpus == 6.0
+    nodes = parse_ray_nodes((DATA / "ray_list_nodes_1node.json").read_text())
+    assert nodes[0].ip == "192.0.2.2" and nodes[0].is_head and nodes[0].alive
+    assert nodes[0].gpus == 2.0
+
+
+def test_parse_docker_outputs():
+    info = parse_docker_info('20.10.24 {"io.containerd.runc.v2":{"path":"runc"},"nvidia":{}}')
+    assert info.server_version == "20.10.24" and info.nvidia
+    state = parse_docker_inspect(
+        '[{"Name": "/llmctl-demo", "Image": "sha256:aa", "State": {"Status": "exited",'
+        ' "Running": false, "ExitCode": 1}, "Config": {"Labels": {"llmctl.role": "head"}}}]'
+    )
+    assert state.name == "llmctl-demo" and not state.running and state.exit_code == 1
+    assert state.labels == {"llmctl.role": "head"}
+    assert parse_docker_inspect("[]") is None
+
+
+def test_model_fingerprint():
+    files = parse_listing("config.json\t700\nmodel.safetensors\t1000\n")
+    digests = parse_sha256sum("ab12  /models/smol/config.json\n")
+    base = model_fingerprint(files, digests)
+    assert model_fingerprint(files, {"config.json": "ff"}) != base
+    assert model_fingerprint(dict(files, **{"model.safetensors": 999}), digests) != base
+    assert model_fingerprint(dict(files), dict(digests)) == base
+
+
+# -- preflight --------------------------------------------------------------------------------
+def probe(host: str, ip: str, **kw) -> NodeProbe:
+    addresses = parse_ip_addr(f"2: eth0    inet {ip}/24 scope global eth0\\")
+    defaults = dict(
+        docker=DockerInfo("20.10", ()), image_id="sha256:aa", addresses=addresses,
+        model_files={"config.json": 1}, model_fingerprint="f1",
+    )  # fmt: skip
+    return NodeProbe(host, **{**defaults, **kw})
+
+
+def problems(probes, **kw):
+    inv = parse_inventory(INVENTORY)
+    options = dict(image="llmctl:latest", image_file=None, sync_model=False) | kw
+    return probe_problems(inv, probes, **options)
+
+
+def test_healthy_nodes_have_no_problem():
+    assert problems({"n1": probe("n1", "10.0.0.1"), "n2": probe("n2", "10.0.0.2")}) == []
+
+
+def test_each_problem_names_its_node_and_cause():
+    probes = {
+        "n1": probe("n1", "10.0.0.1", image_id=None),
+        "n2": probe("n2", "10.0.0.2", model_files=None, model_fingerprint=None, docker=None),
+    }
+    found = problems(probes)
+    kinds = {(p.host, p.kind) for p in found}
+    assert kinds == {
+        ("n1", ImageMissingError),
+        ("n2", DockerUnavailableError),
+        ("n2", ModelMismatchError),
+    }
+    with pytest.raises(ImageMissingError, match=r"3 problems, nothing was started") as info:
+        raise_problems(found)
+    assert "n2: the model /models/smol is missing" in info.value.message
+    assert "--image-file" in info.value.hint and "--sync-model" in info.value.hint
+    # --image-file and --sync-model make those two fixable.
+    fixable = problems(probes, image_file="img.tar", sync_model=True)
+    assert [p.kind for p in fixable] == [DockerUnavailableError]
+
+
+def test_network_problems():
+    probes = {"n1": probe("n1", "10.0.0.1"), "n2": probe("n2", "10.9.0.2")}
+    (found,) = problems(probes)
+    assert found.kind is NodeNetworkError and "10.0.0.2 is not an address of this node" in (
+        found.message
+    )
+    other_net = parse_inventory(INVENTORY.replace("ip: 10.0.0.2", "ip: 10.9.0.2"))
+    probes = {"n1": probe("n1", "10.0.0.1"), "n2": probe("n2", "10.9.0.2")}
+    (found,) = probe_problems(other_net, probes, image="x", image_file=None, sync_model=False)
+    assert found.host == "n2" and "not on the head's network 10.0.0.0/24" in found.message
+
+
+def test_unreachable_node_and_differing_model():
+    probes = {
+        "n1": probe("n1", "10.0.0.1"),
+        "n2": probe("n2", "10.0.0.2", model_files={"config.json": 2}, model_fingerprint="f2"),
+    }
+    (found,) = problems(probes)
+    assert found.kind is ModelMismatchError and "differs from n1's" in found.message
+    assert "config.json" in found.message
+    down = NodeProbe("n2", error=HostUnreachableError("cannot reach root@n2:22: No route to host"))
+    (found,) = problems({"n1": probe("n1", "10.0.0.1"), "n2": down})
+    assert found.kind is HostUnreachableError and "No route to host" in found.message
+
+
+def test_public_ip_is_refused_unless_allowed():
+    inv = parse_inventory(INVENTORY.replace("10.0.0.2", "8.8.4.4"))
+    (found,) = public_ip_problems(inv, allow_public_ip=False)
+    assert found.host == "n2" and "public address" in found.message
+    assert "--allow-public-ip" in found.hint
+    assert public_ip_problems(inv, allow_public_ip=True) == []
