@@ -17,7 +17,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from llmctl.cli import generate, plan, serve
+from llmctl.cli import cluster, generate, image, plan, serve
 from llmctl.cli.console import CliState, configure_logging, print_error
 from llmctl.engine.errors import LLMCtlError
 
@@ -51,6 +51,8 @@ app = typer.Typer(
 app.add_typer(generate.app)
 app.add_typer(serve.app)
 app.add_typer(plan.app)
+app.add_typer(cluster.app)
+app.add_typer(image.app)
 
 
 def _print_version(value: bool) -> None:
