@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 
 import torch
@@ -28,6 +29,17 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def local_weights_path(model_config: ModelConfig) -> str:
+    """The weights' directory on this node. The driver resolved the model on its own node; a
+    rank on another node (Ray) resolves it again here, so a GGUF file is converted on this node's
+    disk (the model path itself is the same on every node)."""
+    if os.path.isdir(model_config.path):
+        return model_config.path
+    from llmctl.engine.model_loader.source import resolve_model
+
+    return resolve_model(model_config.model or None).path
+
+
 def load_model(
     model_config: ModelConfig,
     shard: PipelineShard,
@@ -37,11 +49,12 @@ def load_model(
     model_class = get_model_class(model_config.architecture)
     with torch.device(device), _default_dtype(torch_dtype(model_config.dtype)):
         model = model_class(model_config.hf_config, shard)
-    weights = iterate_weights(model_config.path)
+    path = local_weights_path(model_config)
+    weights = iterate_weights(path)
     if progress is not None:
-        weights = _with_progress(weights, count_weights(model_config.path), progress)
+        weights = _with_progress(weights, count_weights(path), progress)
     loaded = model.load_weights(weights)
-    _check_all_loaded(model, loaded, model_config.path)
+    _check_all_loaded(model, loaded, path)
     unique = {id(p): p for p in model.parameters()}.values()
     # What this rank holds, before CPU repacking replaces some weights by packed copies.
     model.loaded_weight_bytes = sum(p.numel() * p.element_size() for p in unique)

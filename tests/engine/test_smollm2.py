@@ -3,6 +3,8 @@ transformers' own GGUF loader (the same dequantized weights)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from llmctl.engine import LLM, SamplingParams
@@ -110,3 +112,21 @@ def test_parallel_layouts_match_one_process(smol, layout):
         assert info[0]["weight_bytes"] > info[1]["weight_bytes"]
     else:
         assert [r["layers"] for r in info] == [(0, 15), (15, 30)]
+
+
+def test_a_rank_on_another_node_converts_the_gguf_there(tmp_path, monkeypatch):
+    """The driver converted the GGUF into its own cache; a Ray rank on another node (no such
+    directory there) converts the same file into that node's cache instead of failing."""
+    import dataclasses
+
+    from llmctl.engine.config import EngineArgs
+    from llmctl.engine.model_loader.loader import local_weights_path
+
+    gguf = str(default_model_path())
+    model_config = EngineArgs(model=gguf).create_engine_config().model_config
+    assert local_weights_path(model_config) == model_config.path  # the driver's own node
+    elsewhere = dataclasses.replace(model_config, path=str(tmp_path / "driver-cache" / "smol"))
+    monkeypatch.setenv("LLMCTL_CACHE_DIR", str(tmp_path / "this-node"))
+    path = local_weights_path(elsewhere)
+    assert path.startswith(str(tmp_path / "this-node"))
+    assert any(p.suffix == ".safetensors" for p in Path(path).iterdir())
