@@ -163,6 +163,14 @@ def status(inventory: Inventory = None) -> None:
             f"Ray: {len(report.ray.active_nodes)} nodes, {report.ray.gpus:g} GPUs,"
             f" {report.ray.totals.get('CPU', 0):g} CPUs"
         )
+    if report.server is not None:
+        record, state = report.server
+        head_ip = next(r.ip for r in report.rows if r.role == "head")
+        stdout_console().print(
+            f"Server: {record.model} (tp={record.tensor_parallel_size},"
+            f" pp={record.pipeline_parallel_size}) at {record.endpoint(head_ip)}:"
+            f" {state.label}"
+        )
 
 
 @app.command()

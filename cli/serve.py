@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from llmctl.cli.console import CliState
+from llmctl.cli.console import CliState, stderr_console, stdout_console
 from llmctl.cli.engine_options import (
     BlockSize,
     DistributedExecutorBackend,
@@ -27,9 +27,11 @@ from llmctl.cli.engine_options import (
     TensorParallelSize,
     engine_kwargs,
 )
+from llmctl.engine.errors import ConfigError
 
 app = typer.Typer()
 _SERVER = "Server"
+_CLUSTER = "Cluster"
 
 
 @app.command()
@@ -75,6 +77,27 @@ def serve(
     pipeline_parallel_size: PipelineParallelSize = None,
     distributed_executor_backend: DistributedExecutorBackend = None,
     pipeline_layer_partition: PipelineLayerPartition = None,
+    inventory: Annotated[
+        str | None,
+        typer.Option(
+            "--inventory",
+            "-i",
+            help="Serve on the cluster of this inventory (started by `llmctl cluster up`): in "
+            "its head container, on the Ray backend; the layout from `llmctl plan` unless -tp/-pp "
+            "are given. MODEL defaults to the inventory's `model`.",
+            rich_help_panel=_CLUSTER,
+        ),
+    ] = None,
+    stop: Annotated[
+        bool,
+        typer.Option(
+            "--stop", help="With -i: stop the cluster's server.", rich_help_panel=_CLUSTER
+        ),
+    ] = False,
+    wait: Annotated[
+        float,
+        typer.Option(help="With -i: seconds to wait for /health.", rich_help_panel=_CLUSTER),
+    ] = 600.0,
 ) -> None:
     """Serve a model with an OpenAI-compatible API (/v1/completions, /v1/chat/completions).
 
@@ -82,6 +105,27 @@ def serve(
     -d '{"prompt": "The capital of France is", "max_tokens": 16}'
     """
     state: CliState = ctx.obj or CliState()
+    if inventory is not None:
+        if api_key:
+            raise ConfigError(
+                "--api-key would show on the head's command line",
+                "put LLMCTL_API_KEY in the inventory's `env` (it reaches the container through "
+                "its 0600 env file) and run `llmctl cluster up` again",
+            )
+        options = engine_kwargs(locals())
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            options.pop(name, None)
+        if options.pop("distributed_executor_backend", "ray") != "ray":
+            raise ConfigError(
+                "a cluster is served on the Ray backend", "drop --distributed-executor-backend"
+            )
+        _serve_on_cluster(
+            inventory, model, tensor_parallel_size, pipeline_parallel_size, port, options,
+            served_model_name=served_model_name, stop=stop, wait=wait,
+        )  # fmt: skip
+        return
+    if stop:
+        raise ConfigError("--stop stops a cluster's server", "add -i cluster.yaml")
     from llmctl.engine.config import EngineArgs
     from llmctl.engine.progress import rich_progress
     from llmctl.engine.server.api_server import run_server
@@ -95,3 +139,52 @@ def serve(
             run_server(engine_args, host, port, key, shutdown_timeout, progress)
     else:
         run_server(engine_args, host, port, key, shutdown_timeout)
+
+
+def _serve_on_cluster(
+    inventory_path: str,
+    model: str | None,
+    tp: int | None,
+    pp: int | None,
+    port: int,
+    options: dict,
+    *,
+    served_model_name: str | None,
+    stop: bool,
+    wait: float,
+) -> None:
+    from llmctl.cluster.head_server import HeadServer, ServerRecord, choose_layout, serve_argv
+    from llmctl.cluster.inventory import load_inventory
+    from llmctl.cluster.launcher import Cluster
+    from llmctl.cluster.model_spec import load_model_spec
+    from llmctl.cluster.plan import make_plan
+
+    inv = load_inventory(inventory_path)
+    log = lambda line: stderr_console().print(f"[dim]{line}[/dim]")  # noqa: E731
+    with Cluster(inv, log=log) as cluster:
+        server = HeadServer(inv, cluster.transports[inv.head.host], cluster.container)
+        if stop:
+            stopped = server.stop()
+            stdout_console().print(f"cluster {inv.name}: " + ("server stopped" if stopped
+                                   else "no server was running"))  # fmt: skip
+            return
+        model = model or inv.model
+        if not model:
+            raise ConfigError(f"{inv.source} names no model", "pass MODEL or add `model:` to it")
+        layout = choose_layout(inv, model, tp, pp, lambda m, i: make_plan(load_model_spec(m), i))
+        if served_model_name:
+            options = {**options, "served_model_name": served_model_name}
+        argv = serve_argv(model, layout, port, options)
+        record = ServerRecord(
+            model, port, layout.tensor_parallel_size, layout.pipeline_parallel_size, tuple(argv)
+        )
+        log(
+            f"serving {model} with tp={layout.tensor_parallel_size} "
+            f"pp={layout.pipeline_parallel_size} ({layout.reason}) in {cluster.container} "
+            f"on {inv.head.host}"
+        )
+        state = server.start(record, wait_s=wait, log=log)
+    stdout_console().print(
+        f"cluster {inv.name}: serving {model} (tp={record.tensor_parallel_size}, "
+        f"pp={record.pipeline_parallel_size}, pid {state.pid}) at {record.endpoint(inv.head.ip)}"
+    )

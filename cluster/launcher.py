@@ -34,6 +34,7 @@ from llmctl.cluster.errors import (
     NodeNetworkError,
     RayClusterError,
 )
+from llmctl.cluster.head_server import HeadServer, ServerRecord, ServerState
 from llmctl.cluster.inventory import Inventory, NodeSpec
 from llmctl.cluster.node_launch import (
     FORWARDED_SECRETS,
@@ -98,6 +99,7 @@ class Report:
     env: dict[str, dict[str, str]] = field(default_factory=dict)  # per host, secrets masked
     ray: RayStatus | None = None
     notes: list[str] = field(default_factory=list)
+    server: tuple[ServerRecord, ServerState] | None = None  # `serve -i`'s server on the head
 
 
 def ssh_transports(inventory: Inventory) -> dict[str, Transport]:
@@ -451,6 +453,11 @@ class Cluster:
             )
             if result.ok:
                 report.ray = parse_ray_status(result.stdout)
+            server = HeadServer(self.inventory, self.transports[self.inventory.head.host],
+                                self.container)  # fmt: skip
+            record = server.record()
+            if record is not None:
+                report.server = (record, server.state(record.port))
         return report
 
     def node(self, name: str) -> NodeSpec:

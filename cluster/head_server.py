@@ -1,0 +1,274 @@
+"""The model server of a cluster: `llmctl serve` inside the head container, on the Ray backend.
+
+`llmctl serve -i cluster.yaml` starts it (`docker exec --detach`, its pid and log in the
+container's /root/.llmctl), waits until /health answers, and records what it started in
+`~/.llmctl/NAME-server.json` on the head node; `cluster status` reads that record and asks the
+container (`python3 -m llmctl.cluster.head_server probe PORT`) whether the server is alive and
+healthy. The argv builders and the layout choice are pure; HeadServer does the I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from llmctl.cluster import commands
+from llmctl.cluster.errors import ClusterError, ConfigError, PlanError, RemoteCommandError
+from llmctl.cluster.inventory import Inventory
+from llmctl.cluster.transport import Transport, check
+
+STATE_DIR = "/root/.llmctl"  # inside the container
+PID_FILE = f"{STATE_DIR}/server.pid"
+LOG_FILE = f"{STATE_DIR}/server.log"
+# Runs in the container: record the shell's pid, then become `llmctl serve` (same pid).
+_LAUNCH = (
+    'mkdir -p "$(dirname "$1")" && echo $$ > "$1" && log="$2" && shift 2 && exec "$@" >>"$log" 2>&1'
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class ServerRecord:
+    """What `serve -i` started, kept on the head node."""
+
+    model: str
+    port: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    argv: tuple[str, ...]
+
+    def endpoint(self, head_ip: str) -> str:
+        return f"http://{head_ip}:{self.port}/v1"
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """The server as the head container sees it."""
+
+    running: bool
+    health: int | None  # /health's status code; None when it does not answer
+    pid: int | None = None
+
+    @property
+    def label(self) -> str:
+        if not self.running:
+            return "stopped"
+        if self.health == 200:
+            return "healthy"
+        return "starting" if self.health is None else f"unhealthy ({self.health})"
+
+
+def choose_layout(
+    inventory: Inventory, model: str, tp: int | None, pp: int | None, plan_fn: Callable
+) -> Layout:
+    """The user's -tp/-pp; else `llmctl plan`'s choice; else the seeds' rule for a cluster
+    (tp = GPUs per node, pp = nodes) when the inventory lacks what planning needs."""
+    if tp is not None or pp is not None:
+        return Layout(tp or 1, pp or 1, "as given")
+    try:
+        plan = plan_fn(model, inventory)
+        return Layout(
+            plan.tensor_parallel_size,
+            plan.pipeline_parallel_size,
+            "llmctl plan: " + (plan.reasons[0] if plan.reasons else "chosen layout"),
+        )
+    except (ConfigError, PlanError) as exc:
+        per_node = min(n.gpus for n in inventory.nodes)
+        if per_node < 1:
+            raise ConfigError(
+                f"cannot choose a layout: {exc.message}",
+                "declare `gpus:` for every node, or pass -tp and -pp",
+            ) from None
+        return Layout(
+            per_node,
+            len(inventory.nodes),
+            f"tp = GPUs per node, pp = nodes (llmctl plan could not decide: {exc.message})",
+        )
+
+
+def serve_argv(model: str, layout: Layout, port: int, options: dict[str, object]) -> list[str]:
+    """`llmctl serve` on the head, listening on every address, on the Ray backend."""
+    argv = ["llmctl", "serve", model]
+    argv += ["--tensor-parallel-size", str(layout.tensor_parallel_size)]
+    argv += ["--pipeline-parallel-size", str(layout.pipeline_parallel_size)]
+    argv += ["--distributed-executor-backend", "ray", "--host", "0.0.0.0", "--port", str(port)]
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def launch_argv(container: str, argv: list[str]) -> list[str]:
+    """Detached in the container; its pid in PID_FILE and its output in LOG_FILE."""
+    return ["docker", "exec", "--detach", container, "sh", "-c", _LAUNCH, "sh", PID_FILE,
+            LOG_FILE, *argv]  # fmt: skip
+
+
+def probe_argv(container: str, port: int) -> list[str]:
+    return commands.docker_exec_argv(
+        container, ["python3", "-m", "llmctl.cluster.head_server", "probe", str(port)]
+    )
+
+
+def stop_argv(container: str) -> list[str]:
+    return commands.docker_exec_argv(
+        container, ["python3", "-m", "llmctl.cluster.head_server", "stop"]
+    )
+
+
+def record_path(home: str, cluster: str) -> str:
+    return f"{home}/.llmctl/{cluster}-server.json"
+
+
+class HeadServer:
+    """The server in one cluster's head container, reached through the head's transport."""
+
+    def __init__(self, inventory: Inventory, transport: Transport, container: str) -> None:
+        self.inventory = inventory
+        self.transport = transport
+        self.container = container
+        self.head = inventory.head
+
+    def record(self) -> ServerRecord | None:
+        path = record_path(self.transport.home(), self.inventory.name)
+        try:
+            with self.transport.open(path, "rb") as f:
+                data = json.loads(f.read().decode())
+        except (OSError, ValueError):
+            return None
+        data["argv"] = tuple(data["argv"])
+        return ServerRecord(**data)
+
+    def state(self, port: int) -> ServerState:
+        result = self.transport.run(probe_argv(self.container, port), timeout=30)
+        if not result.ok:
+            return ServerState(False, None)
+        data = json.loads(result.stdout)
+        return ServerState(data["running"], data["health"], data["pid"])
+
+    def start(
+        self, record: ServerRecord, *, wait_s: float, log: Callable[[str], None]
+    ) -> ServerState:
+        current = self.record()
+        if current is not None and self.state(current.port).running:
+            if current == record:
+                return self.wait_healthy(record, wait_s)
+            log(f"stopping the server started with {' '.join(current.argv)}")
+            self.stop()
+        home = self.transport.home()
+        self.transport.makedirs(f"{home}/.llmctl")
+        self.transport.write_file(
+            record_path(home, self.inventory.name), json.dumps(asdict(record)).encode()
+        )
+        check(
+            self.transport.run(launch_argv(self.container, list(record.argv))),
+            self.head.host,
+            "docker exec (llmctl serve)",
+        )
+        return self.wait_healthy(record, wait_s)
+
+    def wait_healthy(self, record: ServerRecord, wait_s: float) -> ServerState:
+        deadline = time.monotonic() + wait_s
+        while True:
+            state = self.state(record.port)
+            if state.running and state.health == 200:
+                return state
+            if not state.running:
+                raise ClusterError(
+                    f"the server on {self.head.host} exited: {self.last_log_line()}",
+                    f"see its log: llmctl cluster exec head -i {self.inventory.source} --"
+                    f" tail -n 50 {LOG_FILE}",
+                )
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"the server on {self.head.host} did not answer /health within"
+                    f" {wait_s:.0f} s (last log line: {self.last_log_line()})",
+                    f"it is still running: wait, or stop it with llmctl serve -i"
+                    f" {self.inventory.source} --stop",
+                )
+            time.sleep(2.0)
+
+    def last_log_line(self) -> str:
+        result = self.transport.run(
+            commands.docker_exec_argv(self.container, ["tail", "-n", "20", LOG_FILE])
+        )
+        lines = [line for line in result.stdout.splitlines() if line.strip()]
+        return lines[-1].strip() if lines else "(no output)"
+
+    def stop(self) -> bool:
+        """SIGTERM the server and wait for it to finish its requests; True if one ran."""
+        result = self.transport.run(stop_argv(self.container), timeout=120)
+        if result.returncode not in (0, 3):
+            raise RemoteCommandError(
+                f"{self.head.host}: stopping the server failed: {result.error_line()}",
+                f"look at the container: llmctl cluster exec head -i {self.inventory.source}"
+                f" -- cat {PID_FILE}",
+            )
+        return result.returncode == 0
+
+
+# -- in the head container: `python3 -m llmctl.cluster.head_server probe PORT | stop` ---------
+def _pid() -> int | None:
+    try:
+        pid = int(open(PID_FILE).read().strip())
+    except (OSError, ValueError):
+        return None
+    return pid if os.path.exists(f"/proc/{pid}") else None
+
+
+def _probe(port: int) -> dict:
+    pid = _pid()
+    health = None
+    if pid is not None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                health = r.status
+        except urllib.error.HTTPError as exc:
+            health = exc.code
+        except OSError:
+            health = None
+    return {"running": pid is not None, "health": health, "pid": pid}
+
+
+def _stop(wait_s: float = 90.0) -> int:
+    import signal
+
+    pid = _pid()
+    if pid is None:
+        return 3
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if os.path.exists(f"/proc/{pid}"):
+        os.kill(pid, signal.SIGKILL)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["probe"] and len(argv) == 2:
+        print(json.dumps(_probe(int(argv[1]))))
+        return 0
+    if argv == ["stop"]:
+        return _stop()
+    print("usage: python3 -m llmctl.cluster.head_server probe PORT | stop", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

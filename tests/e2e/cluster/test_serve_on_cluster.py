@@ -1,0 +1,152 @@
+"""One model served across two real hosts: `llmctl cluster up`, then `llmctl serve -i` runs the
+server in the head container on the Ray backend (pipeline stages on different nodes, tensor
+parallel inside each), and the official openai client gets the offline engine's greedy answers.
+Then the worker's container is killed while a request runs: /health turns 503, the request fails,
+`cluster status` names the node."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import yaml
+from test_launcher import IMAGE, llmctl
+
+from llmctl.engine import LLM, SamplingParams
+from llmctl.engine.model_loader.default_model import default_model_path
+
+PORT = 8011
+PROMPTS = ["The capital of France is", "def add(a, b):"]
+ENGINE = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-space-gib", "0.1"]
+ENGINE += ["--served-model-name", "smol"]
+
+
+@pytest.fixture(scope="module")
+def cli_env(tmp_path_factory) -> dict[str, str]:
+    import os
+
+    known = tmp_path_factory.mktemp("ssh") / "known_hosts"
+    return {**os.environ, "LLMCTL_KNOWN_HOSTS": str(known), "COLUMNS": "250", "NO_COLOR": "1"}
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(default_model_path())  # inside .venv: the same path on every test host
+
+
+@pytest.fixture(scope="module")
+def offline(model) -> list[str]:
+    llm = LLM(model, dtype="float32", max_model_len=512, kv_cache_space_gib=0.1)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    return [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def inventory(path, testbed, hosts, model: str, gpus: int):
+    doc = {
+        "name": "srv",
+        "image": IMAGE,
+        "model": model,
+        "ssh": {"user": "root", "key": str(testbed.client_key)},
+        "nodes": [{"host": h.ip, "head": i == 0, "gpus": gpus} for i, h in enumerate(hosts)],
+    }
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def hosts(testbed, llmctl_image):
+    return testbed.docker_hosts[:2]
+
+
+def client(head) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{head.ip}:{PORT}/v1", api_key="x", max_retries=0)
+
+
+def greedy(head) -> list[str]:
+    out = []
+    for prompt in PROMPTS:
+        c = client(head).completions.create(
+            model="smol", prompt=prompt, max_tokens=12, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        out.append(c.choices[0].text)
+    return out
+
+
+def rank_nodes(cli_env, inv) -> dict[int, str]:
+    log = llmctl(cli_env, "cluster", "exec", "head", "-i", str(inv), "--", "cat",
+                 "/root/.llmctl/server.log").stdout  # fmt: skip
+    ranks = re.findall(r"Ray worker rank (\d+) on node (\S+), pid", log)
+    return {int(r): ip for r, ip in ranks[-4:]} if ranks else {}
+
+
+def test_pipeline_stages_on_two_nodes(cli_env, testbed, hosts, model, offline, tmp_path):
+    inv = inventory(tmp_path / "srv.yaml", testbed, hosts, model, gpus=1)
+    try:
+        llmctl(cli_env, "cluster", "up", "-i", str(inv))
+        out = llmctl(cli_env, "serve", "-i", str(inv), "-pp", "2", "--port", str(PORT), *ENGINE)
+        head, worker = hosts
+        assert f"at http://{head.ip}:{PORT}/v1" in out.stdout, out.stdout + out.stderr
+        assert greedy(head) == offline
+        placed = rank_nodes(cli_env, inv)
+        assert placed == {0: head.ip, 1: worker.ip}, placed  # stage 0 on the head, 1 on the worker
+        status = llmctl(cli_env, "cluster", "status", "-i", str(inv)).stdout
+        assert re.search(r"Server: .* \(tp=1, pp=2\) at .*: healthy", status), status
+        again = llmctl(cli_env, "serve", "-i", str(inv), "-pp", "2", "--port", str(PORT), *ENGINE)
+        assert "serving" in again.stdout  # the same server, found healthy
+        stopped = llmctl(cli_env, "serve", "-i", str(inv), "--stop").stdout
+        assert "server stopped" in stopped
+    finally:
+        llmctl(cli_env, "cluster", "down", "-i", str(inv), check=False)
+
+
+def test_tp2_inside_nodes_pp2_across_and_a_dying_worker(
+    cli_env, testbed, hosts, model, offline, tmp_path
+):
+    inv = inventory(tmp_path / "srv.yaml", testbed, hosts, model, gpus=2)
+    head, worker = hosts
+    try:
+        llmctl(cli_env, "cluster", "up", "-i", str(inv))
+        # No -tp/-pp: the layout comes from the plan (or the seeds' rule: tp = GPUs per node).
+        out = llmctl(cli_env, "serve", "-i", str(inv), "--port", str(PORT), *ENGINE)
+        assert "(tp=2, pp=2" in out.stdout, out.stdout + out.stderr
+        assert greedy(head) == offline
+        placed = rank_nodes(cli_env, inv)
+        assert placed == {0: head.ip, 1: head.ip, 2: worker.ip, 3: worker.ip}, placed
+
+        # The worker's node dies while a long request runs.
+        errors: list[BaseException] = []
+
+        def long_request() -> None:
+            try:
+                client(head).completions.create(
+                    model="smol", prompt="Count:", max_tokens=400, temperature=0,
+                    extra_body={"ignore_eos": True}, timeout=120,
+                )  # fmt: skip
+            except BaseException as exc:  # noqa: BLE001 - the test inspects it
+                errors.append(exc)
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        time.sleep(2)
+        killed = time.monotonic()
+        worker.docker(["kill", "llmctl-srv"])
+        health = None
+        while time.monotonic() - killed < 30:
+            health = httpx.get(f"http://{head.ip}:{PORT}/health", timeout=5).status_code
+            if health == 503:
+                break
+            time.sleep(1)
+        assert health == 503, "the server did not report the dead worker within 30 s"
+        thread.join(60)
+        assert not thread.is_alive() and len(errors) == 1, errors
+        status = llmctl(cli_env, "cluster", "status", "-i", str(inv)).stdout
+        row = next(line for line in status.splitlines() if worker.ip in line)
+        assert "exited" in row, status
+        assert "unhealthy (503)" in status
+    finally:
+        llmctl(cli_env, "cluster", "down", "-i", str(inv), check=False)

@@ -1,0 +1,74 @@
+"""The cluster's server, pure parts: the layout choice, the argv run in the head container, and
+the in-container probe with no server."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmctl.cluster import head_server
+from llmctl.cluster.errors import ConfigError, PlanError
+from llmctl.cluster.head_server import Layout, ServerState, choose_layout, launch_argv, serve_argv
+from llmctl.cluster.inventory import parse_inventory
+
+INVENTORY = """
+name: demo
+image: llmctl:latest
+nodes:
+  - {host: 10.0.0.1, head: true, gpus: 2}
+  - {host: 10.0.0.2, gpus: 2}
+"""
+
+
+class FakePlan:
+    tensor_parallel_size, pipeline_parallel_size, reasons = 2, 1, ("fits one node with tp=2",)
+
+
+def test_layout_given_planned_or_by_the_seeds_rule():
+    inv = parse_inventory(INVENTORY)
+    assert choose_layout(inv, "m", None, 2, None) == Layout(1, 2, "as given")
+    planned = choose_layout(inv, "m", None, None, lambda m, i: FakePlan())
+    assert (planned.tensor_parallel_size, planned.pipeline_parallel_size) == (2, 1)
+    assert planned.reason == "llmctl plan: fits one node with tp=2"
+
+    def no_memory(model, inventory):
+        raise PlanError("no node declares gpu_memory_gib", "add it")
+
+    seeds = choose_layout(inv, "m", None, None, no_memory)
+    assert (seeds.tensor_parallel_size, seeds.pipeline_parallel_size) == (2, 2)
+    assert "tp = GPUs per node, pp = nodes" in seeds.reason and "gpu_memory_gib" in seeds.reason
+    no_gpus = parse_inventory(INVENTORY.replace("gpus: 2", "gpus: 0"))
+    with pytest.raises(ConfigError, match="cannot choose a layout") as err:
+        choose_layout(no_gpus, "m", None, None, no_memory)
+    assert "pass -tp and -pp" in err.value.hint
+
+
+def test_serve_argv_runs_on_ray_on_every_address():
+    argv = serve_argv(
+        "/models/smol", Layout(2, 2, ""), 8011,
+        {"dtype": "float32", "enable_prefix_caching": False, "max_model_len": 512},
+    )  # fmt: skip
+    assert argv[:3] == ["llmctl", "serve", "/models/smol"]
+    joined = " ".join(argv)
+    assert "--tensor-parallel-size 2 --pipeline-parallel-size 2" in joined
+    assert "--distributed-executor-backend ray --host 0.0.0.0 --port 8011" in joined
+    assert "--dtype float32" in joined and "--max-model-len 512" in joined
+    assert "--no-enable-prefix-caching" in argv
+
+
+def test_launch_keeps_the_argv_out_of_the_shell_script():
+    argv = launch_argv("llmctl-demo", ["llmctl", "serve", "a model; rm -rf /"])
+    assert argv[:4] == ["docker", "exec", "--detach", "llmctl-demo"]
+    assert argv[-1] == "a model; rm -rf /"  # an argument of the script, never part of it
+    assert "a model" not in argv[6]
+
+
+def test_probe_and_stop_without_a_server(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(head_server, "PID_FILE", str(tmp_path / "server.pid"))
+    assert head_server.main(["probe", "1"]) == 0
+    assert capsys.readouterr().out.strip() == '{"running": false, "health": null, "pid": null}'
+    assert head_server.main(["stop"]) == 3
+    assert head_server.main(["bogus"]) == 2
+    assert ServerState(False, None).label == "stopped"
+    assert ServerState(True, None).label == "starting"
+    assert ServerState(True, 503).label == "unhealthy (503)"
+    assert ServerState(True, 200).label == "healthy"
