@@ -17,7 +17,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from llmctl.cli import cluster, generate, image, plan, serve
+from llmctl.cli import cluster, doctor, generate, image, plan, serve
 from llmctl.cli.console import CliState, configure_logging, print_error
 from llmctl.engine.errors import LLMCtlError
 
@@ -53,6 +53,7 @@ app.add_typer(serve.app)
 app.add_typer(plan.app)
 app.add_typer(cluster.app)
 app.add_typer(image.app)
+app.add_typer(doctor.app)
 
 
 def _print_version(value: bool) -> None:

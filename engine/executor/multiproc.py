@@ -236,7 +236,7 @@ def _stop_workers(processes: list, conns: list[Connection], sentinels: list[int]
 # -- the worker process ------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -256,7 +256,7 @@ def _read_calls(conn: Connection, inbox: queue.SimpleQueue) -> None:
 
 
 def _worker_main(fd: int) -> None:
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(fd)
     _, engine_config, rank, init_method, threads = conn.recv()
