@@ -1,0 +1,25 @@
+"""`llmctl doctor -i`: the command run in the head container (its rows join the container rows;
+tests/e2e/cluster/test_doctor_on_cluster.py runs it for real)."""
+
+from __future__ import annotations
+
+from llmctl.cluster.cluster_doctor import ClusterDoctorRun, doctor_argv
+from llmctl.cluster.doctor_checks import CheckResult
+
+
+def test_the_head_runs_the_checks_on_ray_as_json():
+    argv = doctor_argv("llmctl-demo", nccl=False, model="/m", backend="gloo", timeout=20,
+                       nvlink=False)  # fmt: skip
+    assert argv[:3] == ["docker", "exec", "llmctl-demo"]
+    assert argv[3:9] == ["env", "COLUMNS=160", "llmctl", "doctor", "check", "--json"]
+    assert argv[9:] == ["--ray", "--backend", "gloo", "--timeout", "20", "--model", "/m", "--pcie"]
+    nccl = doctor_argv("c", nccl=True, model="/m", backend="auto", timeout=7.5)
+    assert nccl[6:] == ["doctor", "nccl", "--ray", "--backend", "auto", "--timeout", "7.5"]
+
+
+def test_one_failed_row_fails_the_run():
+    ok = CheckResult("container", "10.0.0.1", "pass", "running")
+    warn = CheckResult("shm", "10.0.0.1", "warn", "small")
+    assert ClusterDoctorRun([ok, warn]).ok
+    assert not ClusterDoctorRun([ok, CheckResult("container", "10.0.0.2", "fail", "exited")]).ok
+    assert not ClusterDoctorRun([ok], {"ok": False}).ok
