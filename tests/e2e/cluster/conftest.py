@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -44,3 +45,10 @@ def llmctl_image(testbed: Testbed) -> str:
         raise AssertionError(f"llmctl image build failed:\n{result.stdout}\n{result.stderr}")
     testbed.load_image(tag)
     return tag
+
+
+@pytest.fixture(scope="module")
+def cli_env(tmp_path_factory) -> dict[str, str]:
+    """The environment `llmctl` runs in: its own known_hosts file, wide plain output."""
+    known = tmp_path_factory.mktemp("ssh") / "known_hosts"
+    return {**os.environ, "LLMCTL_KNOWN_HOSTS": str(known), "COLUMNS": "250", "NO_COLOR": "1"}

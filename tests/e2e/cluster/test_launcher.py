@@ -26,12 +26,6 @@ CONTAINER = "llmctl-e2e"
 
 
 @pytest.fixture(scope="module")
-def cli_env(tmp_path_factory) -> dict[str, str]:
-    known = tmp_path_factory.mktemp("ssh") / "known_hosts"
-    return {**os.environ, "LLMCTL_KNOWN_HOSTS": str(known), "COLUMNS": "250", "NO_COLOR": "1"}
-
-
-@pytest.fixture(scope="module")
 def cluster_hosts(testbed, llmctl_image):
     """Hosts 1-3 with the image loaded and a small model at the same path on each."""
     hosts = testbed.docker_hosts[:3]

@@ -26,14 +26,6 @@ ENGINE += ["--served-model-name", "smol"]
 
 
 @pytest.fixture(scope="module")
-def cli_env(tmp_path_factory) -> dict[str, str]:
-    import os
-
-    known = tmp_path_factory.mktemp("ssh") / "known_hosts"
-    return {**os.environ, "LLMCTL_KNOWN_HOSTS": str(known), "COLUMNS": "250", "NO_COLOR": "1"}
-
-
-@pytest.fixture(scope="module")
 def model() -> str:
     return str(default_model_path())  # inside .venv: the same path on every test host
 

@@ -10,8 +10,6 @@ from pathlib import Path
 
 from testbed import Host, Testbed
 
-IMAGE = "llmctl:test"  # already in the root daemon; `llmctl image build` makes the real one
-
 
 def ssh(bed: Testbed, host: Host, command: list[str]) -> subprocess.CompletedProcess[str]:
     """Plain OpenSSH as a user would run it (root, the bed's client key, no host key pinning)."""
@@ -76,15 +74,14 @@ def test_each_host_talks_to_its_own_docker_daemon_and_n4_has_none(testbed: Testb
     assert not Path(n4.docker_sock).exists()
 
 
-def test_host_network_container_sees_its_host_address(testbed: Testbed) -> None:
-    testbed.load_image(IMAGE)
+def test_host_network_container_sees_its_host_address(testbed: Testbed, llmctl_image) -> None:
     n2 = testbed.hosts[1]
     # The source address the container's kernel picks to reach the bridge: the host's own.
     probe = (
         "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
         "s.connect(('10.77.0.1', 9)); print(s.getsockname()[0])"
     )
-    docker_run = ["docker", "run", "--rm", "--network", "host", IMAGE]
+    docker_run = ["docker", "run", "--rm", "--network", "host", llmctl_image]
     out = ssh(testbed, n2, [*docker_run, "sh", "-c", 'hostname -I; python3 -c "$1"', "sh", probe])
     assert out.returncode == 0, out.stderr
     addresses, source = out.stdout.splitlines()
