@@ -300,6 +300,7 @@ class Cluster:
                 image_id=probe.image_id,
                 nvidia_runtime=bool(probe.docker and probe.docker.nvidia),
                 home=probe.home,
+                hostname=probe.hostname,
             )
         head_probe = probes[inv.head.host]
         token = None
@@ -585,7 +586,9 @@ def up_this_node(
         raise NodeNetworkError(
             f"{ip} is not an address of this node (it has {have})", "pass --ip with one of its own"
         )
-    facts = NodeFacts(own.ifname, probe.image_id, bool(probe.docker.nvidia), probe.home)
+    facts = NodeFacts(
+        own.ifname, probe.image_id, bool(probe.docker.nvidia), probe.home, probe.hostname
+    )
     launch = local_launch(
         role, ip, head_ip or ip, image, facts, hf_home=hf_home, gpus=gpus, env=env
     )

@@ -15,6 +15,7 @@ derived from the node, the inventory's `env`, the node's own `env`, then the sec
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ class NodeFacts:
     image_id: str | None
     nvidia_runtime: bool = False
     home: str = "/root"
+    hostname: str | None = None  # the node's own name (`uname -n`)
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,13 @@ class NodeLaunch:
     shm_size: str = DEFAULT_SHM_SIZE
     nvidia: bool = False  # --gpus all
     ray_port: int = RAY_PORT
+    # (name, ip) of every node, written to the container's /etc/hosts: without DNS for the
+    # cluster's addresses, each reverse lookup (torch.distributed's TCPStore makes them) waits
+    # for the resolver's timeout, 10 s per lookup on the test bed.
+    peers: tuple[tuple[str, str], ...] = ()
+    # The node's own name, mapped to its IP too: Gloo without GLOO_SOCKET_IFNAME, and other
+    # libraries, resolve it, and an unresolvable one costs the resolver's timeout each time.
+    hostname: str | None = None
 
     @property
     def config_hash(self) -> str:
@@ -93,6 +102,11 @@ class NodeLaunch:
             "--label", f"{LABEL_CONFIG}={self.config_hash}",
             "--env-file", self.env_file,
         ]  # fmt: skip
+        hosts = dict(self.peers)
+        if self.hostname and self.hostname not in hosts:
+            hosts[self.hostname] = self.ip
+        for name, ip in hosts.items():
+            argv += ["--add-host", f"{name}:{ip}"]
         if self.nvidia:
             argv += ["--gpus", "all"]
         for source, target, read_only in self.mounts:
@@ -152,8 +166,10 @@ def node_launches(
         )
     head = inventory.head
     name = container_name(inventory.name)
+    ordered = sorted(inventory.nodes, key=lambda n: not n.head)
+    peers = tuple((_peer_name(name, i, n), n.ip) for i, n in enumerate(ordered))
     launches = []
-    for node in sorted(inventory.nodes, key=lambda n: not n.head):
+    for node in ordered:
         fact = facts[node.host]
         mounts = []
         if inventory.hf_home:
@@ -175,9 +191,21 @@ def node_launches(
                 env_file=env_file_path(fact.home, inventory.name, node.ip),
                 mounts=tuple(mounts),
                 nvidia=fact.nvidia_runtime and node.gpus > 0,
+                peers=peers,
+                hostname=fact.hostname,
             )
         )
     return launches
+
+
+def _peer_name(container: str, index: int, node: NodeSpec) -> str:
+    """A node's name in the containers' /etc/hosts: its SSH host name, or for an address,
+    CONTAINER-INDEX (the head is 0)."""
+    try:
+        ipaddress.ip_address(node.host)
+    except ValueError:
+        return node.host
+    return f"{container}-{index}"
 
 
 def env_file_path(home: str, name: str, ip: str) -> str:
@@ -229,4 +257,5 @@ def local_launch(
         mounts=((hf_home, HF_HOME_IN_CONTAINER, False),) if hf_home else (),
         shm_size=shm_size,
         nvidia=facts.nvidia_runtime,
+        hostname=facts.hostname,
     )

@@ -35,6 +35,7 @@ class NodeProbe:
     model_fingerprint: str | None = None
     container: ContainerState | None = None
     home: str = "/root"
+    hostname: str | None = None
 
 
 def probe_node(
@@ -43,6 +44,8 @@ def probe_node(
     probe = NodeProbe(transport.name)
     try:
         probe.home = transport.home()
+        named = transport.run(["uname", "-n"])
+        probe.hostname = (named.stdout.strip() or None) if named.ok else None
         info = transport.run(commands.docker_info_argv(), timeout=30)
         if info.ok:
             probe.docker = parse_docker_info(info.stdout)

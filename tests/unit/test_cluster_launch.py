@@ -48,7 +48,7 @@ nodes:
 
 FACTS = {
     "n1": NodeFacts(ifname="eth0", image_id="sha256:aa", home="/root"),
-    "n2": NodeFacts(ifname="eth1", image_id="sha256:aa", home="/home/u"),
+    "n2": NodeFacts(ifname="eth1", image_id="sha256:aa", home="/home/u", hostname="gpu-b7"),
 }
 
 
@@ -77,6 +77,12 @@ def test_head_and_worker_argv():
         "--address=10.0.0.1:6379", "--num-gpus=2",
     ]  # fmt: skip
     assert worker.env_file == "/home/u/.llmctl/demo-10.0.0.2.env"
+    # Every node is in every container's /etc/hosts: no reverse lookup waits for a resolver.
+    for launch in (head, worker):
+        hosts = [launch.docker_run_argv()[i + 1] for i, a in enumerate(launch.docker_run_argv())
+                 if a == "--add-host"]  # fmt: skip
+        own = ["gpu-b7:10.0.0.2"] if launch is worker else []  # its own name, to its own IP
+        assert hosts == ["n1:10.0.0.1", "n2:10.0.0.2", *own]
     assert "--gpus" not in argv  # no NVIDIA runtime probed
 
 
