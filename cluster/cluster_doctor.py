@@ -90,7 +90,7 @@ def run_doctor(
         run = ClusterDoctorRun(results, {"ok": result.ok}, text=result.stdout + result.stderr)
         return run
     try:
-        payload = json.loads(result.stdout)
+        payload = _json_object(result.stdout)
     except ValueError:
         payload = {"error": result.error_line(), "hint": None}
     if "checks" not in payload:  # it could not run (a typed error, as JSON): one failed row
@@ -102,3 +102,13 @@ def run_doctor(
         return ClusterDoctorRun(results, {"ok": False})
     results += [CheckResult(**row) for row in payload["checks"]]
     return ClusterDoctorRun(results, payload)
+
+
+def _json_object(text: str) -> dict:
+    """The JSON object `doctor --json` printed, whatever Ray printed around it (a rank's
+    traceback, for one, when its all-reduce raised)."""
+    start = 0 if text.startswith("{") else text.find("\n{") + 1
+    if start == 0 and not text.startswith("{"):
+        raise ValueError("no JSON object")
+    payload, _ = json.JSONDecoder().raw_decode(text[start:])
+    return payload

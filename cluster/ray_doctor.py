@@ -39,6 +39,12 @@ class RayRank:
 
         return collect_local_report(model, ray_ip=ray.util.get_node_ip_address()).to_json()
 
+    def prepare(self) -> bool:
+        """Import torch before any timed step: a cold import in a new container takes seconds."""
+        import torch.distributed  # noqa: F401
+
+        return True
+
     def free_port(self) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("", 0))
@@ -112,6 +118,7 @@ def run_on_ray(
         reports = distinct_names([NodeReport.from_json(r) for r in _get(ray, refs, timeout_s)])
         if not collective:
             return RayDoctorRun(tuple(reports))
+        _get(ray, [a.prepare.remote() for a in actors], max(timeout_s, 120.0))
         names = [r.node for r in reports]
         master = reports[0].ip or nodes[0]["NodeManagerAddress"]
         port = _get(ray, [actors[0].free_port.remote()], timeout_s)[0]

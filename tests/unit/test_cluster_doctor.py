@@ -3,7 +3,9 @@ tests/e2e/cluster/test_doctor_on_cluster.py runs it for real)."""
 
 from __future__ import annotations
 
-from llmctl.cluster.cluster_doctor import ClusterDoctorRun, doctor_argv
+import pytest
+
+from llmctl.cluster.cluster_doctor import ClusterDoctorRun, _json_object, doctor_argv
 from llmctl.cluster.doctor_checks import CheckResult
 
 
@@ -23,3 +25,12 @@ def test_one_failed_row_fails_the_run():
     assert ClusterDoctorRun([ok, warn]).ok
     assert not ClusterDoctorRun([ok, CheckResult("container", "10.0.0.2", "fail", "exited")]).ok
     assert not ClusterDoctorRun([ok], {"ok": False}).ok
+
+
+def test_the_heads_json_is_found_among_ray_output():
+    noisy = "(RayRank pid=7, ip=10.0.0.2) Traceback ...\n"
+    noisy += '{\n  "ok": false,\n  "checks": []\n}\n(x) bye\n'
+    assert _json_object(noisy) == {"ok": False, "checks": []}
+    assert _json_object('{"ok": true}') == {"ok": True}
+    with pytest.raises(ValueError):
+        _json_object("error: no Ray cluster\n")
