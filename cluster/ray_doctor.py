@@ -153,6 +153,9 @@ def _connect(ray) -> bool:
 def _alive_nodes(ray) -> list[dict]:
     """Alive nodes, the head first, the others by IP."""
     nodes = [n for n in ray.nodes() if n.get("Alive")]
+    # A node whose container was just recreated can be listed twice (the old raylet is not yet
+    # marked dead): one bundle per address, which `node:IP` places on the live one.
+    nodes = list({n["NodeManagerAddress"]: n for n in nodes}.values())
     return sorted(
         nodes,
         key=lambda n: (

@@ -246,9 +246,10 @@ class SSHTransport:
             while channel.recv_stderr_ready():
                 err += channel.recv_stderr(65536)
                 busy = True
-            if channel.exit_status_ready() and not channel.recv_ready():
-                if not channel.recv_stderr_ready():
-                    break
+            # sshd may send the exit status before the last output: done at EOF, not at exit.
+            done = channel.exit_status_ready() and (channel.eof_received or channel.closed)
+            if done and not channel.recv_ready() and not channel.recv_stderr_ready():
+                break
             if time.monotonic() > deadline:
                 channel.close()
                 raise RemoteCommandError(
