@@ -25,6 +25,7 @@ from llmctl.cluster.collective_report import (
 from llmctl.cluster.errors import RayClusterError
 from llmctl.cluster.node_facts import NodeReport, collect_local_report, distinct_names
 from llmctl.engine.errors import ConfigError
+from llmctl.engine.executor.ray import stop_actors
 
 
 class RayRank:
@@ -131,7 +132,7 @@ def run_on_ray(
             port = _get(ray, [actors[0].free_port.remote()], timeout_s)[0]
         return RayDoctorRun(tuple(reports), tuple(results))
     finally:
-        _teardown(ray, actors, pg, connected)
+        stop_actors(actors, pg, connected)
 
 
 def _connect(ray) -> bool:
@@ -258,20 +259,3 @@ def _stages(ray, actors: list) -> list[str | None]:
         except Exception:  # dead or unresponsive: its stage is unknown
             stages.append(None)
     return stages
-
-
-def _teardown(ray, actors: list, pg, connected: bool) -> None:
-    from ray.util.placement_group import remove_placement_group
-
-    for actor in actors:
-        try:
-            ray.kill(actor)
-        except Exception:  # already dead
-            pass
-    if pg is not None:
-        try:
-            remove_placement_group(pg)
-        except Exception:  # already removed
-            pass
-    if connected:
-        ray.shutdown()

@@ -92,7 +92,7 @@ class RayExecutor(Executor):
         self.placement_group = pg
         self.actors: list = []
         self._finalizer = weakref.finalize(
-            self, _stop_actors, self.actors, pg if self._own_pg else None, self._started_ray
+            self, stop_actors, self.actors, pg if self._own_pg else None, self._started_ray
         )
         try:
             ready, _ = ray.wait([pg.ready()], timeout=_PLACEMENT_TIMEOUT_S)
@@ -244,7 +244,9 @@ def _connect_or_start_ray(world_size: int) -> bool:
     return True
 
 
-def _stop_actors(actors: list, pg, started_ray: bool) -> None:
+def stop_actors(actors: list, pg, started_ray: bool) -> None:
+    """Kill the actors, remove the placement group, and disconnect when this process started or
+    joined Ray for them; each step tolerates what is already gone. Also `llmctl doctor`'s."""
     try:
         import ray
         from ray.util.placement_group import remove_placement_group
