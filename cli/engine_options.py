@@ -75,6 +75,17 @@ EnablePrefixCaching = Annotated[
     ),
 ]
 
+SkipTokenizerInit = Annotated[
+    bool | None,
+    typer.Option(
+        "--skip-tokenizer-init",
+        help="Load no tokenizer (the model directory needs no tokenizer files): prompts must be "
+        "token ids, outputs carry token ids and no text, stop strings and chat are refused.",
+        show_default=False,
+        rich_help_panel=ENGINE,
+    ),
+]
+
 TensorParallelSize = Annotated[
     int | None,
     typer.Option(
@@ -139,6 +150,7 @@ ENGINE_OPTIONS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "enable_prefix_caching",
+    "skip_tokenizer_init",
     "tensor_parallel_size",
     "pipeline_parallel_size",
     "distributed_executor_backend",

@@ -53,6 +53,7 @@ class ModelConfig:
     tokenizer: str = ""  # directory to load the tokenizer from (defaults to path)
     served_model_name: str = ""
     seed: int = 0
+    skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs have no text
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -212,6 +213,7 @@ class EngineArgs:
 
     model: str | None = None
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
     served_model_name: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
@@ -289,6 +291,7 @@ class EngineArgs:
             tokenizer=self.tokenizer or source.path,
             served_model_name=self.served_model_name or source.display_name,
             seed=self.seed,
+            skip_tokenizer_init=bool(self.skip_tokenizer_init),
         )
         cache_config = CacheConfig(
             block_size=self.block_size,

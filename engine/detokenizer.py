@@ -3,6 +3,7 @@
 Each new token is decoded together with the few tokens before it (a short window, not the whole
 output), so multi-byte characters split across tokens and tokenizers that drop leading spaces
 decode as they would in one piece; text ending in an incomplete character waits for the next token.
+Without a tokenizer (skip_tokenizer_init) nothing is decoded: the text stays "".
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ _INCOMPLETE = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(
+        self, tokenizer: Any | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = params.stop
@@ -34,6 +37,8 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int], finished: bool) -> str | None:
         """Append tokens; return the stop string that ended the text, if one did."""
+        if self.tokenizer is None:
+            return None  # no text, hence no stop strings (the engine refuses them)
         for token_id in new_token_ids:
             self.ids.append(token_id)
             self.num_output_tokens += 1

@@ -27,7 +27,13 @@ class LLM:
     Keywords are those of EngineArgs: model (None: the bundled default), dtype ("auto"),
     max_model_len, kv_cache_space_gib, block_size (16), max_num_seqs, max_num_batched_tokens,
     seed (0), enable_prefix_caching (True), tensor_parallel_size, pipeline_parallel_size,
-    distributed_executor_backend, pipeline_layer_partition, num_gpu_blocks_override.
+    distributed_executor_backend, pipeline_layer_partition, num_gpu_blocks_override, tokenizer
+    (a directory; default: the model's), skip_tokenizer_init (False).
+
+    skip_tokenizer_init=True loads no tokenizer, so a model directory needs no tokenizer files:
+    prompts must then be token ids (a list of ints or {"prompt_token_ids": [...]}), outputs carry
+    token_ids and text "", logprobs have decoded_token None, stop strings and chat() are refused,
+    and EOS ids come from the model's generation_config.json and config.json.
     """
 
     def __init__(self, model: str | None = None, *, use_tqdm_on_load: bool = True, **kwargs):
@@ -49,6 +55,7 @@ class LLM:
             self.llm_engine = LLMEngine.from_engine_args(engine_args)
 
     def get_tokenizer(self) -> Any:
+        """The engine's tokenizer; None when it was started with skip_tokenizer_init."""
         return self.llm_engine.tokenizer
 
     def generate(
@@ -104,6 +111,14 @@ class LLM:
     ) -> str:
         """The prompt text the model's chat template makes of `conversation`."""
         tokenizer = self.llm_engine.tokenizer
+        if tokenizer is None:
+            raise InvalidRequestError(
+                "chat needs a tokenizer (for the chat template and to encode its text), but this "
+                "engine was started with skip_tokenizer_init",
+                "apply the chat template yourself and pass the token ids to generate(), or "
+                "start the engine without skip_tokenizer_init",
+                param="messages",
+            )
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 "this model's tokenizer has no chat template",

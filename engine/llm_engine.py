@@ -3,7 +3,8 @@
     step():  schedule()  ->  executor.execute_model(...)  ->  postprocess()
 
 Prompts are validated and tokenized in add_request; a bad request raises a typed error there and
-never reaches the scheduler, so the requests already running are not disturbed.
+never reaches the scheduler, so the requests already running are not disturbed. With
+skip_tokenizer_init there is no tokenizer: prompts must be token ids and outputs carry no text.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class LLMEngine:
     def __init__(self, engine_config: EngineConfig, progress=None) -> None:
         self.config = engine_config
         mc, cc = engine_config.model_config, engine_config.cache_config
-        self.tokenizer = get_tokenizer(mc.tokenizer)
+        # skip_tokenizer_init: no tokenizer; prompts are token ids and outputs carry no text.
+        self.tokenizer = None if mc.skip_tokenizer_init else get_tokenizer(mc.tokenizer)
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc.path)
         self.vocab_size = mc.hf_config.vocab_size
         self.executor = Executor.get_class(engine_config)(engine_config, progress)
@@ -100,6 +102,7 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._validate_prompt(prompt_ids)
+        self._validate_params(params)
         max_len = self.config.model_config.max_model_len
         room = max_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -193,6 +196,13 @@ class LLMEngine:
                     param="prompt",
                 )
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "this engine was started with skip_tokenizer_init: it has no tokenizer to "
+                    "turn a text prompt into token ids",
+                    'send token ids instead: a list of ints or {"prompt_token_ids": [...]}',
+                    param="prompt",
+                )
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, list | tuple) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
@@ -224,6 +234,24 @@ class LLMEngine:
                 f"shorten the prompt below {max_len} tokens, or raise --max-model-len",
                 param="prompt",
             )
+
+    def _validate_params(self, params: SamplingParams) -> None:
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError(
+                "stop strings need the output detokenized, but this engine was started with "
+                "skip_tokenizer_init",
+                "use stop_token_ids instead, or start the engine without skip_tokenizer_init",
+                param="stop",
+            )
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"logit_bias token id {bad[0]} is outside the vocabulary "
+                    f"[0, {self.vocab_size})",
+                    f"use token ids below the model's vocab_size of {self.vocab_size}",
+                    param="logit_bias",
+                )
 
     def _log_kv_cache(self) -> None:
         bs = self.config.cache_config.block_size

@@ -46,7 +46,7 @@ class _RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, _RequestState] = {}
         self.child_to_parent: dict[str, tuple[_RequestState, int]] = {}
@@ -168,9 +168,12 @@ class OutputProcessor:
         for rank, (token_id, logprob) in enumerate(
             zip(lp.top_token_ids, lp.top_logprobs, strict=True), 1
         ):
-            entry[token_id] = Logprob(logprob, rank, self.tokenizer.decode([token_id]))
+            entry[token_id] = Logprob(logprob, rank, self._decode_token(token_id))
         if sampled not in entry:
             entry[sampled] = Logprob(
-                lp.sampled_logprob, lp.sampled_rank, self.tokenizer.decode([sampled])
+                lp.sampled_logprob, lp.sampled_rank, self._decode_token(sampled)
             )
         return entry
+
+    def _decode_token(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])

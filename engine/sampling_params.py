@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass, field
 
 from llmctl.engine.errors import InvalidSamplingParamsError
 
 # Below this temperature a request is treated as greedy (argmax), as vLLM does.
 _GREEDY_EPS = 1e-5
+_MAX_LOGIT_BIAS = 100.0  # as the OpenAI API bounds it
+
+# The float fields, each with a value to suggest when it is not a finite number.
+_FLOAT_HINTS = {
+    "temperature": "use 0 for greedy decoding or a positive value such as 0.7",
+    "top_p": "use 1.0 to disable nucleus sampling, or a value such as 0.9",
+    "min_p": "use 0 to disable, or a value such as 0.05",
+    "presence_penalty": "use 0 to disable, or a value in [-2, 2]",
+    "frequency_penalty": "use 0 to disable, or a value in [-2, 2]",
+    "repetition_penalty": "use 1.0 to disable, or a value such as 1.1",
+}
+# The integer fields that may be None.
+_OPTIONAL_INT_FIELDS = ("max_tokens", "logprobs", "seed")
 
 
 @dataclass(frozen=True)
@@ -17,7 +32,9 @@ class SamplingParams:
 
     temperature=0 is greedy decoding. `seed` makes one request reproducible whatever else runs in
     the same batch. `stop` strings end the text and are never included in it. `logprobs=k`
-    returns, for every generated token, its log-probability and the k most likely alternatives.
+    returns, for every generated token, its log-probability and the k most likely alternatives
+    (of the model's own distribution, before penalties and `logit_bias`). `logit_bias` maps token
+    ids to a bias in [-100, 100] added to their logits before sampling, as in the OpenAI API.
     """
 
     n: int = 1
@@ -36,6 +53,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
     # Tokens that end the request: EOS (unless ignore_eos) and stop_token_ids; set by the engine.
     all_stop_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
 
@@ -50,12 +68,34 @@ class SamplingParams:
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
+        if self.logit_bias is not None:
+            bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+            object.__setattr__(self, "logit_bias", bias or None)  # None: the sampler's fast path
 
     def _validate(self) -> None:
         def bad(param: str, message: str, hint: str) -> InvalidSamplingParamsError:
             return InvalidSamplingParamsError(message, hint, param=param)
 
-        if not isinstance(self.n, int) or self.n < 1:
+        # Types first: NaN passes every range check (its comparisons are all false), and True
+        # would pass as the integer 1.
+        for name, hint in _FLOAT_HINTS.items():
+            value = getattr(self, name)
+            if not _is_finite_number(value):
+                raise bad(name, f"{name} must be a finite number, got {value!r}", hint)
+        for name in ("n", "top_k", "min_tokens", *_OPTIONAL_INT_FIELDS):
+            value = getattr(self, name)
+            if (value is not None or name not in _OPTIONAL_INT_FIELDS) and not _is_int(value):
+                raise bad(
+                    name, f"{name} must be an integer, got {value!r}", f"pass {name} as an int"
+                )
+        if any(not _is_int(t) for t in self.stop_token_ids):
+            raise bad(
+                "stop_token_ids",
+                f"stop_token_ids must be integers, got {self.stop_token_ids!r}",
+                "pass a list of token ids (ints)",
+            )
+        self._validate_logit_bias()
+        if self.n < 1:
             raise bad("n", f"n must be at least 1, got {self.n}", "ask for n >= 1 completions")
         if self.temperature < 0:
             raise bad(
@@ -69,7 +109,7 @@ class SamplingParams:
                 f"top_p must be in (0, 1], got {self.top_p}",
                 "use 1.0 to disable nucleus sampling, or a value such as 0.9",
             )
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if self.top_k < 0:
             raise bad(
                 "top_k",
                 f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}",
@@ -77,15 +117,13 @@ class SamplingParams:
             )
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", f"min_p must be in [0, 1], got {self.min_p}", "use 0 to disable")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise bad(
                 "max_tokens",
                 f"max_tokens must be at least 1, got {self.max_tokens}",
                 "ask for max_tokens >= 1, or None to generate up to max_model_len",
             )
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if self.min_tokens < 0:
             raise bad(
                 "min_tokens",
                 f"min_tokens must be non-negative, got {self.min_tokens}",
@@ -107,7 +145,7 @@ class SamplingParams:
                 f"repetition_penalty must be positive, got {self.repetition_penalty}",
                 "use 1.0 to disable, values above 1 discourage repetition",
             )
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+        if self.logprobs is not None and self.logprobs < 0:
             raise bad(
                 "logprobs",
                 f"logprobs must be a non-negative integer, got {self.logprobs}",
@@ -115,8 +153,37 @@ class SamplingParams:
             )
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings", "remove the empty string")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", f"seed must be an integer, got {self.seed!r}", "pass an int")
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        hint = "map token ids (ints) to biases in [-100, 100], e.g. {50256: -100}"
+        if not isinstance(bias, dict):
+            raise InvalidSamplingParamsError(
+                f"logit_bias must be a dict of token id to bias, got {type(bias).__name__}",
+                hint,
+                param="logit_bias",
+            )
+        for token_id, value in bias.items():
+            if not _is_int(token_id) or token_id < 0:
+                raise InvalidSamplingParamsError(
+                    f"logit_bias key {token_id!r} is not a token id (a non-negative integer)",
+                    hint,
+                    param="logit_bias",
+                )
+            if not _is_finite_number(value):
+                raise InvalidSamplingParamsError(
+                    f"logit_bias[{token_id}] must be a finite number, got {value!r}",
+                    hint,
+                    param="logit_bias",
+                )
+            if not -_MAX_LOGIT_BIAS <= value <= _MAX_LOGIT_BIAS:
+                raise InvalidSamplingParamsError(
+                    f"logit_bias[{token_id}] must be in [-100, 100], got {value}",
+                    "use -100 to ban a token, 100 to force it, or a value in between",
+                    param="logit_bias",
+                )
 
     @property
     def greedy(self) -> bool:
@@ -132,3 +199,15 @@ class SamplingParams:
 
     def replace(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite_number(value: object) -> bool:
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(float(value))
+    )

@@ -18,24 +18,35 @@ def get_tokenizer(path: str) -> Any:
         raise ModelLoadError(
             f"cannot load a tokenizer from {path}: {exc}",
             "put the tokenizer files (tokenizer.json or vocab/merges) next to config.json, "
-            "or pass --tokenizer DIR",
+            "pass --tokenizer DIR, or, to send token ids only, --skip-tokenizer-init",
         ) from exc
 
 
-def eos_token_ids(tokenizer: Any, model_path: str) -> frozenset[int]:
-    """The tokenizer's EOS id plus those the model's generation_config.json lists."""
+def eos_token_ids(tokenizer: Any | None, model_path: str) -> frozenset[int]:
+    """The tokenizer's EOS id plus those the model's generation_config.json lists.
+
+    Without a tokenizer (skip_tokenizer_init), config.json's `eos_token_id` takes its place.
+    """
     ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is None:
+        ids |= _json_token_ids(os.path.join(model_path, "config.json"), "eos_token_id")
+    elif tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    generation_config = os.path.join(model_path, "generation_config.json")
-    if os.path.isfile(generation_config):
-        try:
-            with open(generation_config) as f:
-                value = json.load(f).get("eos_token_id")
-        except (OSError, json.JSONDecodeError):
-            value = None
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(int(v) for v in value)
+    ids |= _json_token_ids(os.path.join(model_path, "generation_config.json"), "eos_token_id")
     return frozenset(ids)
+
+
+def _json_token_ids(path: str, key: str) -> set[int]:
+    """The token id(s) a JSON file gives under `key` (an int or a list of ints); none if absent."""
+    if not os.path.isfile(path):
+        return set()
+    try:
+        with open(path) as f:
+            value = json.load(f).get(key)
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return set()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {value}
+    if isinstance(value, list):
+        return {v for v in value if isinstance(v, int) and not isinstance(v, bool)}
+    return set()

@@ -1,5 +1,6 @@
-"""Sampler: logits -> one token per row, with penalties, temperature, top-k, top-p, min-p,
-per-request seeds and log-probabilities.
+"""Sampler: logits -> one token per row, with logit bias, penalties, temperature, top-k, top-p,
+min-p, per-request seeds and log-probabilities (of the model's own distribution: taken before any
+of these change the logits).
 
 Random rows use the exponential race (argmax of probs / q with q ~ Exp(1)), which draws from the
 same distribution as multinomial sampling. A seeded request draws its noise from a generator seeded
@@ -38,6 +39,9 @@ class SamplingMetadata:
     output_token_ids: torch.Tensor | None = None  # [num_rows, max_output] padded with vocab
     # Rows that must not stop yet (min_tokens): (row, token ids to forbid)
     forbidden_tokens: list[tuple[int, list[int]]] | None = None
+    # logit_bias of every row that has one, flattened: (rows, token ids, biases), each
+    # [num_biased_tokens]; None when no row has a bias.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     num_logprobs: list[int | None] | None = None  # per row, None: no logprobs
 
 
@@ -55,6 +59,9 @@ class Sampler:
         if md.forbidden_tokens:
             for row, tokens in md.forbidden_tokens:
                 logits[row, tokens] = float("-inf")
+        if md.logit_bias is not None:
+            rows, token_ids, biases = md.logit_bias
+            logits.index_put_((rows, token_ids), biases, accumulate=True)
         if md.presence_penalty is not None:
             logits = _apply_penalties(logits, md)
         greedy_tokens = logits.argmax(dim=-1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -32,6 +33,7 @@ _SHARD_BYTES = 2 << 30
 _COMPLETE_MARKER = ".llmctl-complete"
 
 ProgressFn = Callable[[int, int, str], None]
+logger = logging.getLogger("llmctl")
 
 
 def cache_root() -> Path:
@@ -100,8 +102,14 @@ def _convert(gguf_path: Path, out: Path, progress: ProgressFn | None) -> None:
     config.dtype = "float32"
     config.save_pretrained(out)
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    tokenizer.save_pretrained(out)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        # The weights still convert: the model runs with skip_tokenizer_init, and without it
+        # loading the tokenizer from the converted directory fails with a typed error.
+        logger.warning("%s holds no tokenizer transformers can read (%s)", gguf_path, exc)
+    else:
+        tokenizer.save_pretrained(out)
 
     num_heads = config.num_attention_heads if arch != "gpt2" else config.n_head
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads

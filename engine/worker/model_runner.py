@@ -253,6 +253,8 @@ class ModelRunner:
             and len(s.token_ids) - s.num_prompt_tokens < s.sampling_params.min_tokens
         ]
         md.forbidden_tokens = forbidden or None
+        if any(p.logit_bias for p in params):
+            md.logit_bias = self._logit_bias(params)
         if any(p.uses_penalties for p in params):
             md.presence_penalty = torch.tensor([p.presence_penalty for p in params])
             md.frequency_penalty = torch.tensor([p.frequency_penalty for p in params])
@@ -262,6 +264,21 @@ class ModelRunner:
         if any(p.logprobs is not None for p in params):
             md.num_logprobs = [p.logprobs for p in params]
         return md
+
+    def _logit_bias(
+        self, params: list[SamplingParams]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows, token_ids, biases = [], [], []
+        for row, p in enumerate(params):
+            for token_id, bias in (p.logit_bias or {}).items():
+                rows.append(row)
+                token_ids.append(token_id)
+                biases.append(bias)
+        return (
+            torch.tensor(rows, dtype=torch.int64, device=self.device),
+            torch.tensor(token_ids, dtype=torch.int64, device=self.device),
+            torch.tensor(biases, dtype=torch.float32, device=self.device),
+        )
 
 
 def _pad(rows: list[list[int]], pad: int) -> torch.Tensor:
