@@ -4,8 +4,15 @@ The engine is not thread-safe, so only its own thread touches it: callers post c
 abort) to a queue and wake the thread; the thread runs `step()` while work remains and hands each
 RequestOutput to the caller's asyncio queue with `call_soon_threadsafe`. Requests from all
 clients share the engine's batches. When a caller stops listening (a client disconnects), its
-request is aborted and its KV blocks are freed. If the engine dies (a worker process died), every
-waiting caller gets EngineDeadError and `dead_error` stays set for /health.
+request is aborted and its KV blocks are freed, whenever that happens: before the engine took the
+request (it is then never added), while it is added, or mid-stream. If anything in the engine
+thread raises (a worker process died, a bug), the thread stops serving: every waiting caller gets
+EngineDeadError, later calls get it at once, and `dead_error` stays set for /health.
+
+A caller's acceptance future is claimed by the engine thread with
+`set_running_or_notify_cancel()` before the request is added: from then on the caller can no
+longer cancel it (its abort goes through the command queue, behind the add), and until then a
+caller that went away leaves a cancelled future the engine skips.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from llmctl.engine.errors import EngineDeadError
+from llmctl.engine.errors import EngineDeadError, InvalidRequestError
 from llmctl.engine.llm_engine import EngineStats, LLMEngine, PromptType
 from llmctl.engine.outputs import RequestOutput
 from llmctl.engine.sampling_params import SamplingParams
@@ -83,6 +90,14 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self.dead_error is None and self._thread.is_alive()
 
+    def health_error(self) -> EngineDeadError | None:
+        """Why the engine cannot serve (None while it can)."""
+        if self.dead_error is not None:
+            return self.dead_error
+        if not self._thread.is_alive():
+            return EngineDeadError("the engine thread stopped", "restart the server")
+        return None
+
     def get_stats(self) -> EngineStats:
         """The engine's counters as of its last step (read without stopping the engine)."""
         return self._stats
@@ -99,10 +114,12 @@ class AsyncLLM:
             raise self.dead_error
         stream: asyncio.Queue = asyncio.Queue()
         command = _Add(request_id, prompt, params, stream, asyncio.get_running_loop())
-        self._post(command)
-        await asyncio.wrap_future(command.accepted)  # raises the engine's validation error
         finished = False
+        self._post(command)
         try:
+            # Raises the engine's validation error. If the caller is cancelled here, the engine
+            # either never adds the request or adds it before the abort posted below.
+            await asyncio.wrap_future(command.accepted)
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -111,6 +128,9 @@ class AsyncLLM:
                 yield item
                 if finished:
                     return
+        except InvalidRequestError:
+            finished = True  # never added: nothing to abort
+            raise
         finally:
             if not finished:
                 self.abort(request_id)
@@ -142,6 +162,11 @@ class AsyncLLM:
     def _run(self) -> None:
         try:
             self._loop()
+        except EngineDeadError as exc:
+            self._die(exc)
+        except BaseException as exc:  # a bug: report it to every caller, stop serving
+            logger.exception("the engine thread failed")
+            self._die(EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}"))
         finally:
             self.engine.shutdown()
 
@@ -153,15 +178,7 @@ class AsyncLLM:
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue
-            try:
-                outputs = engine.step()
-            except EngineDeadError as exc:
-                self._die(exc)
-                return
-            except BaseException as exc:  # a bug: report it to every caller, stop serving
-                logger.exception("engine step failed")
-                self._die(EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}"))
-                return
+            outputs = engine.step()
             self._stats = engine.get_stats()
             for output in outputs:
                 self._deliver(output.request_id, output, output.finished)
@@ -176,10 +193,19 @@ class AsyncLLM:
     def _drain_commands(self) -> None:
         for command in self._pending_commands():
             if isinstance(command, _Add):
+                if not command.accepted.set_running_or_notify_cancel():
+                    continue  # the caller went away before the engine took the request
                 try:
                     self.engine.add_request(command.request_id, command.prompt, command.params)
-                except BaseException as exc:
+                except (InvalidRequestError, EngineDeadError) as exc:
                     command.accepted.set_exception(exc)
+                    if isinstance(exc, EngineDeadError):
+                        raise
+                    continue
+                except Exception as exc:  # a bug on this request's path: fail it, serve on
+                    logger.exception("adding request %s failed", command.request_id)
+                    command.accepted.set_exception(exc)
+                    self.engine.abort_request(command.request_id)
                     continue
                 self._streams[command.request_id] = (command.stream, command.loop)
                 command.accepted.set_result(None)
@@ -207,5 +233,5 @@ class AsyncLLM:
         for request_id in list(self._streams):
             self._deliver(request_id, error, last=True)
         for command in self._pending_commands():  # posted before the failure was known
-            if isinstance(command, _Add):
+            if isinstance(command, _Add) and command.accepted.set_running_or_notify_cancel():
                 command.accepted.set_exception(error)
