@@ -24,6 +24,7 @@ from llmctl.cli.engine_options import (
     Model,
     PipelineLayerPartition,
     PipelineParallelSize,
+    SkipTokenizerInit,
     TensorParallelSize,
     engine_kwargs,
 )
@@ -62,7 +63,25 @@ def serve(
     shutdown_timeout: Annotated[
         float,
         typer.Option(
-            help="On SIGTERM, seconds to let in-flight requests finish.",
+            help="On SIGTERM, seconds to let in-flight requests finish (a second SIGTERM or "
+            "Ctrl-C stops at once).",
+            rich_help_panel=_SERVER,
+        ),
+    ] = 30.0,
+    max_request_body_bytes: Annotated[
+        int | None,
+        typer.Option(
+            help="Largest request body accepted, in bytes; larger ones get 413. (default: the "
+            "largest whose prompt could still fit --max-model-len)",
+            show_default=False,
+            rich_help_panel=_SERVER,
+        ),
+    ] = None,
+    http_timeout: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a client may stall while sending its request or reading a stream "
+            "before its connection is closed.",
             rich_help_panel=_SERVER,
         ),
     ] = 30.0,
@@ -73,6 +92,7 @@ def serve(
     max_num_seqs: MaxNumSeqs = None,
     max_num_batched_tokens: MaxNumBatchedTokens = None,
     enable_prefix_caching: EnablePrefixCaching = None,
+    skip_tokenizer_init: SkipTokenizerInit = None,
     tensor_parallel_size: TensorParallelSize = None,
     pipeline_parallel_size: PipelineParallelSize = None,
     distributed_executor_backend: DistributedExecutorBackend = None,
@@ -129,16 +149,24 @@ def serve(
     from llmctl.engine.config import EngineArgs
     from llmctl.engine.progress import rich_progress
     from llmctl.engine.server.api_server import run_server
+    from llmctl.engine.server.server_config import ServerConfig
 
     engine_args = EngineArgs(
         model=model, served_model_name=served_model_name, **engine_kwargs(locals())
     )
-    key = api_key or os.environ.get("LLMCTL_API_KEY") or None
+    server_config = ServerConfig(
+        host=host,
+        port=port,
+        api_key=api_key or os.environ.get("LLMCTL_API_KEY") or None,
+        shutdown_timeout=shutdown_timeout,
+        max_request_body_bytes=max_request_body_bytes,
+        http_timeout=http_timeout,
+    )
     if state.progress:
         with rich_progress() as progress:
-            run_server(engine_args, host, port, key, shutdown_timeout, progress)
+            run_server(engine_args, server_config, progress)
     else:
-        run_server(engine_args, host, port, key, shutdown_timeout)
+        run_server(engine_args, server_config)
 
 
 def _serve_on_cluster(

@@ -1,14 +1,22 @@
 """The OpenAI-compatible HTTP server: FastAPI routes on uvicorn, over AsyncLLM.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (200 while
-the engine runs, 503 once it died), GET /version, GET /metrics (Prometheus). Errors use OpenAI's
-JSON. With an API key, every route but /health needs `Authorization: Bearer <key>`.
+the engine runs, 503 once it died), GET /version, GET /metrics (Prometheus). Every error, unknown
+routes and methods included, is OpenAI's error JSON. With an API key, every route but /health
+needs `Authorization: Bearer <key>`.
+
+A request's body is read on the event loop (bounded in size and time), then decoded, validated
+and tokenized in a small thread pool, so that a large or slow request never delays /health or
+other clients; only then does it reach the engine thread.
+
 On SIGTERM (or Ctrl-C) uvicorn stops accepting, lets in-flight requests finish for up to
-`timeout_graceful_shutdown` seconds, then the engine and its workers stop.
+`shutdown_timeout` seconds (a second signal cuts them), then the engine and its workers stop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import signal
@@ -17,20 +25,25 @@ from http import HTTPStatus
 from importlib.metadata import version
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from llmctl.engine.async_llm import AsyncLLM
 from llmctl.engine.config import EngineArgs
 from llmctl.engine.errors import LLMCtlError
 from llmctl.engine.server.errors import error_response, response_for
+from llmctl.engine.server.http_server import HttpServer, guarded_protocol
 from llmctl.engine.server.metrics import ServerMetrics
-from llmctl.engine.server.protocol import ChatCompletionRequest, CompletionRequest
-from llmctl.engine.server.serving import ModelNotFound, abort_on_disconnect
+from llmctl.engine.server.request_body import read_body
+from llmctl.engine.server.server_config import ServerConfig, max_token_bytes
+from llmctl.engine.server.serving import ModelNotFound, OpenAIServing, abort_on_disconnect
 from llmctl.engine.server.serving_chat import ChatHandler
 from llmctl.engine.server.serving_completions import CompletionsHandler
 
 logger = logging.getLogger("llmctl")
+
+_ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health"
 
 
 class _ApiKeyMiddleware:
@@ -58,30 +71,42 @@ class _ApiKeyMiddleware:
 def build_app(
     async_llm: AsyncLLM,
     served_model_name: str,
-    api_key: str | None = None,
+    server_config: ServerConfig | None = None,
     on_ready: Callable[[], None] | None = None,
 ) -> FastAPI:
+    config = server_config or ServerConfig()
+    prepare_pool = concurrent.futures.ThreadPoolExecutor(
+        config.num_prepare_threads, thread_name_prefix="llmctl-prepare"
+    )
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         if on_ready is not None:
             on_ready()
         yield
+        prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="llmctl", version=version("llmctl"), lifespan=lifespan)
     metrics = ServerMetrics(async_llm, served_model_name)
     completions = CompletionsHandler(async_llm, served_model_name, metrics)
     chat = ChatHandler(async_llm, served_model_name, metrics)
     model_config = async_llm.engine.config.model_config
-    if api_key:
-        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    body_limit = config.body_limit(
+        model_config.max_model_len, max_token_bytes(async_llm.engine.tokenizer)
+    )
+    if config.api_key:
+        app.add_middleware(_ApiKeyMiddleware, api_key=config.api_key)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = loc[0] if loc else None
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        return error_response(HTTPStatus.BAD_REQUEST, message, param)
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == HTTPStatus.NOT_FOUND:
+            message = f"no route {request.method} {request.url.path}; this server has {_ROUTES}"
+        elif exc.status_code == HTTPStatus.METHOD_NOT_ALLOWED:
+            allowed = {k.lower(): v for k, v in (exc.headers or {}).items()}.get("allow", "")
+            message = f"{request.method} is not allowed on {request.url.path}; use {allowed}"
+        else:
+            message = str(exc.detail)
+        return error_response(HTTPStatus(exc.status_code), message, headers=exc.headers)
 
     @app.exception_handler(ModelNotFound)
     async def _no_model(request: Request, exc: ModelNotFound) -> JSONResponse:
@@ -95,10 +120,19 @@ def build_app(
     async def _llmctl_error(request: Request, exc: LLMCtlError) -> JSONResponse:
         return response_for(exc)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # nobody reads it; nothing to log
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        return response_for(exc)  # 500 in OpenAI's shape (uvicorn logs the traceback)
+
     @app.get("/health")
     async def health() -> Response:
-        if async_llm.dead_error is not None:
-            return response_for(async_llm.dead_error)
+        error = async_llm.health_error()
+        if error is not None:
+            return response_for(error)
         return Response(status_code=200)
 
     @app.get("/version")
@@ -127,60 +161,62 @@ def build_app(
 
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    async def serve(request: Request, handler: OpenAIServing) -> Response:
+        length = request.headers.get("content-length")
+        raw = await read_body(
+            request.receive,
+            int(length) if length and length.isdigit() else None,
+            body_limit,
+            config.http_timeout,
+        )
+        loop = asyncio.get_running_loop()
+        prepared = await loop.run_in_executor(prepare_pool, handler.prepare, raw)
+        if prepared.body.stream:
+            return StreamingResponse(handler.stream(prepared), media_type="text/event-stream")
+        return JSONResponse(await abort_on_disconnect(request, handler.complete(prepared)))
+
     @app.post("/v1/completions")
-    async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        if body.stream:
-            params, prompts = completions.prepare_request(body)
-            return StreamingResponse(
-                completions.stream(body, params, prompts), media_type="text/event-stream"
-            )
-        return JSONResponse(await abort_on_disconnect(request, completions.complete(body)))
+    async def create_completion(request: Request) -> Response:
+        return await serve(request, completions)
 
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        if body.stream:
-            params, prompt = chat.prepare_request(body)
-            return StreamingResponse(
-                chat.stream(body, params, prompt), media_type="text/event-stream"
-            )
-        return JSONResponse(await abort_on_disconnect(request, chat.complete(body)))
+    async def create_chat_completion(request: Request) -> Response:
+        return await serve(request, chat)
 
     return app
 
 
 def run_server(
-    engine_args: EngineArgs,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    timeout_graceful_shutdown: float = 30.0,
-    progress=None,
+    engine_args: EngineArgs, server_config: ServerConfig | None = None, progress=None
 ) -> None:
     """Load the model, then serve until SIGTERM or Ctrl-C; the workers stop with the server."""
     import uvicorn
 
+    config = server_config or ServerConfig()
     async_llm = AsyncLLM.from_engine_args(engine_args, progress)
     try:
         name = async_llm.engine.config.model_config.served_model_name
 
         def listening() -> None:
-            logger.info("Serving %s on http://%s:%d (OpenAI API under /v1)", name, host, port)
+            logger.info(
+                "Serving %s on http://%s:%d (OpenAI API under /v1)", name, config.host, config.port
+            )
 
-        app = build_app(async_llm, name, api_key, on_ready=listening)
-
-        config = uvicorn.Config(
+        app = build_app(async_llm, name, config, on_ready=listening)
+        uvicorn_config = uvicorn.Config(
             app,
-            host=host,
-            port=port,
+            host=config.host,
+            port=config.port,
+            http=guarded_protocol(config.http_timeout),
             log_level="warning",
-            timeout_graceful_shutdown=int(timeout_graceful_shutdown),
+            timeout_graceful_shutdown=int(config.shutdown_timeout),
         )
-        # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again with the
-        # handlers it found installed: make those no-ops, so the engine and its workers stop
-        # below and the process exits 0.
+        # uvicorn shuts down on SIGTERM/SIGINT, then raises the signals again with the handlers
+        # it found installed: make those no-ops, so the engine and its workers stop below and
+        # the process exits 0.
         previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            uvicorn.Server(config).run()
+            HttpServer(uvicorn_config).run()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -189,4 +225,4 @@ def run_server(
 
 
 def _ignore(signum, frame) -> None:
-    logger.info("%s received: stopped serving", signal.Signals(signum).name)
+    pass

@@ -7,11 +7,15 @@ from http import HTTPStatus
 from fastapi.responses import JSONResponse
 
 from llmctl.engine.errors import EngineDeadError, InvalidRequestError, LLMCtlError
+from llmctl.engine.server.request_body import RequestBodyTooLargeError, RequestTimeoutError
 
 _TYPES = {
     HTTPStatus.BAD_REQUEST: "BadRequestError",
     HTTPStatus.UNAUTHORIZED: "AuthenticationError",
     HTTPStatus.NOT_FOUND: "NotFoundError",
+    HTTPStatus.METHOD_NOT_ALLOWED: "MethodNotAllowedError",
+    HTTPStatus.REQUEST_TIMEOUT: "RequestTimeoutError",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError",
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
     HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
 }
@@ -28,11 +32,19 @@ def error_body(status: HTTPStatus, message: str, param: str | None = None) -> di
     }
 
 
-def error_response(status: HTTPStatus, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=int(status))
+def error_response(
+    status: HTTPStatus, message: str, param: str | None = None, headers: dict | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        error_body(status, message, param), status_code=int(status), headers=headers
+    )
 
 
 def status_of(exc: BaseException) -> HTTPStatus:
+    if isinstance(exc, RequestBodyTooLargeError):
+        return HTTPStatus.REQUEST_ENTITY_TOO_LARGE
+    if isinstance(exc, RequestTimeoutError):
+        return HTTPStatus.REQUEST_TIMEOUT
     if isinstance(exc, InvalidRequestError):
         return HTTPStatus.BAD_REQUEST
     if isinstance(exc, EngineDeadError):

@@ -1,6 +1,10 @@
-"""What the completions and chat endpoints share: checks against the served model, tokenizing with
-the context-length check, running one engine request per (prompt) with latency metrics, merging
-streams, server-sent events and usage counts."""
+"""What the completions and chat endpoints share: decoding the body, checks against the served
+model, tokenizing with the context-length check, running one engine request per prompt with latency
+metrics, merging streams, server-sent events and usage counts.
+
+`prepare` (decode, validate, template, tokenize) is CPU work that grows with the body: the server
+runs it in worker threads, never on the event loop. Everything after it is async and cheap.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from llmctl.engine.outputs import RequestOutput
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.engine.server.errors import error_body
 from llmctl.engine.server.metrics import ServerMetrics
+from llmctl.engine.server.request_body import parse_json_body, validate
 
 _DISCONNECT_POLL_S = 0.5
 
@@ -28,6 +33,15 @@ class ModelNotFound(Exception):
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self.name = name
+
+
+@dataclass
+class Prepared:
+    """A request ready for the engine: its body, sampling parameters and prompts."""
+
+    body: Any
+    params: SamplingParams
+    prompts: list[PreparedPrompt]
 
 
 @dataclass
@@ -40,6 +54,8 @@ class PreparedPrompt:
 
 
 class OpenAIServing:
+    request_type: type  # the pydantic model of the endpoint's body
+
     def __init__(self, async_llm: AsyncLLM, model_name: str, metrics: ServerMetrics) -> None:
         self.async_llm = async_llm
         self.model_name = model_name
@@ -48,15 +64,33 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.model_config.max_model_len
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise ModelNotFound(name)
+    def prepare(self, raw: bytes) -> Prepared:
+        """The request in `raw` (a JSON body), decoded, validated and tokenized. Runs in a worker
+        thread. Raises InvalidRequestError (400, naming the field) or ModelNotFound (404)."""
+        body = validate(self.request_type, parse_json_body(raw))
+        if body.model is not None and body.model != self.model_name:
+            raise ModelNotFound(body.model)
+        return self.prepare_body(body)
 
-    def prepare(self, prompt: str | list[int], add_special_tokens: bool = True) -> PreparedPrompt:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-            return PreparedPrompt(prompt, ids)
-        return PreparedPrompt(None, list(prompt))
+    def prepare_body(self, body) -> Prepared:
+        raise NotImplementedError
+
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool, field: str):
+        if isinstance(prompt, list):
+            return PreparedPrompt(None, list(prompt))
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                f"the {field} is text, but this server runs without a tokenizer "
+                "(--skip-tokenizer-init)",
+                "send the prompt as token ids",
+                param=field,
+            )
+        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return PreparedPrompt(prompt, ids)
+
+    def returns_token_ids(self, body) -> bool:
+        """vLLM's return_token_ids; always on without a tokenizer (text is then empty)."""
+        return body.return_token_ids or self.tokenizer is None
 
     def check_length(self, prompt: PreparedPrompt, params: SamplingParams, field: str) -> None:
         """OpenAI's rule: prompt + max_tokens must fit in the context (the engine would cut)."""

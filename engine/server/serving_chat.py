@@ -8,13 +8,28 @@ from collections.abc import AsyncIterator
 from llmctl.engine.errors import InvalidRequestError
 from llmctl.engine.outputs import CompletionOutput
 from llmctl.engine.server.protocol import ChatCompletionRequest
-from llmctl.engine.server.serving import OpenAIServing, new_id, sse, sse_error, usage
+from llmctl.engine.server.serving import (
+    OpenAIServing,
+    Prepared,
+    new_id,
+    sse,
+    sse_error,
+    usage,
+)
 
 
 class ChatHandler(OpenAIServing):
-    def prepare_request(self, body: ChatCompletionRequest):
-        self.check_model(body.model)
+    request_type = ChatCompletionRequest
+
+    def prepare_body(self, body: ChatCompletionRequest) -> Prepared:
         params = body.sampling_params()
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "chat needs the model's tokenizer and chat template, and this server runs "
+                "without a tokenizer (--skip-tokenizer-init)",
+                "send token ids to /v1/completions",
+                param="messages",
+            )
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 "this model has no chat template",
@@ -24,7 +39,10 @@ class ChatHandler(OpenAIServing):
         conversation = [m.as_template_input() for m in body.messages]
         try:
             text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=body.add_generation_prompt
+                conversation,
+                tokenize=False,
+                add_generation_prompt=body.add_generation_prompt,
+                **(body.chat_template_kwargs or {}),
             )
         except Exception as exc:  # the template rejects the conversation (jinja raise_exception)
             raise InvalidRequestError(
@@ -32,27 +50,29 @@ class ChatHandler(OpenAIServing):
                 "check the roles and their order",
                 param="messages",
             ) from exc
-        prompt = self.prepare(text, add_special_tokens=False)  # the template wrote them
+        prompt = self.tokenize(text, body.add_special_tokens, "messages")
         self.check_length(prompt, params, "messages")
-        return params, prompt
+        return Prepared(body, params, [prompt])
 
-    async def complete(self, body: ChatCompletionRequest) -> dict:
-        params, prompt = self.prepare_request(body)
+    async def complete(self, prepared: Prepared) -> dict:
+        body, params, (prompt,) = prepared.body, prepared.params, prepared.prompts
         request_id = new_id("chatcmpl")
         final = None
         async for _, output in self.run_all([prompt], params, request_id):
             final = output
-        choices = [
-            {
+        choices = []
+        for c in final.outputs:
+            choice = {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
                 "logprobs": self._logprobs(c, 0, body.top_logprobs or 0) if body.logprobs else None,
                 "finish_reason": c.finish_reason,
             }
-            for c in final.outputs
-        ]
+            if self.returns_token_ids(body):
+                choice["token_ids"] = list(c.token_ids)
+            choices.append(choice)
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        return {
+        response = {
             "id": request_id,
             "object": "chat.completion",
             "created": int(time.time()),
@@ -60,13 +80,18 @@ class ChatHandler(OpenAIServing):
             "choices": choices,
             "usage": usage(len(prompt.token_ids), completion_tokens),
         }
+        if self.returns_token_ids(body):
+            response["prompt_token_ids"] = prompt.token_ids
+        return response
 
-    async def stream(self, body: ChatCompletionRequest, params, prompt) -> AsyncIterator[str]:
+    async def stream(self, prepared: Prepared) -> AsyncIterator[str]:
+        body, params, (prompt,) = prepared.body, prepared.params, prepared.prompts
         request_id = new_id("chatcmpl")
         created = int(time.time())
         sent_chars: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         finished: set[int] = set()
+        with_ids = self.returns_token_ids(body)
         try:
             for index in range(params.n):  # the role comes first, as OpenAI sends it
                 delta = {"role": "assistant", "content": ""}
@@ -79,18 +104,19 @@ class ChatHandler(OpenAIServing):
                     text = c.text[chars:]
                     if not text and c.finish_reason is None:
                         continue
+                    start = sent_tokens.get(c.index, 0)
                     logprobs = None
                     if body.logprobs:
-                        start = sent_tokens.get(c.index, 0)
                         logprobs = self._logprobs(c, start, body.top_logprobs or 0)
                     sent_chars[c.index] = len(c.text)
                     sent_tokens[c.index] = len(c.token_ids)
-                    if text:
-                        yield sse(
-                            self._chunk(
-                                request_id, created, c.index, {"content": text}, None, logprobs
-                            )
+                    if text or (with_ids and len(c.token_ids) > start):
+                        chunk = self._chunk(
+                            request_id, created, c.index, {"content": text}, None, logprobs
                         )
+                        if with_ids:
+                            chunk["choices"][0]["token_ids"] = c.token_ids[start:]
+                        yield sse(chunk)
                     if c.finish_reason is not None:
                         finished.add(c.index)
                         yield sse(

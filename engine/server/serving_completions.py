@@ -9,6 +9,7 @@ from llmctl.engine.outputs import CompletionOutput, RequestOutput
 from llmctl.engine.server.protocol import CompletionRequest
 from llmctl.engine.server.serving import (
     OpenAIServing,
+    Prepared,
     PreparedPrompt,
     new_id,
     sse,
@@ -18,16 +19,17 @@ from llmctl.engine.server.serving import (
 
 
 class CompletionsHandler(OpenAIServing):
-    def prepare_request(self, body: CompletionRequest):
-        self.check_model(body.model)
+    request_type = CompletionRequest
+
+    def prepare_body(self, body: CompletionRequest) -> Prepared:
         params = body.sampling_params()
-        prompts = [self.prepare(p) for p in body.prompts()]
+        prompts = [self.tokenize(p, body.add_special_tokens, "prompt") for p in body.prompts()]
         for prompt in prompts:
             self.check_length(prompt, params, "prompt")
-        return params, prompts
+        return Prepared(body, params, prompts)
 
-    async def complete(self, body: CompletionRequest) -> dict:
-        params, prompts = self.prepare_request(body)
+    async def complete(self, prepared: Prepared) -> dict:
+        body, params, prompts = prepared.body, prepared.params, prepared.prompts
         request_id = new_id("cmpl")
         finals: dict[int, RequestOutput] = {}
         async for index, output in self.run_all(prompts, params, request_id):
@@ -48,7 +50,8 @@ class CompletionsHandler(OpenAIServing):
             "usage": usage(sum(len(p.token_ids) for p in prompts), completion_tokens),
         }
 
-    async def stream(self, body: CompletionRequest, params, prompts) -> AsyncIterator[str]:
+    async def stream(self, prepared: Prepared) -> AsyncIterator[str]:
+        body, params, prompts = prepared.body, prepared.params, prepared.prompts
         request_id = new_id("cmpl")
         created = int(time.time())
         sent_chars: dict[tuple[int, int], int] = {}  # (prompt, completion) -> characters sent
@@ -62,13 +65,17 @@ class CompletionsHandler(OpenAIServing):
                         continue
                     chars = sent_chars.get(key, 0)
                     text = completion.text[chars:]
-                    if not text and completion.finish_reason is None:
+                    new_tokens = len(completion.token_ids) > sent_tokens.get(key, 0)
+                    if completion.finish_reason is None and not (
+                        text or (new_tokens and self.returns_token_ids(body))
+                    ):
                         continue  # nothing new to show (or held back: a possible stop string)
                     if key not in sent_chars and body.echo:
                         text = self._prompt_text(prompts[p_index]) + text
                     logprobs = None
                     if params.logprobs is not None:
                         logprobs = self._logprobs(completion, sent_tokens.get(key, 0), chars)
+                    sent_before = sent_tokens.get(key, 0)
                     sent_chars[key] = len(completion.text)
                     sent_tokens[key] = len(completion.token_ids)
                     if completion.finish_reason is not None:
@@ -79,6 +86,10 @@ class CompletionsHandler(OpenAIServing):
                         "logprobs": logprobs,
                         "finish_reason": completion.finish_reason,
                     }
+                    if self.returns_token_ids(body):
+                        choice["token_ids"] = completion.token_ids[sent_before:]
+                        if sent_before == 0:
+                            choice["prompt_token_ids"] = prompts[p_index].token_ids
                     yield sse(self._chunk(request_id, created, [choice]))
             if body.include_usage:
                 prompt_tokens = sum(len(p.token_ids) for p in prompts)
@@ -101,18 +112,24 @@ class CompletionsHandler(OpenAIServing):
     def _prompt_text(self, prompt: PreparedPrompt) -> str:
         if prompt.text is not None:
             return prompt.text
+        if self.tokenizer is None:
+            return ""  # without a tokenizer, token ids are all there is (return_token_ids)
         return self.tokenizer.decode(prompt.token_ids)
 
     def _choice(self, body, prompt: PreparedPrompt, p_index: int, completion: CompletionOutput):
         text = completion.text
         if body.echo:
             text = self._prompt_text(prompt) + text
-        return {
+        choice = {
             "index": p_index * body.n + completion.index,
             "text": text,
             "logprobs": self._logprobs(completion, 0, 0) if body.logprobs is not None else None,
             "finish_reason": completion.finish_reason,
         }
+        if self.returns_token_ids(body):
+            choice["prompt_token_ids"] = prompt.token_ids
+            choice["token_ids"] = list(completion.token_ids)
+        return choice
 
     def _logprobs(self, completion: CompletionOutput, start: int, offset: int) -> dict:
         """OpenAI's legacy logprobs object for the tokens from `start` on."""

@@ -1,0 +1,69 @@
+"""ServerConfig: how `llmctl serve` listens and what it accepts from clients, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmctl.engine.errors import ConfigError
+
+# JSON around the prompt (sampling fields, other messages) that the body limit allows for.
+BODY_OVERHEAD_BYTES = 64 * 1024
+# A token id in a JSON list ("49151, ") takes at most this many bytes.
+_TOKEN_ID_BYTES = 12
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    # On SIGTERM, seconds in-flight requests may take to finish (a second signal: none).
+    shutdown_timeout: float = 30.0
+    # Largest request body, in bytes. None: the largest that can still fit max_model_len.
+    max_request_body_bytes: int | None = None
+    # Seconds a client may stall: sending its headers or body, or reading a stream.
+    http_timeout: float = 30.0
+    # Threads that decode, validate and tokenize requests (off the event loop).
+    num_prepare_threads: int = 2
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}", "pass --port 8000")
+        if self.shutdown_timeout < 0:
+            raise ConfigError(
+                f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}",
+                "pass --shutdown-timeout 30 (0: stop at once)",
+            )
+        if self.max_request_body_bytes is not None and self.max_request_body_bytes < 1024:
+            raise ConfigError(
+                f"max_request_body_bytes must be at least 1024, got {self.max_request_body_bytes}",
+                "leave it out for the default (what fits --max-model-len), or pass a larger size",
+            )
+        if not self.http_timeout > 0:
+            raise ConfigError(
+                f"http_timeout must be positive, got {self.http_timeout}",
+                "pass --http-timeout 30",
+            )
+        if self.num_prepare_threads < 1:
+            raise ConfigError(
+                f"num_prepare_threads must be positive, got {self.num_prepare_threads}"
+            )
+
+    def body_limit(self, max_model_len: int, max_token_bytes: int | None) -> int:
+        """The body limit in effect: the configured one, or the largest body whose prompt could
+        still fit `max_model_len` tokens of at most `max_token_bytes` bytes each (token ids
+        only, without a tokenizer)."""
+        if self.max_request_body_bytes is not None:
+            return self.max_request_body_bytes
+        per_token = max(max_token_bytes or 0, _TOKEN_ID_BYTES)
+        return max_model_len * per_token + BODY_OVERHEAD_BYTES
+
+
+def max_token_bytes(tokenizer) -> int | None:
+    """An upper bound on the UTF-8 bytes one token stands for (None without a tokenizer): a
+    prompt of B bytes has at least B / this many tokens. Measured on the vocabulary's own
+    spellings, which are never shorter than the text they decode to."""
+    if tokenizer is None:
+        return None
+    vocab = tokenizer.get_vocab()
+    return max((len(piece.encode("utf-8", "replace")) for piece in vocab), default=1)
