@@ -7,6 +7,7 @@ Connection, which frames and pickles each message; calls are pickled once and th
 to every worker:
 
     engine -> worker   ("job", engine_config, rank, init_method, num_threads)   first, once
+                       (its hf_config an HFConfigView: no transformers import in the worker)
                        ("call", call_id, method, args, kwargs)  |  ("shutdown",)
     worker -> engine   ("ready", rank, pid)                      once the model is loaded
                        ("init_error", rank, exception, traceback)
@@ -41,6 +42,7 @@ from typing import Any
 
 from llmctl.engine.errors import EngineDeadError, LLMCtlError
 from llmctl.engine.executor.base import Executor
+from llmctl.engine.hf_config_view import for_workers
 
 logger = logging.getLogger("llmctl")
 
@@ -91,6 +93,7 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(
             self, _stop_workers, self.processes, self.conns, self.sentinels
         )
+        job_config = for_workers(self.engine_config)  # workers need not import transformers
         try:
             for rank in range(self.world_size):
                 parent_end, child_end = socket.socketpair()
@@ -104,7 +107,7 @@ class MultiprocExecutor(Executor):
                 self.sentinels.append(os.pidfd_open(process.pid))
                 conn = Connection(parent_end.detach())
                 self.conns.append(conn)
-                conn.send(("job", self.engine_config, rank, init_method, threads))
+                conn.send(("job", job_config, rank, init_method, threads))
             self._next_call_id = 0
             self._replies: list[dict[int, tuple]] = [{} for _ in range(self.world_size)]
             self._wait_ready(progress)

@@ -20,6 +20,7 @@ from typing import Any
 from llmctl.engine.distributed import ranks
 from llmctl.engine.errors import ConfigError, EngineDeadError, LLMCtlError
 from llmctl.engine.executor.base import Executor
+from llmctl.engine.hf_config_view import for_workers
 
 logger = logging.getLogger("llmctl")
 
@@ -155,9 +156,10 @@ class RayExecutor(Executor):
             local_ranks.append(per_node.get(ip, 0))
             per_node[ip] = per_node.get(ip, 0) + 1
         cores = len(os.sched_getaffinity(0))
+        worker_config = for_workers(self.engine_config)  # actors need not import transformers
         refs = [
             actor.start.remote(
-                self.engine_config,
+                worker_config,
                 rank,
                 local_ranks[rank],
                 init_method,
