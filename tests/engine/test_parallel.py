@@ -250,15 +250,18 @@ print("second", *[r["pid"] for r in second.llm_engine.executor.rank_info()], flu
 
 
 def test_ctrl_c_leaves_no_process(tiny_models):
+    # Generates until interrupted: a bounded generate could end before the signal arrives, and
+    # the script would then exit normally. Once one batch is done, the next is under way.
     body = """
-params = SamplingParams(max_tokens=2000, ignore_eos=True)
-print("generating", flush=True)
+params = SamplingParams(max_tokens=64, ignore_eos=True)
 llm.generate([[5, 6, 7]] * 8, params, use_tqdm=False)
+print("generated", flush=True)
+while True:
+    llm.generate([[5, 6, 7]] * 8, params, use_tqdm=False)
 """
     proc = _run_script(body, tiny_models.path("llama"))
     pids = [int(p) for p in proc.stdout.readline().split()[1:]]
-    assert proc.stdout.readline().strip() == "generating"
-    time.sleep(1.0)
+    assert proc.stdout.readline().strip() == "generated"
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
     _, err = proc.communicate(timeout=30)
     assert "KeyboardInterrupt" in err
