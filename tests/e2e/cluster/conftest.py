@@ -1,50 +1,59 @@
 """The test bed of real hosts: four network namespaces on a bridge, each with its own sshd and
-/srv/llmctl; llm-n1..3 run their own Docker daemon, llm-n4 has none."""
+/srv/llmctl; llm-n1..3 run their own Docker daemon, llm-n4 has none.
+
+These tests are marked `cluster` and run last: the bed and its image are prepared in the
+background from the end of collection on (testbed_prep.py), while the other tiers run.
+`pytest -m "not cluster"` runs everything else, without root.
+"""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from testbed import Testbed, ensure_packages, require_root
+from testbed import Testbed
+from testbed_prep import Preparation
 
 HERE = Path(__file__).parent
+PREPARATION = Preparation("llmctl:e2e")
 
 
+def _in_cluster_tier(item: pytest.Item) -> bool:
+    return item.path.is_relative_to(HERE)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.path.is_relative_to(HERE):
-            item.add_marker(pytest.mark.cluster)
+    cluster = [item for item in items if _in_cluster_tier(item)]
+    for item in cluster:
+        item.add_marker(pytest.mark.cluster)
+    items[:] = [item for item in items if not _in_cluster_tier(item)] + cluster
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    if any(_in_cluster_tier(item) for item in session.items):
+        PREPARATION.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    PREPARATION.close()
 
 
 @pytest.fixture(scope="session")
-def testbed() -> Iterator[Testbed]:
-    reason = require_root()
-    if reason:
-        pytest.skip(reason)
-    ensure_packages()
-    with Testbed(hosts=4, docker=[True, True, True, False]) as bed:
-        yield bed
+def testbed() -> Testbed:
+    """The started bed (skipped without root); stopped when the session ends."""
+    return PREPARATION.testbed()
 
 
 @pytest.fixture(scope="session")
 def llmctl_image(testbed: Testbed) -> str:
-    """The llmctl image, built by `llmctl image build` on the root daemon (skipped when its
-    sources have not changed: the root daemon's data root is kept between runs) and loaded on
-    every Docker host."""
-    tag = "llmctl:e2e"
-    llmctl = Path(sys.executable).parent / "llmctl"
-    argv = [str(llmctl), "image", "build", "--debootstrap", "--tag", tag]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
-    print(f"testbed: {' '.join(argv[1:])}: {result.stdout.strip()}")
-    if result.returncode != 0:
-        raise AssertionError(f"llmctl image build failed:\n{result.stdout}\n{result.stderr}")
-    testbed.load_image(tag)
-    return tag
+    """The llmctl image, built by `llmctl image build --debootstrap` on the root daemon (skipped
+    when its sources have not changed: the root daemon's data root is kept between runs) and
+    loaded on every Docker host."""
+    return PREPARATION.image()
 
 
 @pytest.fixture(scope="module")

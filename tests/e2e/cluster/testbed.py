@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import testbed_image
 from testbed_host import Host
 from testbed_os import (
     BRIDGE,
@@ -89,6 +90,12 @@ class Testbed:
     @property
     def docker_hosts(self) -> list[Host]:
         return [h for h in self.hosts if h.has_docker]
+
+    def process_ids(self) -> list[int]:
+        """The processes this bed started (or adopted), for set_priority."""
+        with self._state_lock:
+            pids = [pid for pid, _, _ in self._pids]
+        return pids + [self._root_dockerd] if self._root_dockerd else pids
 
     def host_key(self, name: str) -> Path:
         return self.root / "keys" / f"host-{name}_ed25519"
@@ -203,49 +210,13 @@ class Testbed:
     # -- images --
 
     def image_file(self, tag: str) -> Path:
-        """The root daemon's `tag` as a `docker save` tar, cached per image id (tars of images
-        the root daemon no longer has are deleted)."""
-        t0 = time.monotonic()
-        image_id = _root_image_id(tag)
-        images = self.root / "images"
-        images.mkdir(exist_ok=True)
-        tar = images / f"{image_id.removeprefix('sha256:')}.tar"
-        for old in images.glob("*.tar"):
-            if old != tar and _image_id(f"sha256:{old.stem}") is None:
-                old.unlink()
-        if not tar.exists():
-            partial = tar.with_suffix(".partial")
-            run(["docker", "save", "-o", partial, tag], timeout=1800)
-            if _root_image_id(tag) != image_id:  # rebuilt meanwhile: the tar's name would lie
-                partial.unlink()
-                raise TestbedError(f"{tag} changed while it was being saved; try again")
-            partial.replace(tar)
-            print(f"testbed: saved {tag} to {tar} in {time.monotonic() - t0:.1f} s")
-        return tar
+        """The root daemon's `tag` as a `docker save` tar, cached per image id."""
+        return testbed_image.image_file(self.root, tag)
 
     def load_image(self, tag: str) -> None:
         """Give every Docker host the root daemon's `tag` (same image id), loading the cached
         tar (in parallel) only where it is missing or different."""
-        t0 = time.monotonic()
-        image_id = _root_image_id(tag)
-        missing = [h for h in self.docker_hosts if _image_id(tag, h.docker_host) != image_id]
-        if not missing:
-            print(f"testbed: {tag} already on every host ({time.monotonic() - t0:.1f} s)")
-            return
-        tar = self.image_file(tag)
-
-        def load(host: Host) -> float:
-            start = time.monotonic()
-            host.docker(["load", "-i", str(tar)], timeout=1800)
-            if _image_id(tag, host.docker_host) != image_id:
-                raise TestbedError(f"{host.name}: {tag} has another id after docker load")
-            host.docker(["image", "prune", "-f"], timeout=600)  # the image `tag` used to name
-            return time.monotonic() - start
-
-        with ThreadPoolExecutor(len(missing)) as pool:
-            took = list(pool.map(load, missing))
-        per_host = ", ".join(f"{h.name} {t:.1f} s" for h, t in zip(missing, took, strict=True))
-        print(f"testbed: loaded {tag} in {time.monotonic() - t0:.1f} s ({per_host})")
+        testbed_image.load(self.root, tag, [h.docker_host for h in self.docker_hosts])
 
     # -- teardown --
 
@@ -273,17 +244,3 @@ class Testbed:
         print(f"testbed: closed in {time.monotonic() - t0:.1f} s")
         if errors:
             raise TestbedError("teardown problems:\n" + "\n".join(errors))
-
-
-def _root_image_id(tag: str) -> str:
-    image_id = _image_id(tag)
-    if image_id is None:
-        raise TestbedError(f"image {tag} is not in the root Docker daemon; build it first")
-    return image_id
-
-
-def _image_id(ref: str, docker_host: str | None = None) -> str | None:
-    daemon = ["-H", docker_host] if docker_host else []
-    argv = ["docker", *daemon, "image", "inspect", "--format", "{{.Id}}", ref]
-    proc = run(argv, check=False, timeout=60)
-    return proc.stdout.strip() if proc.returncode == 0 else None

@@ -140,6 +140,32 @@ def stop_process(proc: subprocess.Popen | None, timeout: float) -> None:
     proc.wait(10)
 
 
+def set_priority(pids: Sequence[int], nice: int) -> None:
+    """Give every thread of these processes and of their descendants this nice value (Linux
+    keeps one per thread, and new threads and processes inherit their creator's)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        fields = _stat_fields(int(entry)) if entry.isdigit() else None
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    todo, seen = list(pids), set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        todo += children.get(pid, [])
+        try:
+            threads = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in threads:
+            try:
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+            except OSError:
+                pass  # gone meanwhile
+
+
 def pids_in_netns(netns: Path) -> list[int]:
     """Live processes whose network namespace is the one bound at netns."""
     try:
