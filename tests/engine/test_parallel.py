@@ -27,6 +27,14 @@ LAYOUTS = {
     "pp3-uneven": (1, 3, "2,1,1"),
     "tp2-pp2": (2, 2, None),
 }
+# Every layout on Llama. GPT-2 and OPT (their own fused or biased projections, learned
+# positions, final norms) on the layouts where their code differs: tp2 (their weight loaders),
+# pp3-uneven (first, middle and last stages) and tp2-pp2 (embedding and head in each stage's
+# tensor-parallel group). Their tp4 (4 heads, no KV heads to replicate) runs the same code as
+# tp2, and their pp2 the first and last stages of pp3-uneven.
+CASES = [("llama", layout) for layout in LAYOUTS] + [
+    (family, layout) for family in ("gpt2", "opt") for layout in ("tp2", "pp3-uneven", "tp2-pp2")
+]
 
 
 def prompts(seed: int = 0) -> list[list[int]]:
@@ -72,8 +80,7 @@ def run(path, tp, pp, partition=None, backend="mp", **kwargs) -> list[list[int]]
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
+@pytest.mark.parametrize("family, layout", CASES, ids=[f"{f}-{layout}" for f, layout in CASES])
 def test_layouts_on_mp_match_transformers(family, layout, tiny_models, expected):
     tp, pp, partition = LAYOUTS[layout]
     assert run(tiny_models.path(family), tp, pp, partition) == expected(family)
@@ -177,42 +184,20 @@ def test_impossible_layouts_refused_before_any_process(tiny_models, model, kwarg
     assert child_pids() == before
 
 
-def test_mp_backend_works_without_ray(tiny_models, expected):
-    """Ray is imported only by the Ray backend: with `import ray` failing, mp still runs."""
-    script = f"""
-import sys
-sys.modules["ray"] = None  # any `import ray` now raises ImportError
-from llmctl.engine import LLM, SamplingParams
-llm = LLM({str(tiny_models.path("llama"))!r}, use_tqdm_on_load=False, dtype="float32",
-          kv_cache_space_gib=0.02, tensor_parallel_size=2)
-out = llm.generate([{prompts()[0]!r}], SamplingParams(temperature=0, max_tokens=32,
-                   ignore_eos=True), use_tqdm=False)
-print(out[0].outputs[0].token_ids)
-print(type(llm.llm_engine.executor).__name__)
-llm.shutdown()
-"""
-    env = {**os.environ, "LLMCTL_CPU_DEVICES": "2"}  # enough local devices: the rule picks mp
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.strip().splitlines()
-    assert lines[-1] == "MultiprocExecutor"
-    assert lines[-2] == str(expected("llama")[0])
-
-
 def session_pids(session: int) -> set[int]:
     """Live processes of a session (a shell's Ctrl-C reaches its whole foreground group)."""
     return live_pids(session=session)
 
 
 _SCRIPT_HEAD = """
-import gc, os, sys, time
+import gc, os, sys
+sys.modules["ray"] = None  # any `import ray` now raises ImportError: mp must not need Ray
 from llmctl.engine import LLM, SamplingParams
 MODEL = {path!r}
 def start():
-    return LLM(MODEL, use_tqdm_on_load=False, kv_cache_space_gib=0.02, tensor_parallel_size=2,
-               distributed_executor_backend="mp")
+    # No backend named: with LLMCTL_CPU_DEVICES=2 (enough local devices) the rule picks mp.
+    return LLM(MODEL, use_tqdm_on_load=False, dtype="float32", kv_cache_space_gib=0.02,
+               tensor_parallel_size=2)
 llm = start()
 pids = [r["pid"] for r in llm.llm_engine.executor.rank_info()]
 print("workers", *pids, flush=True)
@@ -225,15 +210,23 @@ def _run_script(body: str, path) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "LLMCTL_CPU_DEVICES": "2"},
         start_new_session=True,  # its own session, like a program started from a shell
     )
 
 
-def test_garbage_collection_and_exit_stop_the_workers(tiny_models):
-    body = """
+@pytest.fixture(scope="module")
+def script_without_ray(tiny_models):
+    """One script for two tests: mp generates with Ray unimportable, then garbage collection
+    stops the first engine's workers and the interpreter's exit those of a second."""
+    body = f"""
+out = llm.generate([{prompts()[0]!r}], SamplingParams(temperature=0, max_tokens=32,
+                   ignore_eos=True), use_tqdm=False)
+print("tokens", *out[0].outputs[0].token_ids, flush=True)
+print("executor", type(llm.llm_engine.executor).__name__, flush=True)
 del llm
 gc.collect()
-print("collected", *[pid for pid in pids if os.path.exists(f"/proc/{pid}")], flush=True)
+print("collected", *[pid for pid in pids if os.path.exists(f"/proc/{{pid}}")], flush=True)
 second = start()
 print("second", *[r["pid"] for r in second.llm_engine.executor.rank_info()], flush=True)
 # Exits without shutdown(): the interpreter's exit must stop these workers too.
@@ -241,7 +234,18 @@ print("second", *[r["pid"] for r in second.llm_engine.executor.rank_info()], flu
     proc = _run_script(body, tiny_models.path("llama"))
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
-    lines = {line.split()[0]: line.split()[1:] for line in out.strip().splitlines()}
+    return proc, {line.split()[0]: line.split()[1:] for line in out.strip().splitlines()}
+
+
+def test_mp_backend_works_without_ray(script_without_ray, expected):
+    """Ray is imported only by the Ray backend: with `import ray` failing, mp still runs."""
+    _, lines = script_without_ray
+    assert lines["executor"] == ["MultiprocExecutor"]
+    assert [int(t) for t in lines["tokens"]] == expected("llama")[0]
+
+
+def test_garbage_collection_and_exit_stop_the_workers(script_without_ray):
+    proc, lines = script_without_ray
     assert lines["collected"] == []  # garbage collection stopped the first workers
     assert len(lines["second"]) == 2
     for pid in map(int, lines["second"]):
