@@ -86,6 +86,13 @@ def test_default_dtype_on_this_cpu_still_answers():
     assert "Paris" in out.outputs[0].text
 
 
+@pytest.fixture(scope="module")
+def single(smol) -> list[list[int]]:
+    """The one-process engine's greedy tokens: what each parallel layout must give."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in smol.generate(PROMPTS, params, use_tqdm=False)]
+
+
 @pytest.mark.parametrize(
     "layout",
     [
@@ -94,9 +101,8 @@ def test_default_dtype_on_this_cpu_still_answers():
     ],
     ids=["tp2-uneven", "pp2"],
 )
-def test_parallel_layouts_match_one_process(smol, layout):
+def test_parallel_layouts_match_one_process(single, layout):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    single = [o.outputs[0].token_ids for o in smol.generate(PROMPTS, params, use_tqdm=False)]
     with LLM(
         use_tqdm_on_load=False,
         dtype="float32",
