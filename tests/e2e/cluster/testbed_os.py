@@ -140,9 +140,33 @@ def stop_process(proc: subprocess.Popen | None, timeout: float) -> None:
     proc.wait(10)
 
 
+def _container_cpu_weight() -> tuple[Path, int, int] | None:
+    """The CPU weight file of the parent cgroup of Docker's containers (cgroupfs driver), with
+    its normal and lowest values: cgroup v1's cpu.shares or v2's cpu.weight."""
+    v1 = Path("/sys/fs/cgroup/cpu")
+    if (v1 / "cpu.shares").exists():
+        return v1 / "docker" / "cpu.shares", 1024, 2
+    v2 = Path("/sys/fs/cgroup")
+    controllers = v2 / "cgroup.controllers"
+    if controllers.exists() and "cpu" in controllers.read_text().split():
+        return v2 / "docker" / "cpu.weight", 100, 1
+    return None
+
+
 def set_priority(pids: Sequence[int], nice: int) -> None:
-    """Give every thread of these processes and of their descendants this nice value (Linux
-    keeps one per thread, and new threads and processes inherit their creator's)."""
+    """Give these processes, their descendants and Docker's containers a CPU priority: the
+    nice value of every thread (Linux keeps one per thread, and what a thread starts inherits
+    it), of each one's session (with autogroup scheduling the kernel first shares the CPU
+    between sessions, so a thread's own nice value only counts inside its session), and the
+    weight of the containers' cgroup (lowest for any positive nice)."""
+    weight = _container_cpu_weight()
+    if weight is not None:
+        path, normal, lowest = weight
+        try:
+            path.parent.mkdir(exist_ok=True)  # dockerd makes it at its first container
+            path.write_text(str(lowest if nice > 0 else normal))
+        except OSError:
+            pass  # the CPU controller is not enabled below the root
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         fields = _stat_fields(int(entry)) if entry.isdigit() else None
@@ -158,7 +182,11 @@ def set_priority(pids: Sequence[int], nice: int) -> None:
         try:
             threads = os.listdir(f"/proc/{pid}/task")
         except OSError:
-            continue
+            continue  # gone meanwhile
+        try:
+            Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+        except OSError:
+            pass  # a kernel without autogroup scheduling
         for tid in threads:
             try:
                 os.setpriority(os.PRIO_PROCESS, int(tid), nice)

@@ -1,10 +1,11 @@
 """The test bed made ready in the background while the other tiers run.
 
 Building the llmctl image (debootstrap, the wheels, `docker build`) and loading it into three
-Docker daemons is about 7 minutes of work, mostly the Docker daemons' and most of it waiting
-on the disk and the network, that used to delay the first cluster test. So when collection ends
-with cluster tests selected, the hosts start and a helper process (testbed_image.py) builds,
-saves and loads the image, all at the lowest CPU priority: they take only what the other tiers
+Docker daemons took 7 to 8 minutes before the first cluster test on a fresh 2-core machine
+(about 400 CPU-seconds, most of them the Docker daemons', plus waits on the disk and the
+network). So when collection ends with cluster tests selected, the hosts start and a helper
+process (testbed_image.py) builds, saves and loads the image, all at the lowest CPU priority
+(threads, sessions and Docker's containers: see set_priority): they take what the other tiers
 leave idle. The cluster tests run last (conftest.py); their first fixture waits for the helper
 and then gives the hosts' daemons normal priority again.
 
@@ -65,6 +66,8 @@ class Preparation:
                 text=True,
                 start_new_session=True,  # stopped as a group: the build's processes with it
             )
+            # Each daemon and the helper lead their own session: set those sessions' priority.
+            set_priority([*self.bed.process_ids(), self.helper.pid], LOWEST)
         except BaseException as e:  # noqa: BLE001 - raised by the fixture that needs the bed
             self.error = e
         finally:
@@ -85,7 +88,7 @@ class Preparation:
             self.result = self._wait_for_helper()
             for line in self.result["log"]:
                 print(line)
-            set_priority(self.bed.process_ids(), 0)
+            self._restore_priority()
         return self.bed
 
     def image(self) -> str:
@@ -104,6 +107,10 @@ class Preparation:
             return {"ok": False, "log": [], "error": f"testbed_image.py exited with {code}"}
         return json.loads(line)
 
+    def _restore_priority(self) -> None:
+        if self.bed is not None:
+            set_priority(self.bed.process_ids(), 0)
+
     def close(self) -> None:
         """Stop the helper (if still at work) and the bed. Safe to call twice."""
         helper, self.helper = self.helper, None
@@ -114,6 +121,7 @@ class Preparation:
             except subprocess.TimeoutExpired:
                 _signal_group(helper.pid, signal.SIGKILL)
                 helper.wait(10)
+        self._restore_priority()  # Docker's containers' cgroup too, if the helper never ended
         bed, self.bed = self.bed, None
         if bed is not None:
             bed.close()
