@@ -37,6 +37,36 @@ KvCacheSpaceGib = Annotated[
     ),
 ]
 
+GpuMemoryUtilization = Annotated[
+    float | None,
+    typer.Option(
+        help="CUDA: fraction of each GPU's memory the engine may use (weights, activations, KV "
+        "cache: the KV cache gets what the others leave). (default: 0.9)",
+        show_default=False,
+        rich_help_panel=ENGINE,
+    ),
+]
+
+Device = Annotated[
+    str | None,
+    typer.Option(
+        help="auto, cuda or cpu. (default: auto: cuda when torch sees a GPU, else cpu)",
+        show_default=False,
+        rich_help_panel=ENGINE,
+    ),
+]
+
+EnforceEager = Annotated[
+    bool | None,
+    typer.Option(
+        "--enforce-eager",
+        help="CUDA: run every step eagerly, without CUDA graphs (slower decode, less memory, "
+        "no capture at start-up). The CPU always runs eagerly.",
+        show_default=False,
+        rich_help_panel=ENGINE,
+    ),
+]
+
 BlockSize = Annotated[
     int | None,
     typer.Option(
@@ -146,6 +176,9 @@ ENGINE_OPTIONS = (
     "dtype",
     "max_model_len",
     "kv_cache_space_gib",
+    "gpu_memory_utilization",
+    "device",
+    "enforce_eager",
     "block_size",
     "max_num_seqs",
     "max_num_batched_tokens",

@@ -12,7 +12,14 @@ import typer
 from rich.table import Table
 
 from llmctl.cli.console import stdout_console
-from llmctl.cli.engine_options import Dtype, MaxModelLen, PipelineLayerPartition
+from llmctl.cli.engine_options import (
+    Dtype,
+    GpuMemoryUtilization,
+    MaxModelLen,
+    MaxNumBatchedTokens,
+    MaxNumSeqs,
+    PipelineLayerPartition,
+)
 
 app = typer.Typer()
 _INVENTORY = "Inventory"
@@ -66,10 +73,9 @@ def plan(
     ] = "cuda",
     dtype: Dtype = "auto",
     max_model_len: MaxModelLen = None,
-    gpu_memory_utilization: Annotated[
-        float,
-        typer.Option(help="Fraction of each GPU's memory to use.", rich_help_panel=_MEMORY),
-    ] = 0.9,
+    gpu_memory_utilization: GpuMemoryUtilization = None,
+    max_num_batched_tokens: MaxNumBatchedTokens = None,
+    max_num_seqs: MaxNumSeqs = None,
     kv_cache_dtype: Annotated[
         str,
         typer.Option(help="auto (the model's dtype), fp8, ...", rich_help_panel=_MEMORY),
@@ -129,6 +135,8 @@ def plan(
             dtype,
             max_model_len,
             gpu_memory_utilization,
+            max_num_batched_tokens,
+            max_num_seqs,
             kv_cache_dtype,
             kv_cache_space_gib,
             min_concurrency,
@@ -152,7 +160,8 @@ def plan(
 
 
 def _make(model, inventory, nodes, gpus, memory, interconnect, device, dtype, max_model_len,
-          utilization, kv_dtype, kv_space, concurrency, uneven, tp, pp, partition):  # fmt: skip
+          utilization, batched_tokens, max_seqs, kv_dtype, kv_space, concurrency, uneven, tp, pp,
+          partition):  # fmt: skip
     from llmctl.cluster.inventory import inventory_from_flags, load_inventory
     from llmctl.cluster.model_spec import load_model_spec
     from llmctl.cluster.plan import PlanOptions, make_plan
@@ -162,10 +171,13 @@ def _make(model, inventory, nodes, gpus, memory, interconnect, device, dtype, ma
     inv = load_inventory(inventory) if inventory else inventory_from_flags(
         nodes, gpus, memory, interconnect
     )  # fmt: skip
+    engine_defaults = PlanOptions()  # an option not given: the engine's default
     options = PlanOptions(
         dtype=dtype,
         max_model_len=max_model_len,
-        gpu_memory_utilization=utilization,
+        gpu_memory_utilization=_given(utilization, engine_defaults.gpu_memory_utilization),
+        max_num_batched_tokens=batched_tokens,
+        max_num_seqs=_given(max_seqs, engine_defaults.max_num_seqs),
         kv_cache_dtype=kv_dtype,
         kv_cache_space_gib=kv_space,
         min_concurrency=concurrency,
@@ -176,6 +188,10 @@ def _make(model, inventory, nodes, gpus, memory, interconnect, device, dtype, ma
         device=device,
     )
     return make_plan(spec, inv, options)
+
+
+def _given(value, default):
+    return default if value is None else value
 
 
 def _print_catalog(console, catalog, as_json: bool) -> None:
@@ -220,7 +236,7 @@ def _print_plan(console, plan) -> None:
     )
     table = Table(title="Per GPU")
     for column in ("rank", "node", "stage", "tp rank", "layers", "weights", "activations",
-                   "reserve", "KV cache", "KV blocks"):  # fmt: skip
+                   "non-torch", "KV cache", "KV blocks"):  # fmt: skip
         table.add_column(column, justify="right")
     for r in plan.ranks:
         table.add_row(
@@ -231,11 +247,15 @@ def _print_plan(console, plan) -> None:
             f"{r.layers[0]}-{r.layers[1] - 1}",
             f"{r.weight_bytes / gib:.2f} GiB",
             f"{r.activation_bytes / gib:.2f} GiB",
-            f"{r.reserve_bytes / gib:.2f} GiB",
+            f"{r.non_torch_bytes / gib:.2f} GiB",
             f"{r.num_blocks * r.kv_block_bytes / gib:.2f} GiB",
             f"{r.num_blocks:,}",
         )
     console.print(table)
+    memory = plan.memory_lines()
+    console.print(memory[0], highlight=False)
+    for line in memory[1:]:
+        console.print(f"  - {line}", highlight=False)
     for line in plan.log_lines():
         console.print(line, highlight=False)
     console.print("\n[bold]Why[/]")

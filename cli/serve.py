@@ -14,9 +14,12 @@ import typer
 from llmctl.cli.console import CliState, stderr_console, stdout_console
 from llmctl.cli.engine_options import (
     BlockSize,
+    Device,
     DistributedExecutorBackend,
     Dtype,
     EnablePrefixCaching,
+    EnforceEager,
+    GpuMemoryUtilization,
     KvCacheSpaceGib,
     MaxModelLen,
     MaxNumBatchedTokens,
@@ -88,6 +91,9 @@ def serve(
     dtype: Dtype = "auto",
     max_model_len: MaxModelLen = None,
     kv_cache_space_gib: KvCacheSpaceGib = None,
+    gpu_memory_utilization: GpuMemoryUtilization = None,
+    device: Device = None,
+    enforce_eager: EnforceEager = None,
     block_size: BlockSize = None,
     max_num_seqs: MaxNumSeqs = None,
     max_num_batched_tokens: MaxNumBatchedTokens = None,

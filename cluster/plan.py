@@ -2,12 +2,13 @@
 
 Pure: a ModelSpec and an Inventory in, a Plan out (no SSH, no torch, no mutation).
 
-Memory per GPU is what each rank really holds (ModelSpec counts the engine's shards): its layers,
-the embedding on the first stage, the final norm and LM head on the last, an activation reserve
-for a profiling-sized batch, a fixed reserve for the CUDA context and NCCL, and the rest of
-gpu_memory_utilization x memory for the KV cache. The KV cache has as many blocks as the rank
-with the fewest can hold, as the engine does. On the CPU the KV cache is kv_cache_space_gib
-exactly, as the engine allocates it.
+Memory per GPU is sized by the engine's own arithmetic (engine/memory_profile.py), on estimates
+of what the engine measures: the weights each rank really holds (ModelSpec counts the engine's
+shards: its layers, the embedding on the first stage, the final norm and LM head on the last), the
+peak activations of the profile step at max_num_batched_tokens, and the memory outside torch (the
+CUDA context, NCCL); the rest of gpu_memory_utilization x memory is KV cache. The KV cache has as
+many blocks as the rank with the fewest can hold, as the engine does. On the CPU the KV cache is
+kv_cache_space_gib exactly, as the engine allocates it.
 
 The rules, from vLLM's distributed-serving guide, then better:
   1. The model fits one GPU with room for min_concurrency requests of max_model_len: tp=1.
@@ -29,13 +30,27 @@ from dataclasses import dataclass, field
 from llmctl.cluster.errors import PlanError
 from llmctl.cluster.inventory import Inventory
 from llmctl.cluster.model_spec import ModelSpec
-from llmctl.engine.config import DTYPE_BYTES, normalize_dtype
+from llmctl.engine.config import (
+    DTYPE_BYTES,
+    SchedulerConfig,
+    normalize_dtype,
+    resolve_max_num_batched_tokens,
+)
 from llmctl.engine.distributed import ranks as rank_mesh
 from llmctl.engine.distributed.partition import layer_partition, valid_tp_sizes
 from llmctl.engine.errors import ConfigError
+from llmctl.engine.memory_profile import (
+    CUDA_CONTEXT_BYTES,
+    GIB,
+    NCCL_BYTES,
+    SAMPLER_BYTES_PER_LOGIT,
+    MemoryProfile,
+    check_gpu_memory_utilization,
+    estimate_activation_bytes,
+    estimate_non_torch_bytes,
+    profile_request_lengths,
+)
 
-GIB = 1 << 30
-GPU_FIXED_RESERVE = int(0.75 * GIB)  # CUDA context, NCCL buffers, allocator slack
 _KV_DTYPES = {"auto": None, "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1,
               "fp8_e5m2": 1}  # fmt: skip
 
@@ -48,7 +63,7 @@ class PlanOptions:
     kv_cache_dtype: str = "auto"
     min_concurrency: int = 1
     block_size: int = 16
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int | None = None  # None: the engine's default
     max_num_seqs: int = 256
     allow_uneven_tp: bool = False
     tensor_parallel_size: int | None = None  # force a layout instead of choosing one
@@ -58,10 +73,15 @@ class PlanOptions:
     kv_cache_space_gib: float | None = None  # CPU: the engine's KV budget per rank
 
     def __post_init__(self) -> None:
-        if not 0 < self.gpu_memory_utilization <= 1:
+        check_gpu_memory_utilization(self.gpu_memory_utilization)
+        SchedulerConfig(  # the engine's checks of the step's size
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or self.max_num_seqs,
+        )
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
-                "use a fraction such as 0.9",
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}",
+                "allow a positive token budget per step",
             )
         if self.min_concurrency < 1:
             raise ConfigError(
@@ -85,8 +105,8 @@ class RankMemory:
     tp_rank: int
     layers: tuple[int, int]
     weight_bytes: int
-    activation_bytes: int
-    reserve_bytes: int
+    activation_bytes: int  # peak of the profile step (estimated)
+    non_torch_bytes: int  # CUDA context, NCCL (estimated)
     kv_bytes: int
     kv_block_bytes: int
     num_blocks: int
@@ -112,6 +132,11 @@ class Plan:
     rejected: tuple[tuple[str, str], ...]  # (layout, why not)
     alternatives: tuple[tuple[str, str], ...] = ()  # (layout, what it offers)
     commands: dict[str, str] = field(default_factory=dict)
+    device: str = "cuda"
+    gpu_memory_utilization: float = 0.9
+    gpu_memory_bytes: int = 0  # of one GPU (the smallest of the inventory)
+    profile_num_tokens: int = 0  # the engine's profile step: tokens, and requests sampled
+    profile_num_sampled: int = 0
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -131,11 +156,39 @@ class Plan:
 
     def log_lines(self) -> list[str]:
         """The three lines the engine logs at start-up, as this plan predicts them."""
+        where = "GPU " if self.device == "cuda" else ""
         return [
             f"# KV cache blocks: {self.num_kv_blocks} (block size {self.block_size})",
-            f"KV cache size: {self.kv_cache_tokens:,} tokens",
+            f"{where}KV cache size: {self.kv_cache_tokens:,} tokens",
             f"Maximum concurrency for {self.max_model_len:,} tokens per request: "
             f"{self.max_concurrency:.2f}x",
+        ]
+
+    def memory_lines(self) -> list[str]:
+        """How the KV cache of the rank with the fewest blocks was estimated."""
+        worst = min(self.ranks, key=lambda r: r.num_blocks)
+        if self.device == "cpu":
+            return [
+                f"each rank's KV cache is --kv-cache-space-gib ({_gib(worst.kv_bytes, 2)}) "
+                "exactly, as the engine allocates it"
+            ]
+        util, total = self.gpu_memory_utilization, self.gpu_memory_bytes
+        nccl = f" + NCCL's buffers ({_gib(NCCL_BYTES, 2)})" if self.gpus_used > 1 else ""
+        return [
+            f"the engine gives the KV cache what is left of {util:g} x {_gib(total, 2)} = "
+            f"{_gib(int(total * util), 2)} per GPU after its profile step (a forward of "
+            f"{self.profile_num_tokens:,} tokens as {self.profile_num_sampled} requests, one "
+            f"sampled token each); estimated here for rank {worst.rank}, the one with the "
+            "fewest blocks:",
+            f"weights {_gib(worst.weight_bytes, 2)}: its layers, embedding and LM head in "
+            f"{self.dtype}",
+            f"peak activations {_gib(worst.activation_bytes, 2)}: per token the residual, hidden "
+            "states, QKV and MLP intermediates; then the sampled rows' logits, in float32 with "
+            f"the sampler's temporaries ({SAMPLER_BYTES_PER_LOGIT} bytes per vocabulary entry)",
+            f"outside torch {_gib(worst.non_torch_bytes, 2)}: the CUDA context "
+            f"({_gib(CUDA_CONTEXT_BYTES, 2)}){nccl}, a constant; the engine measures its own",
+            f"KV cache {_gib(worst.kv_bytes, 2)}: {worst.num_blocks:,} blocks of "
+            f"{worst.kv_block_bytes:,} bytes",
         ]
 
     def to_json(self) -> dict:
@@ -156,6 +209,11 @@ class Plan:
             "distributed_executor_backend": self.distributed_executor_backend,
             "dtype": self.dtype,
             "kv_cache_dtype": self.kv_cache_dtype,
+            "device": self.device,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "profile_num_tokens": self.profile_num_tokens,
+            "profile_num_sampled": self.profile_num_sampled,
+            "memory": self.memory_lines(),
             "reasons": list(self.reasons),
             "rejected": [{"layout": layout, "why": why} for layout, why in self.rejected],
             "alternatives": [{"layout": lay, "offers": why} for lay, why in self.alternatives],
@@ -179,6 +237,8 @@ class _Ctx:
     gpu_gib: float  # memory of one device
     gpus_per_node: int
     nodes: int
+    num_tokens: int  # the engine's profile step: tokens ...
+    num_sampled: int  # ... and sampled rows
 
 
 def _resolve(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> _Ctx:
@@ -206,6 +266,10 @@ def _resolve(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> _Ct
         gpu_gib = min(n.gpu_memory_gib for n in inventory.nodes if n.gpus)
     else:
         gpu_gib = 0.0
+    num_tokens = resolve_max_num_batched_tokens(
+        options.max_num_batched_tokens, options.max_num_seqs
+    )
+    requests = profile_request_lengths(num_tokens, options.max_num_seqs, max_len)
     return _Ctx(
         spec=spec,
         inventory=inventory,
@@ -217,6 +281,8 @@ def _resolve(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> _Ct
         gpu_gib=gpu_gib,
         gpus_per_node=min(g for g in gpus if g) if any(gpus) else 1,
         nodes=len([g for g in gpus if g]) or len(gpus),
+        num_tokens=num_tokens,
+        num_sampled=len(requests),
     )
 
 
@@ -243,13 +309,18 @@ def _rank_memory(ctx: _Ctx, tp: int, pp: int, parts: list[int]) -> list[RankMemo
             weights = params * ctx.dtype_bytes
             block = opts.block_size * spec.kv_bytes_per_token(layers, tp_rank, tp, ctx.kv_bytes)
             if opts.device == "cpu":
-                activation = reserve = 0
+                activation = non_torch = 0
                 kv = int((opts.kv_cache_space_gib or 4.0) * GIB)
             else:
-                activation = _activation_bytes(ctx, tp_rank, tp)
-                reserve = GPU_FIXED_RESERVE
-                usable = int(ctx.gpu_gib * opts.gpu_memory_utilization * GIB)
-                kv = max(usable - weights - activation - reserve, 0)
+                activation = _activation_bytes(ctx, tp_rank, tp, last)
+                non_torch = estimate_non_torch_bytes(tp * pp)
+                profile = MemoryProfile(
+                    total_bytes=_gpu_bytes(ctx),
+                    weight_bytes=weights,
+                    peak_torch_bytes=weights + activation,
+                    non_torch_bytes=non_torch,
+                )
+                kv = max(profile.kv_cache_bytes(opts.gpu_memory_utilization), 0)
             out.append(
                 RankMemory(
                     rank=rank,
@@ -259,7 +330,7 @@ def _rank_memory(ctx: _Ctx, tp: int, pp: int, parts: list[int]) -> list[RankMemo
                     layers=(starts[pp_rank], starts[pp_rank] + layers),
                     weight_bytes=weights,
                     activation_bytes=activation,
-                    reserve_bytes=reserve,
+                    non_torch_bytes=non_torch,
                     kv_bytes=kv,
                     kv_block_bytes=block,
                     num_blocks=kv // block if block else 0,
@@ -268,19 +339,31 @@ def _rank_memory(ctx: _Ctx, tp: int, pp: int, parts: list[int]) -> list[RankMemo
     return out
 
 
-def _activation_bytes(ctx: _Ctx, tp_rank: int, tp: int) -> int:
-    """Peak activations of a profiling batch: hidden states and residuals, this rank's QKV and
-    MLP intermediates, and float32 logits of the sampled rows."""
+def _gpu_bytes(ctx: _Ctx) -> int:
+    return int(ctx.gpu_gib * GIB)
+
+
+def _activation_bytes(ctx: _Ctx, tp_rank: int, tp: int, is_last_stage: bool) -> int:
+    """This rank's peak activations in the engine's profile step (see
+    estimate_activation_bytes). Mixtral's experts are counted as one dense MLP: the engine has no
+    MoE layer, so the plan only sizes its weights."""
     from llmctl.engine.distributed.partition import head_shards, split_evenly
 
-    spec, opts = ctx.spec, ctx.options
-    tokens = opts.max_num_batched_tokens
+    spec = ctx.spec
     shard = head_shards(spec.num_heads, spec.num_kv_heads, tp)[tp_rank]
-    qkv = (shard.num_q_heads + 2 * shard.num_kv_heads) * spec.head_dim
-    inter = split_evenly(spec.intermediate_size, tp)[tp_rank]
-    per_token = (4 * spec.hidden_size + 2 * qkv + 3 * inter) * ctx.dtype_bytes
-    logits = min(tokens, opts.max_num_seqs) * spec.vocab_size * 4 * 2
-    return tokens * per_token + logits
+    return estimate_activation_bytes(
+        num_tokens=ctx.num_tokens,
+        num_sampled=ctx.num_sampled,
+        hidden_size=spec.hidden_size,
+        qkv_size=(shard.num_q_heads + 2 * shard.num_kv_heads) * spec.head_dim,
+        intermediate_size=split_evenly(spec.intermediate_size, tp)[tp_rank],
+        vocab_shard=split_evenly(spec.vocab_size, tp)[tp_rank],
+        vocab_size=spec.vocab_size,
+        dtype_bytes=ctx.dtype_bytes,
+        gated_mlp=spec.family == "llama",
+        is_last_stage=is_last_stage,
+        samples=is_last_stage and tp_rank == 0,
+    )
 
 
 @dataclass(frozen=True)
@@ -325,7 +408,8 @@ def _balanced_partition(ctx: _Ctx, tp: int, pp: int) -> list[int] | None:
     if ctx.options.device == "cpu":
         return None  # the KV budget is per rank, independent of the weights
     spec, opts = ctx.spec, ctx.options
-    usable = int(ctx.gpu_gib * opts.gpu_memory_utilization * GIB)
+    usable = int(_gpu_bytes(ctx) * opts.gpu_memory_utilization)
+    non_torch = estimate_non_torch_bytes(tp * pp)
     stages = []  # per stage: [(room, layer_bytes, block_bytes_per_layer) per tp rank]
     for stage in range(pp):
         first, last = stage == 0, stage == pp - 1
@@ -333,7 +417,7 @@ def _balanced_partition(ctx: _Ctx, tp: int, pp: int) -> list[int] | None:
         for t in range(tp):
             fixed = spec.embedding_params(t, tp) if first else 0
             fixed += spec.head_params(t, tp, with_embedding=first) if last else 0
-            room = usable - _activation_bytes(ctx, t, tp) - GPU_FIXED_RESERVE
+            room = usable - _activation_bytes(ctx, t, tp, last) - non_torch
             room -= fixed * ctx.dtype_bytes
             layer_bytes = spec.layer_params(t, tp) * ctx.dtype_bytes
             block = opts.block_size * spec.kv_bytes_per_token(1, t, tp, ctx.kv_bytes)
@@ -380,8 +464,8 @@ def _even_tp(spec: ModelSpec, tp: int) -> bool:
     return spec.num_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
 
 
-def _gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
+def _gib(n: float, digits: int = 1) -> str:
+    return f"{n / GIB:.{digits}f} GiB"
 
 
 def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None = None) -> Plan:
@@ -530,12 +614,25 @@ def _finish(ctx: _Ctx, chosen: _Eval, reasons, rejected, alternatives) -> Plan:
         serve += ["--max-model-len", str(ctx.max_model_len)]
     if opts.dtype != "auto":
         serve += ["--dtype", ctx.dtype]
+    # The options the prediction depends on, where they differ from the engine's defaults.
+    defaults = PlanOptions()
+    if opts.device == "cuda" and opts.gpu_memory_utilization != defaults.gpu_memory_utilization:
+        serve += ["--gpu-memory-utilization", f"{opts.gpu_memory_utilization:g}"]
+    if opts.max_num_batched_tokens is not None:
+        serve += ["--max-num-batched-tokens", str(opts.max_num_batched_tokens)]
+    if opts.max_num_seqs != defaults.max_num_seqs:
+        serve += ["--max-num-seqs", str(opts.max_num_seqs)]
     commands = {"serve": " ".join(serve)}
     if nodes_used > 1:
         source = ctx.inventory.source if ctx.inventory.source != "<flags>" else "cluster.yaml"
         commands["cluster_up"] = f"llmctl cluster up -i {source}"
         commands["serve"] = " ".join(serve[:2] + ["-i", source] + serve[2:])
     return Plan(
+        device=opts.device,
+        gpu_memory_utilization=opts.gpu_memory_utilization,
+        gpu_memory_bytes=_gpu_bytes(ctx),
+        profile_num_tokens=ctx.num_tokens,
+        profile_num_sampled=ctx.num_sampled,
         model=spec.name,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
@@ -578,8 +675,8 @@ def _too_big(ctx: _Ctx, tried: list[_Eval], what: str) -> PlanError:
             "raise --kv-cache-space-gib, or lower --max-model-len or --min-concurrency",
         )
     gpus_total = ctx.gpus_per_node * ctx.nodes
-    usable = ctx.gpu_gib * opts.gpu_memory_utilization * GIB
-    per_gpu_overhead = _activation_bytes(ctx, 0, 1) + GPU_FIXED_RESERVE
+    usable = _gpu_bytes(ctx) * opts.gpu_memory_utilization
+    per_gpu_overhead = _activation_bytes(ctx, 0, 1, True) + estimate_non_torch_bytes(gpus_total)
     needed = weights + kv + per_gpu_overhead * gpus_total
     available = usable * gpus_total
     missing = max(needed - available, 0)
@@ -599,7 +696,7 @@ def _too_big(ctx: _Ctx, tried: list[_Eval], what: str) -> PlanError:
     message = (
         f"{spec.name} does not fit {what} with room for {opts.min_concurrency} request(s) of "
         f"{ctx.max_model_len:,} tokens: weights {_gib(weights)} + KV cache {_gib(kv)} + "
-        f"activations and reserve {_gib(per_gpu_overhead)} per GPU"
+        f"activations and memory outside torch {_gib(per_gpu_overhead)} per GPU"
     )
     if missing:
         message += f"; {_gib(missing)} more memory is needed"

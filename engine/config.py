@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmctl.engine.errors import ConfigError, KVCacheTooSmallError
+from llmctl.engine.memory_profile import check_gpu_memory_utilization
 
 # Names accepted for --dtype, and what they mean.
 _DTYPE_ALIASES = {
@@ -27,7 +28,9 @@ _DTYPE_ALIASES = {
 }
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_CPU_KV_CACHE_SPACE_GIB = 4.0  # as vLLM's VLLM_CPU_KVCACHE_SPACE
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def normalize_dtype(dtype: str) -> str:
@@ -54,6 +57,7 @@ class ModelConfig:
     served_model_name: str = ""
     seed: int = 0
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs have no text
+    enforce_eager: bool = False  # CUDA: no CUDA graphs, every step runs eagerly (as vLLM's flag)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -115,11 +119,7 @@ class CacheConfig:
                 f"kv_cache_space_gib must be positive, got {self.kv_cache_space_gib}",
                 "give the KV cache some memory, e.g. --kv-cache-space-gib 4",
             )
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
-                "use a fraction such as 0.9",
-            )
+        check_gpu_memory_utilization(self.gpu_memory_utilization)
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ConfigError(
                 f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override}"
@@ -230,11 +230,14 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     pipeline_layer_partition: str | tuple[int, ...] | None = None
     max_concurrent_batches: int | None = None  # default: pipeline_parallel_size
-    device: str = "auto"
+    device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
+    enforce_eager: bool = False  # CUDA: disable CUDA graphs
 
     def __post_init__(self) -> None:
         # Checks that need no file and no torch, so a typo fails before anything loads.
         normalize_dtype(self.dtype)
+        if self.device not in DEVICES:
+            raise ConfigError(f"unknown device {self.device!r}", "use --device auto, cpu or cuda")
         CacheConfig(
             block_size=self.block_size,
             kv_cache_space_gib=self.kv_cache_space_gib,
@@ -267,7 +270,7 @@ class EngineArgs:
         from llmctl.engine.models.registry import check_architecture
 
         dtype = normalize_dtype(self.dtype)
-        device = platform.default_device() if self.device == "auto" else self.device
+        device = platform.resolve_device(self.device)
         device_config = DeviceConfig(device=device)
         source = resolve_model(self.model, progress)
         hf_config = source.load_hf_config()
@@ -292,6 +295,7 @@ class EngineArgs:
             served_model_name=self.served_model_name or source.display_name,
             seed=self.seed,
             skip_tokenizer_init=bool(self.skip_tokenizer_init),
+            enforce_eager=bool(self.enforce_eager),
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -302,10 +306,8 @@ class EngineArgs:
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=(
-                max(8192, self.max_num_seqs)
-                if self.max_num_batched_tokens is None
-                else self.max_num_batched_tokens
+            max_num_batched_tokens=resolve_max_num_batched_tokens(
+                self.max_num_batched_tokens, self.max_num_seqs
             ),
             max_model_len=max_model_len,
             max_concurrent_batches=self.max_concurrent_batches or self.pipeline_parallel_size,
@@ -323,6 +325,12 @@ class EngineArgs:
             parallel_config=parallel_config,
             device_config=device_config,
         )
+
+
+def resolve_max_num_batched_tokens(given: int | None, max_num_seqs: int) -> int:
+    """The token budget per step (and the CUDA profile step's size): 8192, or max_num_seqs when
+    larger, unless given."""
+    return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs) if given is None else given
 
 
 def parse_layer_partition(

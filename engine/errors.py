@@ -64,6 +64,11 @@ class KVCacheTooSmallError(ConfigError):
     """The KV cache cannot hold even one request of max_model_len tokens."""
 
 
+class DeviceMemoryError(ConfigError):
+    """The GPU's memory cannot hold the weights, the profile run's activations, or any KV cache
+    after them: the message gives the sizes, the hint the knobs (more GPUs, -tp/-pp, ...)."""
+
+
 class RequestBatchError(InvalidRequestError):
     """Some prompts of a batch were invalid; the valid ones still ran.
 

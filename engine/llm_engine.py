@@ -65,7 +65,7 @@ class LLMEngine:
             knob = (
                 "--kv-cache-space-gib"
                 if engine_config.device_config.device == "cpu"
-                else "--gpu-memory-utilization"
+                else "--gpu-memory-utilization or use more GPUs (-tp/-pp)"
             )
             check_kv_cache_fits(self.num_blocks, cc.block_size, mc.max_model_len, knob)
             self.executor.initialize_cache(self.num_blocks)
@@ -257,8 +257,10 @@ class LLMEngine:
         bs = self.config.cache_config.block_size
         max_len = self.config.model_config.max_model_len
         tokens = self.num_blocks * bs
+        # vLLM's words on CUDA ("GPU KV cache size"); the plan prints the same lines.
+        where = "GPU " if self.config.device_config.device == "cuda" else ""
         logger.info("# KV cache blocks: %d (block size %d)", self.num_blocks, bs)
-        logger.info("KV cache size: %s tokens", f"{tokens:,}")
+        logger.info("%sKV cache size: %s tokens", where, f"{tokens:,}")
         logger.info(
             "Maximum concurrency for %s tokens per request: %.2fx",
             f"{max_len:,}",

@@ -23,6 +23,26 @@ def default_device() -> str:
     return "cuda" if cuda_available() else "cpu"
 
 
+def resolve_device(device: str) -> str:
+    """auto: cuda when torch sees a GPU, else cpu. cuda where torch sees none: ConfigError."""
+    if device == "auto":
+        return default_device()
+    if device == "cuda" and not cuda_available():
+        import torch
+
+        why = f"torch {torch.__version__}"
+        why += f" with CUDA {torch.version.cuda}" if torch.version.cuda else ", a CPU-only build"
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            why += f", CUDA_VISIBLE_DEVICES={visible!r}"
+        raise ConfigError(
+            f"device cuda was asked for, but torch sees no CUDA device ({why})",
+            "use --device cpu (or auto, which picks the CPU here), or run on a machine with an "
+            "NVIDIA GPU and a CUDA build of torch",
+        )
+    return device
+
+
 def cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:

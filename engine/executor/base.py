@@ -77,14 +77,33 @@ def in_ray_placement_group() -> bool:
 
 
 def choose_backend(parallel_config: ParallelConfig, device: str) -> str:
-    if parallel_config.distributed_executor_backend is not None:
-        return parallel_config.distributed_executor_backend
+    backend = parallel_config.distributed_executor_backend
     world = parallel_config.world_size
-    if world == 1:
-        return "uni"
-    if not in_ray_placement_group() and local_device_count(device) >= world:
-        return "mp"
-    return "ray"
+    if backend is None:
+        if world == 1:
+            backend = "uni"
+        elif not in_ray_placement_group() and local_device_count(device) >= world:
+            backend = "mp"
+        else:
+            backend = "ray"
+    if device == "cuda" and backend != "ray":
+        check_local_gpus(parallel_config)
+    return backend
+
+
+def check_local_gpus(parallel_config: ParallelConfig) -> None:
+    """The uni and mp backends put every rank on this node, one GPU each: refuse a layout that
+    needs more GPUs than it has, before any process starts."""
+    pc = parallel_config
+    gpus = local_device_count("cuda")
+    if pc.world_size <= gpus:
+        return
+    raise ConfigError(
+        f"tensor_parallel_size={pc.tensor_parallel_size} x pipeline_parallel_size="
+        f"{pc.pipeline_parallel_size} needs {pc.world_size} GPUs, but this node has {gpus}",
+        f"lower -tp/-pp to use at most {gpus} GPU(s), or run on several nodes with "
+        "--distributed-executor-backend ray (`llmctl cluster up`, then `llmctl serve -i`)",
+    )
 
 
 class Executor(ABC):

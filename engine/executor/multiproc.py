@@ -40,7 +40,7 @@ import weakref
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from llmctl.engine.errors import EngineDeadError, LLMCtlError
+from llmctl.engine.errors import ConfigError, EngineDeadError, LLMCtlError
 from llmctl.engine.executor.base import Executor
 from llmctl.engine.hf_config_view import for_workers
 
@@ -184,6 +184,11 @@ class MultiprocExecutor(Executor):
                 kind, reply_id = message[0], message[1]
                 if kind == "error":
                     _, _, exc, trace = message
+                    if isinstance(exc, ConfigError):  # bad input a worker found (GPU memory)
+                        logger.debug("worker rank %d raised:\n%s", rank, trace)
+                        self.is_dead = True
+                        self.shutdown()
+                        raise exc
                     logger.error("worker rank %d raised:\n%s", rank, trace)
                     self._fail(rank, f"raised {type(exc).__name__}: {exc}")
                 self._replies[rank][reply_id] = message[2]

@@ -199,7 +199,11 @@ class RayExecutor(Executor):
                     results[rank] = ray.get(ref)
                 except RayTaskError as exc:
                     cause = exc.cause if isinstance(exc.cause, BaseException) else exc
-                    if starting and isinstance(cause, LLMCtlError):
+                    # Typed errors of start-up, and bad input a worker found later (GPU memory
+                    # in the profile step), reach the user as they are.
+                    if isinstance(cause, ConfigError) or (
+                        starting and isinstance(cause, LLMCtlError)
+                    ):
                         self.is_dead = True
                         self.shutdown()
                         raise cause from None

@@ -9,8 +9,12 @@ from llmctl.engine.worker.worker import Worker
 class UniProcExecutor(Executor):
     def _init_executor(self, progress) -> None:
         self.worker = Worker(self.engine_config, rank=0, local_rank=0)
-        self.worker.init_device()
-        self.worker.load_model(progress)
+        try:
+            self.worker.init_device()
+            self.worker.load_model(progress)
+        except BaseException:
+            self.worker.shutdown()  # frees what was loaded (a GPU out of memory: all of it)
+            raise
 
     def collective_rpc_async(
         self, method: str, args: tuple = (), kwargs: dict | None = None

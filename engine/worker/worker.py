@@ -18,6 +18,8 @@ import torch
 from llmctl.engine.config import DEFAULT_CPU_KV_CACHE_SPACE_GIB, EngineConfig
 from llmctl.engine.distributed import parallel_state, ranks
 from llmctl.engine.distributed.partition import pipeline_shard
+from llmctl.engine.errors import DeviceMemoryError
+from llmctl.engine.memory_profile import GIB, MemoryProfile, num_gpu_blocks
 from llmctl.engine.model_runner_output import ModelRunnerOutput
 from llmctl.engine.scheduler_output import SchedulerOutput
 
@@ -74,7 +76,18 @@ class Worker:
             pp.world_size,
             self.config.parallel_config.pipeline_layer_partition,
         )
-        model = load_model(mc, shard, self.config.device_config.device, progress)
+        device = self.config.device_config.device
+        if device == "cpu":
+            model = load_model(mc, shard, device, progress)
+        else:
+            free_before = torch.cuda.mem_get_info()[0]
+            try:
+                model = load_model(mc, shard, device, progress)
+            except torch.cuda.OutOfMemoryError:
+                model = None  # raised below, outside this block: no frame keeps the partial model
+            if model is None:
+                torch.cuda.empty_cache()
+                raise self._weights_do_not_fit(shard, free_before)
         self.model_runner = ModelRunner(self.config, model)
 
     def determine_num_available_blocks(self) -> int:
@@ -84,11 +97,63 @@ class Worker:
         per_block = self.model_runner.kv_cache_bytes_per_block()
         if self.config.device_config.device == "cpu":
             space = cache.kv_cache_space_gib or DEFAULT_CPU_KV_CACHE_SPACE_GIB
-            return int(space * (1 << 30)) // per_block
+            return int(space * GIB) // per_block
+        profile = self.profile_memory()
+        utilization = cache.gpu_memory_utilization
+        logger.info("Memory profiling (rank %d): %s", self.rank, profile.describe(utilization))
+        return num_gpu_blocks(profile, utilization, per_block)
+
+    def profile_memory(self) -> MemoryProfile:
+        """Run the profile step (a forward and sampling at max_num_batched_tokens) and measure
+        this GPU, as vLLM does before it sizes the KV cache (see engine/memory_profile.py)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        weights = torch.cuda.memory_allocated()
+        try:
+            self.model_runner.profile_run()
+        except torch.cuda.OutOfMemoryError:
+            failed = True  # raised below, outside this block: the activations are freed
+        else:
+            failed = False
+        torch.cuda.synchronize()
+        if failed:
+            torch.cuda.empty_cache()
+            raise self._profile_does_not_fit(weights)
         free, total = torch.cuda.mem_get_info()
-        used = total - free
-        budget = total * cache.gpu_memory_utilization - used
-        return max(int(budget) // per_block, 0)
+        return MemoryProfile(
+            total_bytes=total,
+            weight_bytes=weights,
+            peak_torch_bytes=torch.cuda.max_memory_allocated(),
+            non_torch_bytes=(total - free) - torch.cuda.memory_reserved(),
+        )
+
+    def _weights_do_not_fit(self, shard, free_before: int) -> DeviceMemoryError:
+        mc, pc = self.config.model_config, self.config.parallel_config
+        total = torch.cuda.mem_get_info()[1]
+        where = ranks.coord(self.rank, pc.pipeline_parallel_size, pc.tensor_parallel_size)
+        smaller_dtype = "; --dtype bfloat16 halves float32 weights" if mc.dtype == "float32" else ""
+        return DeviceMemoryError(
+            f"the weights of rank {self.rank} (layers {shard.start_layer}-{shard.end_layer - 1}, "
+            f"tensor-parallel rank {where.tp_rank} of {pc.tensor_parallel_size}, {mc.dtype}) do "
+            f"not fit on GPU {self.local_rank}: it ran out of memory loading them "
+            f"({free_before / GIB:.2f} of {total / GIB:.2f} GiB were free)",
+            "split the weights over more GPUs: -tp N within a node, -pp N for pipeline stages "
+            "(several nodes: --distributed-executor-backend ray); `llmctl plan MODEL` shows a "
+            f"layout that fits{smaller_dtype}. A lower --max-model-len does not shrink weights; "
+            "quantized weights would, but llmctl loads weights unquantized (GGUF files are "
+            "dequantized)",
+        )
+
+    def _profile_does_not_fit(self, weight_bytes: int) -> DeviceMemoryError:
+        sc = self.config.scheduler_config
+        total = torch.cuda.mem_get_info()[1]
+        return DeviceMemoryError(
+            f"GPU {self.local_rank} ran out of memory in the profile step of "
+            f"{sc.max_num_batched_tokens} tokens ({sc.max_num_seqs} requests at most), with "
+            f"{weight_bytes / GIB:.2f} of {total / GIB:.2f} GiB taken by the weights",
+            "lower --max-num-batched-tokens or --max-num-seqs, or split the model over more "
+            "GPUs with -tp/-pp",
+        )
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
@@ -96,6 +161,10 @@ class Worker:
             from llmctl.engine.layers.paged_attention_cpu import kernel_available
 
             kernel_available()  # build (once per machine) or load the kernel now, not mid-request
+        else:
+            # After the KV cache, as vLLM: the graphs' memory comes out of what
+            # gpu_memory_utilization leaves free. Nothing is captured with --enforce-eager.
+            self.model_runner.capture_cuda_graphs()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         pp = parallel_state.get_pp_group()

@@ -53,3 +53,16 @@ def test_uni_refuses_several_ranks():
     with pytest.raises(ConfigError) as err:
         pc(tp=2, backend="uni")
     assert "--distributed-executor-backend mp or ray" in err.value.hint
+
+
+def test_cuda_layout_larger_than_the_node(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert choose_backend(pc(tp=2), "cuda") == "mp"
+    assert choose_backend(pc(tp=2, pp=2), "cuda") == "ray"  # vLLM's rule: Ray for more ranks
+    assert choose_backend(pc(tp=2, pp=2, backend="ray"), "cuda") == "ray"
+    with pytest.raises(ConfigError) as err:
+        choose_backend(pc(tp=2, pp=2, backend="mp"), "cuda")  # one node: refused up front
+    assert "needs 4 GPUs, but this node has 2" in err.value.message
+    assert "-tp/-pp" in err.value.hint and "--distributed-executor-backend ray" in err.value.hint

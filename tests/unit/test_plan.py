@@ -105,7 +105,7 @@ def test_shorter_context_suggested_when_only_length_is_the_problem():
 def test_log_lines_and_json():
     plan = make_plan(CATALOG["Llama-3.1-8B"], inventory_from_flags(1, 8, 80), SHORT)
     assert plan.log_lines()[0] == f"# KV cache blocks: {plan.num_kv_blocks} (block size 16)"
-    assert plan.log_lines()[1] == f"KV cache size: {plan.num_kv_blocks * 16:,} tokens"
+    assert plan.log_lines()[1] == f"GPU KV cache size: {plan.num_kv_blocks * 16:,} tokens"
     data = plan.to_json()
     for key in (
         "tensor_parallel_size", "pipeline_parallel_size", "nodes_used", "gpus_used",
