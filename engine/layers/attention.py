@@ -1,18 +1,24 @@
-"""Paged attention on the CPU with PyTorch's scaled_dot_product_attention.
+"""Paged attention: the KV cache write and attention over it, for decodes and prefill chunks.
 
 KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, then values).
 Token t of a sequence lives in slot block_table[t // block_size] * block_size + t % block_size.
 
-A step's tokens are laid out decodes first (one token per sequence), then prefills (a chunk of
-one sequence each). Decodes run as one call of the fused paged-attention kernel
-(paged_attention_cpu: each K/V row read once, straight from the blocks, for all the query heads
-that share it; gather + SDPA where the kernel cannot be built). Prefill chunks attend to their
-own keys (causal) or, after a prefix-cache hit or an earlier chunk, to the gathered cache with an
-offset causal mask.
+A step's tokens are laid out decodes first (one token per sequence), then prefill chunks (a run of
+one sequence's tokens each; a chunk after a prefix-cache hit or an earlier chunk starts at
+context_len > 0). Two backends behind one layer:
+- triton (CUDA, the default there): reshape_and_cache, paged decode and prefill attention kernels
+  (engine/layers/triton_attention.py), called through torch custom ops (triton_ops.py) so CUDA
+  graphs capture them and device checks see them.
+- torch (CPU, and CUDA when Triton is missing or LLMCTL_ATTENTION_BACKEND=torch): index_copy_
+  writes, the fused C++ decode kernel on the CPU (gather + SDPA elsewhere), and SDPA for prefill
+  chunks (causal over their own keys, or over the gathered cache with an offset causal mask).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -25,21 +31,45 @@ from llmctl.engine.layers.paged_attention_cpu import paged_decode_attention
 
 @dataclass
 class PrefillChunk:
+    """Host-side facts about one prefill chunk (Python ints: no device sync to read them)."""
+
     query_start: int  # index of the chunk's first token in the step's token layout
     query_len: int
     seq_len: int  # tokens in the sequence once this chunk is computed
-    block_ids: torch.Tensor | None  # [ceil(seq_len / block_size)]; None when nothing is cached
-    mask: torch.Tensor | None  # [query_len, seq_len] bool, True = attend; None: plain causal
+    context_len: int  # tokens of the sequence already in the cache before this chunk
+    index: int  # the chunk's row in the prefill_* tensors
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] int64
+    """One step's attention inputs; every tensor is on the model's device."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64; negative: padding, not written
     num_decodes: int
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, width] int64
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64, the new token included
     sliding_window: int | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    prefill_block_tables: torch.Tensor | None = None  # [num_prefills, width] int64
+    prefill_query_start_loc: torch.Tensor | None = None  # [num_prefills + 1], from 0
+    prefill_seq_lens: torch.Tensor | None = None  # [num_prefills] int64
+    prefill_context_lens: torch.Tensor | None = None  # [num_prefills] int64
+    max_prefill_query_len: int = 0
+    # torch backend: a chunk's [query_len, seq_len] mask, built by the first layer needing it
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(device: torch.device) -> bool:
+    """The backend for tensors on `device`: triton off the CPU unless told otherwise."""
+    choice = os.environ.get("LLMCTL_ATTENTION_BACKEND", "auto")
+    if device.type == "cpu" or choice == "torch":
+        return False
+    return triton_available()
 
 
 class Attention(nn.Module):
@@ -61,41 +91,102 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = self.kv_cache.unbind(0)
+        if use_triton(q.device):
+            out = self._forward_triton(q, k, v, md, key_cache, value_cache)
+        else:
+            out = self._forward_torch(q, k, v, md, key_cache, value_cache)
+        return out.view(num_tokens, self.num_heads * self.head_dim)
+
+    # -- triton ----------------------------------------------------------------------------------
+
+    def _forward_triton(self, q, k, v, md: AttentionMetadata, key_cache, value_cache):
+        from llmctl.engine.layers import triton_ops
+
+        triton_ops.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
+        d = md.num_decodes
+        parts = []
+        if d:
+            parts.append(
+                triton_ops.paged_decode_attention(
+                    q[:d],
+                    key_cache,
+                    value_cache,
+                    md.decode_block_tables,
+                    md.decode_seq_lens,
+                    self.scale,
+                    md.sliding_window,
+                )
+            )
+        if md.prefills:
+            parts.append(
+                triton_ops.prefill_attention(
+                    q[d:],
+                    key_cache,
+                    value_cache,
+                    md.prefill_block_tables,
+                    md.prefill_query_start_loc,
+                    md.prefill_seq_lens,
+                    md.prefill_context_lens,
+                    md.max_prefill_query_len,
+                    self.scale,
+                    md.sliding_window,
+                )
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    # -- torch -----------------------------------------------------------------------------------
+
+    def _forward_torch(self, q, k, v, md: AttentionMetadata, key_cache, value_cache):
         flat_shape = (-1, self.num_kv_heads, self.head_dim)
         key_cache.view(flat_shape).index_copy_(0, md.slot_mapping, k)
         value_cache.view(flat_shape).index_copy_(0, md.slot_mapping, v)
         out = torch.empty_like(q)
         if md.num_decodes:
-            out[: md.num_decodes] = self._decode(q[: md.num_decodes], md, key_cache, value_cache)
+            out[: md.num_decodes] = paged_decode_attention(
+                q[: md.num_decodes],
+                key_cache,
+                value_cache,
+                md.decode_block_tables,
+                md.decode_seq_lens,
+                self.scale,
+                md.sliding_window,
+            )
         for chunk in md.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], chunk, key_cache, value_cache)
-        return out.view(num_tokens, self.num_heads * self.head_dim)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], chunk, md, key_cache, value_cache)
+        return out
 
-    def _decode(self, q, md: AttentionMetadata, key_cache, value_cache) -> torch.Tensor:
-        return paged_decode_attention(
-            q,
-            key_cache,
-            value_cache,
-            md.decode_block_tables,
-            md.decode_seq_lens,
-            self.scale,
-            md.sliding_window,
-        )
-
-    def _prefill(self, q, k, v, chunk: PrefillChunk, key_cache, value_cache) -> torch.Tensor:
-        if chunk.block_ids is not None:
+    def _prefill(self, q, k, v, chunk: PrefillChunk, md, key_cache, value_cache) -> torch.Tensor:
+        window = md.sliding_window
+        mask = None
+        if chunk.context_len or (window is not None and chunk.seq_len > window):
+            mask = md.masks.get(chunk.index)
+            if mask is None:
+                mask = md.masks[chunk.index] = _chunk_mask(chunk, window, q.device)
+        if chunk.context_len:
+            num_blocks = -(-chunk.seq_len // key_cache.shape[1])
+            block_ids = md.prefill_block_tables[chunk.index, :num_blocks]
             cached = (-1, self.num_kv_heads, self.head_dim)
-            k = key_cache.index_select(0, chunk.block_ids).view(cached)[: chunk.seq_len]
-            v = value_cache.index_select(0, chunk.block_ids).view(cached)[: chunk.seq_len]
+            k = key_cache.index_select(0, block_ids).view(cached)[: chunk.seq_len]
+            v = value_cache.index_select(0, block_ids).view(cached)[: chunk.seq_len]
         # [1, heads, tokens, head_dim]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0),
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=self.scale,
             enable_gqa=self.group > 1,
         )
         return out.squeeze(0).transpose(0, 1)
+
+
+def _chunk_mask(chunk: PrefillChunk, window: int | None, device: torch.device) -> torch.Tensor:
+    """[query_len, seq_len] bool, True = attend: causal at an offset, within the window."""
+    q_pos = torch.arange(chunk.context_len, chunk.seq_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(chunk.seq_len, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask

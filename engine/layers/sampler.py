@@ -22,10 +22,20 @@ def position_seed(seed: int, position: int) -> int:
     return (seed * _MIX + position) & 0x7FFF_FFFF_FFFF_FFFF
 
 
+def make_generator(device: torch.device, seed: int) -> torch.Generator | None:
+    """A generator for random draws on `device`; None on the meta device (shape-only runs that
+    check a step's device placement), which has no generator and draws nothing."""
+    if device.type == "meta":
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor  # [num_rows] float; 0 for greedy rows
-    greedy: torch.Tensor  # [num_rows] bool
+    """Every tensor is on the logits' device."""
+
+    temperature: torch.Tensor | None  # [num_rows] float; None when all rows are greedy
+    greedy: torch.Tensor | None  # [num_rows] bool; None when all rows are greedy
     all_greedy: bool
     top_k: torch.Tensor | None  # [num_rows] int64, vocab size where disabled
     top_p: torch.Tensor | None  # [num_rows] float
@@ -37,8 +47,9 @@ class SamplingMetadata:
     repetition_penalty: torch.Tensor | None = None
     prompt_token_ids: torch.Tensor | None = None  # [num_rows, max_prompt] padded with vocab
     output_token_ids: torch.Tensor | None = None  # [num_rows, max_output] padded with vocab
-    # Rows that must not stop yet (min_tokens): (row, token ids to forbid)
-    forbidden_tokens: list[tuple[int, list[int]]] | None = None
+    # Tokens a row may not sample yet (min_tokens), flattened: (rows, token ids), each
+    # [num_forbidden]; None when no row has any.
+    forbidden_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
     # logit_bias of every row that has one, flattened: (rows, token ids, biases), each
     # [num_biased_tokens]; None when no row has a bias.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -46,19 +57,27 @@ class SamplingMetadata:
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator) -> None:
+    def __init__(self, generator: torch.Generator | None) -> None:
         self.generator = generator  # for rows without a seed
 
     def __call__(
         self, logits: torch.Tensor, md: SamplingMetadata
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: float32 [num_rows, vocab_size]."""
+        """logits: float32 [num_rows, vocab_size] -> a token (and log-probabilities) per row."""
+        sampled, stats = self.sample(logits, md)
+        return self.to_host(sampled, stats, md.num_logprobs)
+
+    def sample(
+        self, logits: torch.Tensor, md: SamplingMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """On the device: the sampled ids [num_rows] and, when any row asked for them, the
+        log-probability statistics packed for to_host. logits may be modified in place."""
         raw_logprobs = None
         if md.num_logprobs and any(k is not None for k in md.num_logprobs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if md.forbidden_tokens:
-            for row, tokens in md.forbidden_tokens:
-                logits[row, tokens] = float("-inf")
+        if md.forbidden_tokens is not None:
+            rows, token_ids = md.forbidden_tokens
+            logits.index_put_((rows, token_ids), logits.new_tensor(float("-inf")))
         if md.logit_bias is not None:
             rows, token_ids, biases = md.logit_bias
             logits.index_put_((rows, token_ids), biases, accumulate=True)
@@ -69,10 +88,19 @@ class Sampler:
             sampled = greedy_tokens
         else:
             sampled = torch.where(md.greedy, greedy_tokens, self._sample(logits, md))
-        tokens = sampled.tolist()
         if raw_logprobs is None:
+            return sampled, None
+        return sampled, _logprob_stats(raw_logprobs, sampled, md.num_logprobs)
+
+    @staticmethod
+    def to_host(
+        sampled: torch.Tensor, stats: torch.Tensor | None, num_logprobs: list[int | None] | None
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The one device-to-host copy of a step: ids, or the packed statistics holding them."""
+        if stats is None:
+            tokens = sampled.cpu().tolist()
             return tokens, [None] * len(tokens)
-        return tokens, _gather_logprobs(raw_logprobs, sampled, md.num_logprobs)
+        return _unpack_logprobs(stats.cpu(), num_logprobs)
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         temperature = torch.where(md.greedy, 1.0, md.temperature).unsqueeze(1)
@@ -89,22 +117,23 @@ class Sampler:
             if len(unseeded) == len(md.seeds):
                 noise.exponential_(generator=self.generator)
             else:
-                rows = torch.empty(len(unseeded), probs.shape[1])
-                noise[unseeded] = rows.exponential_(generator=self.generator)
+                index = torch.tensor(unseeded, device=probs.device)
+                rows = probs.new_empty(len(unseeded), probs.shape[1])
+                noise[index] = rows.exponential_(generator=self.generator)
         for row, seed in enumerate(md.seeds):
             if seed is not None:
-                generator = torch.Generator(device=probs.device).manual_seed(seed)
-                noise[row].exponential_(generator=generator)
+                noise[row].exponential_(generator=make_generator(probs.device, seed))
         return (probs / noise).argmax(dim=-1)
 
 
 def _apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     num_rows, vocab = logits.shape
-    counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype)  # column `vocab` is padding
+    # column `vocab` is padding
+    counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=logits.device)
     output_ids = md.output_token_ids
     counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=logits.dtype))
     counts = counts[:, :vocab]
-    seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool)
+    seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device)
     seen.scatter_(1, md.prompt_token_ids, True)
     seen = seen[:, :vocab] | (counts > 0)
     rep = md.repetition_penalty.unsqueeze(1)
@@ -131,24 +160,39 @@ def _apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _gather_logprobs(
+def _logprob_stats(
     logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: list[int | None]
-) -> list[TokenLogprobs | None]:
+) -> torch.Tensor:
+    """[num_rows, 3 + 2k] float64: sampled id, its log-probability, its rank, then the top k
+    ids and their log-probabilities (k: the most any row asked for). float64 holds every token
+    id exactly, so one tensor carries everything to the host."""
     k_max = max(k for k in num_logprobs if k is not None)
-    sampled_lp = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
-    ranks = (logprobs > sampled_lp.unsqueeze(1)).sum(dim=-1) + 1
-    top_lp, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (None, None)
-    out: list[TokenLogprobs | None] = []
-    for row, k in enumerate(num_logprobs):
+    sampled_lp = logprobs.gather(1, sampled.unsqueeze(1))
+    ranks = (logprobs > sampled_lp).sum(dim=-1, keepdim=True) + 1
+    columns = [sampled.unsqueeze(1), sampled_lp, ranks]
+    if k_max:
+        top_lp, top_ids = logprobs.topk(k_max, dim=-1)
+        columns += [top_ids, top_lp]
+    return torch.cat([c.to(torch.float64) for c in columns], dim=1)
+
+
+def _unpack_logprobs(
+    stats: torch.Tensor, num_logprobs: list[int | None]
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    rows = stats.tolist()
+    k_max = (stats.shape[1] - 3) // 2
+    tokens, out = [], []
+    for row, k in zip(rows, num_logprobs, strict=True):
+        tokens.append(int(row[0]))
         if k is None:
             out.append(None)
             continue
         out.append(
             TokenLogprobs(
-                sampled_logprob=float(sampled_lp[row]),
-                sampled_rank=int(ranks[row]),
-                top_token_ids=top_ids[row, :k].tolist() if k else [],
-                top_logprobs=top_lp[row, :k].tolist() if k else [],
+                sampled_logprob=row[1],
+                sampled_rank=int(row[2]),
+                top_token_ids=[int(t) for t in row[3 : 3 + k]],
+                top_logprobs=row[3 + k_max : 3 + k_max + k],
             )
         )
-    return out
+    return tokens, out

@@ -1,9 +1,15 @@
-"""ModelRunner: keeps each request's tokens and block table, turns a SchedulerOutput into model
-inputs (token ids, positions, slot mapping, attention metadata), runs the model and samples.
+"""ModelRunner: turns a SchedulerOutput into model inputs on the device, runs the model, samples.
 
-Requests arrive whole once (NewRequestData) and then as diffs (CachedRequestData); the runner's
-CachedRequestState is the worker-side copy. Tokens of a step are laid out decodes first, then
-prefill chunks, as the attention layer expects.
+Requests arrive whole once (NewRequestData) and then as diffs (CachedRequestData); the runner keeps
+them in an InputBatch (persistent host rows: tokens, block table, sampling settings), updated in
+place. A step's inputs are gathered from those rows with vectorised numpy into StagedBuffers and
+copied to the device once each (pinned host memory on CUDA): input ids, positions, slot mapping,
+decode and prefill block tables and lengths, logits indices, sampling tensors. Tokens of a step
+are laid out decodes first, then prefill chunks, as the attention layer expects. The sampled ids
+(and log-probabilities, when asked) come back to the host in one copy.
+
+On CUDA, decode-only steps replay CUDA graphs captured at padded batch sizes (CudaGraphRunner)
+unless enforce_eager is set.
 """
 
 from __future__ import annotations
@@ -16,48 +22,42 @@ import torch
 from llmctl.engine.config import EngineConfig
 from llmctl.engine.forward_context import set_forward_context
 from llmctl.engine.layers.attention import Attention, AttentionMetadata, PrefillChunk
-from llmctl.engine.layers.sampler import Sampler, SamplingMetadata, position_seed
+from llmctl.engine.layers.sampler import Sampler, SamplingMetadata, make_generator, position_seed
 from llmctl.engine.model_runner_output import ModelRunnerOutput
 from llmctl.engine.models.utils import IntermediateTensors
 from llmctl.engine.platform import torch_dtype
-from llmctl.engine.sampling_params import SamplingParams
 from llmctl.engine.scheduler_output import SchedulerOutput
-
-
-@dataclass
-class CachedRequestState:
-    req_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
+from llmctl.engine.worker.input_batch import InputBatch, StagedBuffer
 
 
 @dataclass
 class ModelInputs:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
+    input_ids: torch.Tensor  # [num_tokens] int64, on the device
+    positions: torch.Tensor  # [num_tokens] int64
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled]: rows whose next token is sampled
-    sampled_states: list[CachedRequestState]
+    sampled_rows: np.ndarray  # [num_sampled] InputBatch rows of those requests
+    num_decodes: int
 
 
 class ModelRunner:
     def __init__(self, engine_config: EngineConfig, model: torch.nn.Module):
         self.config = engine_config
         self.model = model
+        mc, sc = engine_config.model_config, engine_config.scheduler_config
         self.block_size = engine_config.cache_config.block_size
-        self.dtype = torch_dtype(engine_config.model_config.dtype)
+        self.dtype = torch_dtype(mc.dtype)
         self.device = torch.device(engine_config.device_config.device)
+        self.vocab_size = mc.hf_config.vocab_size
         self.sliding_window: int | None = getattr(model, "sliding_window", None)
-        if self.sliding_window and self.sliding_window >= engine_config.model_config.max_model_len:
+        if self.sliding_window and self.sliding_window >= mc.max_model_len:
             self.sliding_window = None  # the window never bites
-        self.requests: dict[str, CachedRequestState] = {}
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(engine_config.model_config.seed)
-        self.sampler = Sampler(generator)
+        self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, self.block_size)
+        self._buffers: dict[str, StagedBuffer] = {}
+        self._copies_done = None  # CUDA: event after the last step's host-to-device copies
+        self.sampler = Sampler(make_generator(self.device, mc.seed))
         self.kv_caches: list[torch.Tensor] = []
+        self.cuda_graphs = None  # CudaGraphRunner, once the KV cache exists (CUDA only)
 
     # -- KV cache ------------------------------------------------------------------------------
 
@@ -98,6 +98,14 @@ class ModelRunner:
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 
+    def capture_cuda_graphs(self) -> None:
+        """CUDA, unless enforce_eager: capture the decode graphs (after the KV cache exists)."""
+        from llmctl.engine.worker.cuda_graph_runner import CudaGraphRunner, graphs_enabled
+
+        if graphs_enabled(self.config, self.device):
+            self.cuda_graphs = CudaGraphRunner(self)
+            self.cuda_graphs.capture()
+
     # -- one step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -112,179 +120,302 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput()
         inputs = self._prepare_inputs(scheduler_output)
-        with set_forward_context(inputs.attn_metadata):
-            hidden = self.model(inputs.input_ids, inputs.positions, intermediate_tensors)
+        hidden = self._forward(inputs, intermediate_tensors)
         if not self.model.shard.is_last:
             return hidden
-        output = ModelRunnerOutput()
-        if not inputs.sampled_states:
-            return output
+        if not len(inputs.sampled_rows):
+            return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         if logits is None:
             return None  # another tensor-parallel rank samples
-        tokens, logprobs = self.sampler(logits, self._sampling_metadata(inputs.sampled_states))
-        for state, token, lp in zip(inputs.sampled_states, tokens, logprobs, strict=True):
-            output.sampled_token_ids[state.req_id] = token
+        md = self._sampling_metadata(inputs.sampled_rows)
+        sampled, stats = self.sampler.sample(logits, md)
+        tokens, logprobs = self.sampler.to_host(sampled, stats, md.num_logprobs)  # one copy
+        output = ModelRunnerOutput()
+        req_ids = self.input_batch.req_ids
+        for row, token, lp in zip(inputs.sampled_rows.tolist(), tokens, logprobs, strict=True):
+            output.sampled_token_ids[req_ids[row]] = token
             if lp is not None:
-                output.logprobs[state.req_id] = lp
+                output.logprobs[req_ids[row]] = lp
         return output
 
+    def _forward(self, inputs: ModelInputs, intermediate_tensors: IntermediateTensors | None):
+        graphs = self.cuda_graphs
+        if graphs is not None and graphs.can_run(inputs):
+            return graphs.run(inputs)
+        with set_forward_context(inputs.attn_metadata):
+            return self.model(inputs.input_ids, inputs.positions, intermediate_tensors)
+
     def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
         for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
         for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = CachedRequestState(
-                req_id=new.req_id,
-                token_ids=list(new.token_ids),
-                num_prompt_tokens=new.num_prompt_tokens,
-                sampling_params=new.sampling_params,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
+            batch.add_request(
+                new.req_id,
+                new.token_ids,
+                new.num_prompt_tokens,
+                new.sampling_params,
+                new.block_ids,
+                new.num_computed_tokens,
+                self.vocab_size,
             )
         for cached in so.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
-            state.token_ids.extend(cached.new_token_ids)
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            row = batch.row_of[cached.req_id]
+            batch.append_tokens(row, cached.new_token_ids)
+            batch.append_blocks(row, cached.new_block_ids)
+            batch.num_computed_tokens[row] = cached.num_computed_tokens
+
+    # -- inputs ----------------------------------------------------------------------------------
+
+    def buffer(self, name: str, size: int, dtype: torch.dtype = torch.int64) -> StagedBuffer:
+        """The named staging buffer, at least `size` long (grown, never shrunk)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.host.numel() < size:
+            old = 0 if buf is None else buf.host.numel()
+            buf = StagedBuffer(max(size, 2 * old, 16), dtype, self.device)
+            self._buffers[name] = buf
+        return buf
+
+    def _stage(self, name: str, values: np.ndarray, dtype: torch.dtype = torch.int64):
+        """Copy `values` (flat) to the device through the named buffer; the device view."""
+        n = values.size
+        buf = self.buffer(name, n, dtype)
+        buf.np[:n] = values.reshape(-1)
+        return buf.copy(n)
+
+    def _begin_staging(self) -> None:
+        # The last step's asynchronous copies read the pinned host buffers: let them finish
+        # before this step overwrites them.
+        if self._copies_done is not None:
+            self._copies_done.synchronize()
+            self._copies_done = None
+
+    def _end_staging(self) -> None:
+        if self.device.type == "cuda":
+            self._copies_done = torch.cuda.Event()
+            self._copies_done.record()
 
     def _prepare_inputs(self, so: SchedulerOutput) -> ModelInputs:
-        bs = self.block_size
-        scheduled = [(self.requests[r], n) for r, n in so.num_scheduled_tokens.items()]
+        batch, bs = self.input_batch, self.block_size
+        scheduled = so.num_scheduled_tokens
         # Decodes (one token) first, then prefill chunks.
-        decodes = [(s, n) for s, n in scheduled if n == 1]
-        prefills = [(s, n) for s, n in scheduled if n > 1]
-        ordered = decodes + prefills
+        order = [r for r, n in scheduled.items() if n == 1]
+        num_decodes = len(order)
+        order += [r for r, n in scheduled.items() if n > 1]
+        rows = np.fromiter((batch.row_of[r] for r in order), np.int64, len(order))
+        num_new = np.fromiter((scheduled[r] for r in order), np.int64, len(order))
+        ends = np.cumsum(num_new)  # [num_reqs] end of each request's tokens in the layout
+        total = int(ends[-1])
+        computed = batch.num_computed_tokens[rows]
+        seq_lens = computed + num_new
+        # Token i of request j sits at position computed[j] + (i - start[j]).
+        token_req = np.repeat(rows, num_new)
+        positions = np.arange(total) + np.repeat(computed - (ends - num_new), num_new)
+        slots = batch.block_table[token_req, positions // bs] * bs + positions % bs
+        sampled = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
+        batch.num_computed_tokens[rows] = seq_lens
 
-        token_chunks, position_chunks, slot_chunks = [], [], []
-        logits_indices: list[int] = []
-        sampled_states: list[CachedRequestState] = []
-        chunks: list[PrefillChunk] = []
-        offset = 0
-        for state, n in ordered:
-            start = state.num_computed_tokens
-            positions = np.arange(start, start + n, dtype=np.int64)
-            table = np.asarray(state.block_ids, dtype=np.int64)
-            slot_chunks.append(table[positions // bs] * bs + positions % bs)
-            position_chunks.append(positions)
-            token_chunks.append(state.token_ids[start : start + n])
-            if n > 1:
-                chunks.append(self._prefill_chunk(state, offset, start, n))
-            if start + n >= len(state.token_ids):
-                logits_indices.append(offset + n - 1)
-                sampled_states.append(state)
-            state.num_computed_tokens = start + n
-            offset += n
-
-        attn_metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_chunks)),
-            num_decodes=len(decodes),
-            prefills=chunks,
+        self._begin_staging()
+        graphs = self.cuda_graphs
+        pad_to = graphs.padded_size(num_decodes, total) if graphs is not None else None
+        md = AttentionMetadata(
+            slot_mapping=self._stage_padded("slot_mapping", slots, pad_to, -1),
+            num_decodes=num_decodes,
+            sliding_window=self.sliding_window,
         )
-        if decodes:
-            self._decode_metadata(attn_metadata, [s for s, _ in decodes])
-        input_ids = torch.tensor([t for chunk in token_chunks for t in chunk], dtype=torch.int64)
-        return ModelInputs(
-            input_ids=input_ids.to(self.device),
-            positions=torch.from_numpy(np.concatenate(position_chunks)).to(self.device),
-            attn_metadata=attn_metadata,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
-            sampled_states=sampled_states,
+        if num_decodes:
+            d_rows, d_lens = rows[:num_decodes], seq_lens[:num_decodes]
+            width = graphs.table_width if pad_to else int(-(-d_lens.max() // bs))
+            tables = batch.block_table[d_rows, :width]
+            md.decode_block_tables = self._stage_padded("decode_block_tables", tables, pad_to, 0)
+            md.decode_seq_lens = self._stage_padded("decode_seq_lens", d_lens, pad_to, 0)
+        if num_decodes < len(rows):
+            self._prefill_metadata(md, rows, num_new, seq_lens, computed, num_decodes)
+        inputs = ModelInputs(
+            input_ids=self._stage_padded(
+                "input_ids", batch.token_ids[token_req, positions], pad_to, 0
+            ),
+            positions=self._stage_padded("positions", positions, pad_to, 0),
+            attn_metadata=md,
+            logits_indices=self._stage("logits_indices", ends[sampled] - 1),
+            sampled_rows=rows[sampled],
+            num_decodes=num_decodes,
         )
+        self._end_staging()
+        return inputs
 
-    def _prefill_chunk(
-        self, state: CachedRequestState, offset: int, start: int, n: int
-    ) -> PrefillChunk:
-        seq_len = start + n
-        window = self.sliding_window
-        if start == 0 and (window is None or seq_len <= window):
-            return PrefillChunk(offset, n, seq_len, None, None)  # plain causal over its own keys
-        q_pos = torch.arange(start, seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
-        mask = k_pos <= q_pos
-        if window is not None:
-            mask &= k_pos > q_pos - window
-        block_ids = None
-        if start > 0:
-            num_blocks = -(-seq_len // self.block_size)
-            block_ids = torch.tensor(state.block_ids[:num_blocks], dtype=torch.int64)
-        return PrefillChunk(offset, n, seq_len, block_ids, mask)
+    def _stage_padded(self, name: str, values: np.ndarray, pad_to: int | None, fill: int):
+        """_stage, with rows beyond len(values) set to `fill` up to pad_to rows (CUDA graphs)."""
+        if pad_to is None or pad_to == len(values):
+            out = self._stage(name, values)
+        else:
+            row = values[0].size if values.ndim > 1 else 1
+            buf = self.buffer(name, pad_to * row)
+            buf.np[: values.size] = values.reshape(-1)
+            buf.np[values.size : pad_to * row] = fill
+            out = buf.copy(pad_to * row)
+        return out.view(-1, values.shape[1]) if values.ndim > 1 else out
 
-    def _decode_metadata(self, md: AttentionMetadata, states: list[CachedRequestState]) -> None:
+    def _prefill_metadata(self, md, rows, num_new, seq_lens, computed, num_decodes) -> None:
         bs = self.block_size
-        seq_lens = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
-        num_blocks = -(-seq_lens // bs)
-        table = np.zeros((len(states), int(num_blocks.max())), dtype=np.int64)
-        for row, state in enumerate(states):
-            table[row, : num_blocks[row]] = state.block_ids[: num_blocks[row]]
-        md.decode_block_tables = torch.from_numpy(table).to(self.device)
-        md.decode_seq_lens = torch.from_numpy(seq_lens).to(self.device)
-        md.sliding_window = self.sliding_window
+        p_rows, p_new = rows[num_decodes:], num_new[num_decodes:]
+        p_lens, p_ctx = seq_lens[num_decodes:], computed[num_decodes:]
+        starts = np.concatenate(([0], np.cumsum(p_new)))
+        width = int(-(-p_lens.max() // bs))
+        md.prefill_block_tables = self._stage(
+            "prefill_block_tables", self.input_batch.block_table[p_rows, :width]
+        ).view(len(p_rows), width)
+        md.prefill_query_start_loc = self._stage("prefill_query_start_loc", starts)
+        md.prefill_seq_lens = self._stage("prefill_seq_lens", p_lens)
+        md.prefill_context_lens = self._stage("prefill_context_lens", p_ctx)
+        md.max_prefill_query_len = int(p_new.max())
+        md.prefills = [
+            PrefillChunk(num_decodes + int(s), int(n), int(length), int(ctx), i)
+            for i, (s, n, length, ctx) in enumerate(
+                zip(starts[:-1], p_new, p_lens, p_ctx, strict=True)
+            )
+        ]
 
-    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
-        params = [s.sampling_params for s in states]
-        greedy = [p.greedy for p in params]
-        vocab = self.model.config.vocab_size
-        all_greedy = all(greedy)
-        top_k = top_p = min_p = None
-        if not all_greedy:
-            if any(p.top_k for p in params):
-                top_k = torch.tensor([p.top_k or vocab for p in params], dtype=torch.int64)
-            if any(p.top_p < 1.0 for p in params):
-                top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-            if any(p.min_p > 0 for p in params):
-                min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        batch = self.input_batch
+        params = [batch.sampling_params[r] for r in rows.tolist()]
+        num_tokens = batch.num_tokens[rows]
+        greedy = batch.greedy[rows]
+        all_greedy = bool(greedy.all())
+        f32 = torch.float32
         md = SamplingMetadata(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            greedy=torch.tensor(greedy, dtype=torch.bool),
+            temperature=None,
+            greedy=None,
             all_greedy=all_greedy,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
+            top_k=None,
+            top_p=None,
+            min_p=None,
             seeds=[
-                None if p.seed is None else position_seed(p.seed, len(s.token_ids))
-                for s, p in zip(states, params, strict=True)
+                None if p.seed is None else position_seed(p.seed, int(n))
+                for p, n in zip(params, num_tokens, strict=True)
             ],
         )
+        if not all_greedy:
+            md.temperature = self._stage("temperature", batch.temperature[rows], f32)
+            md.greedy = self._stage("greedy", greedy, torch.bool)
+            if any(p.top_k for p in params):
+                md.top_k = self._stage("top_k", batch.top_k[rows])
+            if any(p.top_p < 1.0 for p in params):
+                md.top_p = self._stage("top_p", batch.top_p[rows], f32)
+            if any(p.min_p > 0 for p in params):
+                md.min_p = self._stage("min_p", batch.min_p[rows], f32)
         # Before min_tokens, the tokens that would stop the request cannot be sampled.
         forbidden = [
-            (row, sorted(s.sampling_params.all_stop_token_ids))
-            for row, s in enumerate(states)
-            if s.sampling_params.all_stop_token_ids
-            and len(s.token_ids) - s.num_prompt_tokens < s.sampling_params.min_tokens
+            (i, token)
+            for i, p in enumerate(params)
+            if p.all_stop_token_ids
+            and num_tokens[i] - batch.num_prompt_tokens[rows[i]] < p.min_tokens
+            for token in sorted(p.all_stop_token_ids)
         ]
-        md.forbidden_tokens = forbidden or None
+        if forbidden:
+            pairs = np.array(forbidden, dtype=np.int64)
+            md.forbidden_tokens = (
+                self._stage("forbidden_rows", pairs[:, 0]),
+                self._stage("forbidden_ids", pairs[:, 1]),
+            )
         if any(p.logit_bias for p in params):
-            md.logit_bias = self._logit_bias(params)
+            biased = [
+                (i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()
+            ]
+            md.logit_bias = (
+                self._stage("bias_rows", np.array([x[0] for x in biased], np.int64)),
+                self._stage("bias_ids", np.array([x[1] for x in biased], np.int64)),
+                self._stage("bias_values", np.array([x[2] for x in biased], np.float32), f32),
+            )
         if any(p.uses_penalties for p in params):
-            md.presence_penalty = torch.tensor([p.presence_penalty for p in params])
-            md.frequency_penalty = torch.tensor([p.frequency_penalty for p in params])
-            md.repetition_penalty = torch.tensor([p.repetition_penalty for p in params])
-            md.prompt_token_ids = _pad([s.token_ids[: s.num_prompt_tokens] for s in states], vocab)
-            md.output_token_ids = _pad([s.token_ids[s.num_prompt_tokens :] for s in states], vocab)
+            md.presence_penalty = self._stage("presence", batch.presence[rows], f32)
+            md.frequency_penalty = self._stage("frequency", batch.frequency[rows], f32)
+            md.repetition_penalty = self._stage("repetition", batch.repetition[rows], f32)
+            md.prompt_token_ids, md.output_token_ids = self._penalty_token_ids(rows)
         if any(p.logprobs is not None for p in params):
             md.num_logprobs = [p.logprobs for p in params]
         return md
 
-    def _logit_bias(
-        self, params: list[SamplingParams]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        rows, token_ids, biases = [], [], []
-        for row, p in enumerate(params):
-            for token_id, bias in (p.logit_bias or {}).items():
-                rows.append(row)
-                token_ids.append(token_id)
-                biases.append(bias)
+    def _penalty_token_ids(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_rows, width] prompt and output token ids, padded with vocab_size."""
+        batch = self.input_batch
+        num_tokens = batch.num_tokens[rows][:, None]
+        num_prompt = batch.num_prompt_tokens[rows][:, None]
+        width = int(num_tokens.max())
+        tokens = batch.token_ids[rows, :width].astype(np.int64)
+        col = np.arange(width)[None, :]
+        prompt = np.where(col < num_prompt, tokens, self.vocab_size)
+        output = np.where((col >= num_prompt) & (col < num_tokens), tokens, self.vocab_size)
+        shape = (len(rows), width)
         return (
-            torch.tensor(rows, dtype=torch.int64, device=self.device),
-            torch.tensor(token_ids, dtype=torch.int64, device=self.device),
-            torch.tensor(biases, dtype=torch.float32, device=self.device),
+            self._stage("prompt_token_ids", prompt).view(shape),
+            self._stage("output_token_ids", output).view(shape),
         )
 
+    # -- memory profiling --------------------------------------------------------------------------
 
-def _pad(rows: list[list[int]], pad: int) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0) or 1
-    out = torch.full((len(rows), width), pad, dtype=torch.int64)
-    for i, row in enumerate(rows):
-        if row:
-            out[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
-    return out
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A forward at max_num_batched_tokens tokens, split over max_num_seqs prefills, and
+        sampling for each: the peak activation memory the engine can reach, measured by the
+        worker before it sizes the KV cache. Uses a one-block KV cache, dropped afterwards."""
+        sc = self.config.scheduler_config
+        num_tokens = min(sc.max_num_batched_tokens, sc.max_num_seqs * sc.max_model_len)
+        num_seqs = max(1, min(sc.max_num_seqs, num_tokens))
+        lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
+        lens[: num_tokens % num_seqs] += 1
+        lens = lens[lens > 0]
+        self.initialize_kv_cache(1)
+        try:
+            ends = np.cumsum(lens)
+            starts = ends - lens
+            positions = np.arange(num_tokens) - np.repeat(starts, lens)
+            md = AttentionMetadata(
+                slot_mapping=self._stage("slot_mapping", np.zeros(num_tokens, np.int64)),
+                num_decodes=0,
+                sliding_window=self.sliding_window,
+            )
+            width = int(-(-lens.max() // self.block_size))
+            md.prefill_block_tables = self._stage(
+                "prefill_block_tables", np.zeros(len(lens) * width, np.int64)
+            ).view(len(lens), width)
+            md.prefill_query_start_loc = self._stage(
+                "prefill_query_start_loc", np.concatenate(([0], ends))
+            )
+            md.prefill_seq_lens = self._stage("prefill_seq_lens", lens)
+            md.prefill_context_lens = self._stage("prefill_context_lens", np.zeros_like(lens))
+            md.max_prefill_query_len = int(lens.max())
+            md.prefills = [
+                PrefillChunk(int(s), int(n), int(n), 0, i)
+                for i, (s, n) in enumerate(zip(starts, lens, strict=True))
+            ]
+            input_ids = self._stage("input_ids", np.zeros(num_tokens, np.int64))
+            pos = self._stage("positions", positions)
+            intermediate = None
+            if not self.model.shard.is_first:
+                intermediate = self.make_empty_intermediate_tensors(num_tokens)
+            with set_forward_context(md):
+                hidden = self.model(input_ids, pos, intermediate)
+            if self.model.shard.is_last:
+                index = self._stage("logits_indices", ends - 1)
+                logits = self.model.compute_logits(hidden.index_select(0, index))
+                if logits is not None:
+                    self.sampler.sample(logits, self._profile_sampling_metadata(len(lens)))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+        finally:
+            self.initialize_kv_cache(0)
+
+    def _profile_sampling_metadata(self, num_rows: int) -> SamplingMetadata:
+        """Random sampling with top-k and top-p on every row: the sampler's largest footprint."""
+        f32 = torch.float32
+        return SamplingMetadata(
+            temperature=self._stage("temperature", np.ones(num_rows, np.float32), f32),
+            greedy=self._stage("greedy", np.zeros(num_rows, np.bool_), torch.bool),
+            all_greedy=False,
+            top_k=self._stage("top_k", np.full(num_rows, self.vocab_size, np.int64)),
+            top_p=self._stage("top_p", np.full(num_rows, 0.9, np.float32), f32),
+            min_p=None,
+            seeds=[None] * num_rows,
+        )

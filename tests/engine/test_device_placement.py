@@ -1,0 +1,123 @@
+"""Every model family's step, run on a simulated device (tests/device_check.py): prefill
+after a prefix-cache hit, a chunked prefill, decodes, sampling with penalties, seeds, logprobs,
+min_tokens and logit_bias, and the memory-profiling forward. Any host tensor in the device path
+fails the test, and sampled ids come back in one copy per step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from device_check import DEVICE, DeviceCheckMode, HostTensorOnDeviceError
+from support import FAMILIES
+
+from llmctl.engine.config import DeviceConfig, EngineArgs
+from llmctl.engine.distributed.partition import pipeline_shard
+from llmctl.engine.model_loader.loader import load_model
+from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from llmctl.engine.worker.model_runner import ModelRunner
+
+BLOCK = 16
+
+
+def _runner(path, **engine_args) -> ModelRunner:
+    config = EngineArgs(
+        model=str(path), device="cpu", dtype="float32", num_gpu_blocks_override=64, **engine_args
+    ).create_engine_config()
+    device_config = DeviceConfig()
+    object.__setattr__(device_config, "device", DEVICE)  # not a user-facing device
+    config = dataclasses.replace(config, device_config=device_config)
+    mc = config.model_config
+    model = load_model(mc, pipeline_shard(mc.num_layers, 0, 1, None), DEVICE)
+    runner = ModelRunner(config, model)
+    runner.initialize_kv_cache(64)
+    return runner
+
+
+def _steps(vocab: int) -> list[SchedulerOutput]:
+    """A prefix hit (16 of 20 prompt tokens cached), a prompt of 40 in chunks of 24 and 16, and
+    a third request sampled with every option; then decodes."""
+    fancy = SamplingParams(
+        temperature=0.8,
+        top_k=5,
+        top_p=0.9,
+        min_p=0.05,
+        seed=7,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        repetition_penalty=1.2,
+        logprobs=3,
+        min_tokens=2,
+        logit_bias={3: 2.0, 5: -1.0},
+    )
+    plain = SamplingParams(temperature=0)
+    seeded = SamplingParams(temperature=1.0, seed=3)
+    tokens = [(i * 37) % (vocab - 10) + 5 for i in range(40)]
+    first = SchedulerOutput(
+        scheduled_new_reqs=[
+            NewRequestData("hit", tokens[:20], 20, plain, [5, 3], 16),
+            NewRequestData("chunked", tokens, 40, seeded, [7, 1, 9], 0),
+            NewRequestData("fancy", tokens[:9], 9, fancy, [11], 0),
+        ],
+        scheduled_cached_reqs=[],
+        num_scheduled_tokens={"hit": 4, "chunked": 24, "fancy": 9},
+        total_num_scheduled_tokens=37,
+    )
+    second = SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=[
+            CachedRequestData("hit", [42], [], 20),
+            CachedRequestData("chunked", [], [], 24),
+            CachedRequestData("fancy", [43], [], 9),
+        ],
+        num_scheduled_tokens={"hit": 1, "chunked": 16, "fancy": 1},
+        total_num_scheduled_tokens=18,
+    )
+    third = SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=[
+            CachedRequestData("hit", [44], [2], 21),
+            CachedRequestData("chunked", [45], [4], 40),
+            CachedRequestData("fancy", [46], [], 10),
+        ],
+        num_scheduled_tokens={"hit": 1, "chunked": 1, "fancy": 1},
+        total_num_scheduled_tokens=3,
+        finished_req_ids=set(),
+    )
+    return [first, second, third]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_step_on_device_has_no_host_tensor(tiny_models, family, backend, monkeypatch):
+    monkeypatch.setenv("LLMCTL_ATTENTION_BACKEND", backend)
+    runner = _runner(tiny_models.path(family))
+    everyone = {"hit", "chunked", "fancy"}
+    expected = [{"hit", "fancy"}, everyone, everyone]
+    with DeviceCheckMode() as mode:
+        for step, sampled in zip(_steps(runner.vocab_size), expected, strict=True):
+            before = mode.device_to_host
+            output = runner.execute_model(step)
+            assert set(output.sampled_token_ids) == sampled
+            assert mode.device_to_host - before == 1, "sampled ids: one copy per step"
+        assert set(output.logprobs) == {"fancy"}
+        assert len(output.logprobs["fancy"].top_token_ids) == 3
+        assert mode.host_to_device > 0
+
+
+def test_profile_run_on_device(tiny_models):
+    runner = _runner(tiny_models.path("mistral"), max_num_batched_tokens=300, max_num_seqs=7)
+    with DeviceCheckMode():
+        runner.profile_run()
+    assert all(cache.shape[1] == 0 for cache in runner.kv_caches)  # the one-block cache is gone
+
+
+def test_the_check_catches_a_host_index():
+    """The mistake the check exists for: a host index meeting a device tensor."""
+    cache = torch.zeros(8, 4, device=DEVICE)
+    with DeviceCheckMode(), pytest.raises(HostTensorOnDeviceError, match="index_copy"):
+        cache.index_copy_(0, torch.tensor([1, 2]), torch.ones(2, 4, device=DEVICE))
+    with DeviceCheckMode(), pytest.raises(HostTensorOnDeviceError, match="index_select"):
+        cache.index_select(0, torch.tensor([1, 2]))
