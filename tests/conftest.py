@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random models of each supported family, saved as real checkpoints, and
-the real bundled SmolLM2-135M. Hugging Face transformers on the same weights is the oracle."""
+the real bundled SmolLM2-135M. Hugging Face transformers on the same weights is the oracle.
+Tests marked `cuda` are skipped, with the reason, where torch sees no GPU."""
 
 from __future__ import annotations
 
@@ -30,6 +31,22 @@ def tiny_models(tmp_path_factory, smol_tokenizer) -> TinyModels:
     return TinyModels(tmp_path_factory.mktemp("tiny-models"), smol_tokenizer)
 
 
+NO_GPU = "needs an NVIDIA GPU (torch.cuda.is_available() is False)"
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if not cuda_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=NO_GPU)
+    for item in cuda_items:
+        item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _quiet_threads():
     # Two cores: keep torch from oversubscribing when tests start worker processes.
@@ -39,7 +56,7 @@ def _quiet_threads():
 def _hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     import torch
 
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=model.device)
     with torch.no_grad():
         out = model.generate(
             ids,

@@ -69,6 +69,19 @@ def tiny_configs() -> dict:
 FAMILIES = ["llama", "mistral", "qwen2", "gpt2", "opt", "opt-350m-style"]
 
 
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Prompts of random token ids, one per length, the same for the same seed."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    """The first completion's token ids of each RequestOutput."""
+    return [o.outputs[0].token_ids for o in outputs]
+
+
 class TinyModels:
     """Builds (once per session) a tiny random model per family: seeded, saved with its
     tokenizer, and kept in memory as the Hugging Face oracle."""
@@ -134,3 +147,16 @@ def live_pids(*, parent: int | None = None, session: int | None = None) -> set[i
 def alive(pid: int) -> bool:
     fields = _proc_stat(str(pid))
     return fields is not None and fields[0] != "Z"
+
+
+def free_gpu_memory() -> None:
+    """Give what this process's dead tensors hold back to the driver: an engine started next, here
+    or in another process, sizes its KV cache from what is free."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

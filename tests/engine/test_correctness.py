@@ -7,22 +7,12 @@ import logging
 import re
 
 import pytest
-import torch
-from support import FAMILIES, VOCAB
+from support import FAMILIES, random_prompts, token_ids
 
 from llmctl.engine import LLM, SamplingParams
 
 GREEDY_32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 PROMPT_LENGTHS = [3, 7, 12, 20, 31, 5, 16, 40]
-
-
-def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
