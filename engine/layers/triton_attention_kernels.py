@@ -1,0 +1,277 @@
+"""The Triton kernels behind triton_attention.py; shapes, masks and contracts are in its doc.
+
+Scores are kept in log2 units (qk_scale = scale * log2(e), exp2), accumulated in float32 with an
+online softmax: per query row the running max m_i, the running sum l_i of exp2(score - m_i) and
+the unnormalized output acc. Masked scores are -inf; m_i starts at a finite NO_SCORE, so a row
+whose keys are all masked in a tile stays at (NO_SCORE, 0, 0) and never computes inf - inf.
+Pointers to K and V are built per key row (block id from the block table, then the row in the
+block), with block ids widened to int64 before they meet a stride.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# The running max before any key: finite, so exp2 of a difference is never NaN.
+NO_SCORE = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def attend_tile(
+    q,
+    k,
+    v,
+    visible,
+    qk_scale,
+    m_i,
+    l_i,
+    acc,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step: q [M, D], k and v [N, D], visible [M, N] -> new (m_i, l_i, acc)."""
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N] float32
+    qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def paged_decode_kernel(
+    out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    part_out_ptr,
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    qk_scale,
+    sliding_window,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ko,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vo,
+    stride_vh,
+    stride_vd,
+    stride_bts,
+    stride_btb,
+    stride_os,
+    stride_oh,
+    stride_od,
+    head_dim,
+    block_size,
+    partition_size,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_PARTITIONS: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g  # [BLOCK_G]: this group's query heads, padded
+    mask_gd = (offs_g[:, None] < GROUP) & (offs_d[None, :] < head_dim)
+    q = tl.load(
+        q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=mask_gd,
+        other=0.0,
+    )  # [BLOCK_G, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys [lo, hi): the window's and this partition's.
+    lo = part * partition_size
+    hi = tl.minimum(seq_len, lo + partition_size)
+    if USE_WINDOW:
+        lo = tl.maximum(lo, seq_len - sliding_window)
+    m_i = tl.full([BLOCK_G], NO_SCORE, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
+    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        in_range = (pos >= lo) & (pos < hi)
+        block = tl.load(bt_row + (pos // block_size) * stride_btb, mask=in_range, other=0)
+        row = block.to(tl.int64) * stride_kb + (pos % block_size) * stride_ko
+        mask_nd = in_range[:, None] & (offs_d[None, :] < head_dim)
+        k = tl.load(
+            key_cache_ptr + row[:, None] + kv_head * stride_kh + offs_d[None, :] * stride_kd,
+            mask=mask_nd,
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        row = block.to(tl.int64) * stride_vb + (pos % block_size) * stride_vo
+        v = tl.load(
+            value_cache_ptr + row[:, None] + kv_head * stride_vh + offs_d[None, :] * stride_vd,
+            mask=mask_nd,
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        visible = in_range[None, :]  # [1, BLOCK_N]: every query head sees the same keys
+        m_i, l_i, acc = attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, DOT_PRECISION)
+
+    if NUM_PARTITIONS == 1:
+        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0: no keys, zeros
+        dst = out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask_gd)
+    else:
+        # part_* are contiguous [num_seqs, num_heads, NUM_PARTITIONS(, head_dim)]
+        num_heads = tl.num_programs(1) * GROUP
+        stat = (seq * num_heads + heads) * NUM_PARTITIONS + part  # [BLOCK_G]
+        tl.store(part_max_ptr + stat, m_i, mask=offs_g < GROUP)
+        tl.store(part_sum_ptr + stat, l_i, mask=offs_g < GROUP)
+        tl.store(part_out_ptr + stat[:, None] * head_dim + offs_d[None, :], acc, mask=mask_gd)
+
+
+@triton.jit
+def merge_partitions_kernel(
+    out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    part_out_ptr,
+    stride_os,
+    stride_oh,
+    stride_od,
+    head_dim,
+    NUM_PARTITIONS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """out[seq, head] = sum_p exp(m_p - M) * acc_p / sum_p exp(m_p - M) * l_p."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_p = offs_p < NUM_PARTITIONS
+    stat = (seq * tl.num_programs(1) + head) * NUM_PARTITIONS + offs_p  # [BLOCK_P]
+    m = tl.load(part_max_ptr + stat, mask=mask_p, other=NO_SCORE)
+    l_p = tl.load(part_sum_ptr + stat, mask=mask_p, other=0.0)
+    mask_pd = mask_p[:, None] & (offs_d[None, :] < head_dim)
+    acc = tl.load(
+        part_out_ptr + stat[:, None] * head_dim + offs_d[None, :], mask=mask_pd, other=0.0
+    )
+    weight = tl.exp2(m - tl.max(m, 0))  # [BLOCK_P]; scores are already in log2 units
+    total = tl.sum(l_p * weight, 0)
+    o = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)  # [BLOCK_D]
+    dst = out_ptr + seq * stride_os + head * stride_oh + offs_d * stride_od
+    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=offs_d < head_dim)
+
+
+@triton.jit
+def prefill_kernel(
+    out_ptr,
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    context_lens_ptr,
+    qk_scale,
+    sliding_window,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ko,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vo,
+    stride_vh,
+    stride_vd,
+    stride_btc,
+    stride_btb,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    head_dim,
+    block_size,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    chunk = tl.program_id(1)
+    head = tl.program_id(2)
+    query_start = tl.load(query_start_loc_ptr + chunk).to(tl.int32)
+    query_len = tl.load(query_start_loc_ptr + chunk + 1).to(tl.int32) - query_start
+    if m_block * BLOCK_M >= query_len:
+        return
+    context_len = tl.load(context_lens_ptr + chunk).to(tl.int32)
+    seq_len = tl.load(seq_lens_ptr + chunk).to(tl.int32)
+    kv_head = head // GROUP
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows within the chunk
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_md = (offs_m[:, None] < query_len) & (offs_d[None, :] < head_dim)
+    tokens = (query_start + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + tokens[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
+        mask=mask_md,
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = context_len + offs_m  # [BLOCK_M] positions in the sequence
+
+    # Keys [lo, hi): up to the tile's last query, from the first query's window.
+    hi = tl.minimum(seq_len, context_len + (m_block + 1) * BLOCK_M)
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(0, context_len + m_block * BLOCK_M - sliding_window + 1)
+    m_i = tl.full([BLOCK_M], NO_SCORE, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = block_tables_ptr + chunk.to(tl.int64) * stride_btc
+    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        in_range = (pos >= lo) & (pos < hi)
+        block = tl.load(bt_row + (pos // block_size) * stride_btb, mask=in_range, other=0)
+        row = block.to(tl.int64) * stride_kb + (pos % block_size) * stride_ko
+        mask_nd = in_range[:, None] & (offs_d[None, :] < head_dim)
+        k = tl.load(
+            key_cache_ptr + row[:, None] + kv_head * stride_kh + offs_d[None, :] * stride_kd,
+            mask=mask_nd,
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        row = block.to(tl.int64) * stride_vb + (pos % block_size) * stride_vo
+        v = tl.load(
+            value_cache_ptr + row[:, None] + kv_head * stride_vh + offs_d[None, :] * stride_vd,
+            mask=mask_nd,
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        visible = in_range[None, :] & (pos[None, :] <= q_pos[:, None])  # [BLOCK_M, BLOCK_N]
+        if USE_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
+        m_i, l_i, acc = attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, DOT_PRECISION)
+
+    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    dst = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask_md)
