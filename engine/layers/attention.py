@@ -65,11 +65,15 @@ def triton_available() -> bool:
 
 
 def use_triton(device: torch.device) -> bool:
-    """The backend for tensors on `device`: triton off the CPU unless told otherwise."""
+    """The backend for tensors on `device`: triton off the CPU, unless LLMCTL_ATTENTION_BACKEND
+    says torch or triton (on the CPU only useful under TRITON_INTERPRET=1: the tests run the
+    engine's Triton path through Triton's interpreter that way)."""
     choice = os.environ.get("LLMCTL_ATTENTION_BACKEND", "auto")
-    if device.type == "cpu" or choice == "torch":
+    if choice == "torch":
         return False
-    return triton_available()
+    if choice == "triton":
+        return triton_available()
+    return device.type != "cpu" and triton_available()
 
 
 class Attention(nn.Module):
