@@ -11,6 +11,11 @@ ratios are shown both default-to-default and at equal dtype.
 
     python benchmarks/throughput.py            # both workloads
     python benchmarks/throughput.py --batch 64 --output-len 128 --repeats 3
+    python benchmarks/throughput.py --device cuda     # both engines on the GPU
+
+llmctl's line also shows the time its model runner spends preparing a step's inputs (gathering
+token ids, positions, slot mapping, block tables and sampling tensors and copying them to the
+device), per step, out of the whole step.
 """
 
 from __future__ import annotations
@@ -31,15 +36,35 @@ def make_prompts(batch: int, prompt_len: int, vocab: int = 49152, seed: int = 0)
     return torch.randint(100, vocab, (batch, prompt_len), generator=g).tolist()
 
 
-def run_llmctl(prompts: list[list[int]], output_len: int, repeats: int, dtype: str) -> dict:
+def _time_prepare(runner) -> dict:
+    """Accumulate the seconds the runner spends in _prepare_inputs, and its step count."""
+    spent = {"seconds": 0.0, "steps": 0}
+    prepare = runner._prepare_inputs
+
+    def timed(scheduler_output):
+        start = time.perf_counter()
+        try:
+            return prepare(scheduler_output)
+        finally:
+            spent["seconds"] += time.perf_counter() - start
+            spent["steps"] += 1
+
+    runner._prepare_inputs = timed
+    return spent
+
+
+def run_llmctl(
+    prompts: list[list[int]], output_len: int, repeats: int, dtype: str, device: str
+) -> dict:
     from llmctl.engine import LLM, SamplingParams
 
-    llm = LLM(use_tqdm_on_load=False, dtype=dtype)
+    llm = LLM(use_tqdm_on_load=False, dtype=dtype, device=device)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], params.replace(max_tokens=4), use_tqdm=False)  # warm-up
-    times, outputs = [], None
+    times, outputs, prepare = [], None, None
     for _ in range(repeats):
         llm.llm_engine.scheduler.block_manager.reset_prefix_cache()  # no reuse between repeats
+        prepare = _time_prepare(llm.llm_engine.executor.worker.model_runner)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
@@ -49,10 +74,14 @@ def run_llmctl(prompts: list[list[int]], output_len: int, repeats: int, dtype: s
         "tokens": tokens,
         "first_ids": outputs[0].outputs[0].token_ids,
         "dtype": llm.llm_engine.config.model_config.dtype,
+        "prepare_ms_per_step": 1000 * prepare["seconds"] / max(prepare["steps"], 1),
+        "ms_per_step": 1000 * times[-1] / max(prepare["steps"], 1),
     }
 
 
-def run_transformers(prompts: list[list[int]], output_len: int, repeats: int, dtype: str) -> dict:
+def run_transformers(
+    prompts: list[list[int]], output_len: int, repeats: int, dtype: str, device: str
+) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -62,7 +91,9 @@ def run_transformers(prompts: list[list[int]], output_len: int, repeats: int, dt
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name).eval()
     if dtype != "auto":
         model = model.to(getattr(torch, dtype))
-    ids = torch.tensor(prompts)
+    if device != "cpu":
+        model = model.to(device)
+    ids = torch.tensor(prompts, device=model.device)
     mask = torch.ones_like(ids)
 
     def generate(input_ids, attention_mask, n):
@@ -101,7 +132,7 @@ RUNS = [
 
 def _child(engine: str, dtype: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", engine, "--dtype", dtype]
-    for flag in ("batch", "prompt_len", "output_len", "repeats"):
+    for flag in ("batch", "prompt_len", "output_len", "repeats", "device"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -118,7 +149,13 @@ def compare(args) -> None:
     for (engine, dtype), r in results.items():
         rate[(engine, dtype)] = r["tokens"] / r["seconds"]
         label = f"{engine} ({'default, ' if dtype == 'auto' else ''}{r['dtype']})"
-        print(f"  {label:34s} {r['seconds']:8.2f} s  {rate[(engine, dtype)]:8.1f} output tok/s")
+        line = f"  {label:34s} {r['seconds']:8.2f} s  {rate[(engine, dtype)]:8.1f} output tok/s"
+        if "prepare_ms_per_step" in r:
+            line += (
+                f"  (inputs {r['prepare_ms_per_step']:.3f} ms of {r['ms_per_step']:.1f} ms"
+                " per step)"
+            )
+        print(line)
     ours, theirs = results[("llmctl", "auto")], results[("transformers", "auto")]
 
     def ratio(a: tuple[str, str], b: tuple[str, str]) -> str:
@@ -142,13 +179,14 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--child", choices=["llmctl", "transformers"], help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="auto", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         prompts = make_prompts(args.batch, args.prompt_len)
         run = run_llmctl if args.child == "llmctl" else run_transformers
-        print(json.dumps(run(prompts, args.output_len, args.repeats, args.dtype)))
+        print(json.dumps(run(prompts, args.output_len, args.repeats, args.dtype, args.device)))
         return
     batches = [args.batch] if args.batch else [64, 1]
     for batch in batches:
