@@ -8,7 +8,14 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from support import TinyModels
+
+# Without a GPU the Triton kernels run in Triton's interpreter, which @triton.jit picks when it
+# decorates a function. Set it before anything imports triton: torch._dynamo does, and a kernel
+# module decorated half before and half after would mix compiled and interpreted functions.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

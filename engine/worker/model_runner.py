@@ -129,6 +129,7 @@ class ModelRunner:
         if logits is None:
             return None  # another tensor-parallel rank samples
         md = self._sampling_metadata(inputs.sampled_rows)
+        self._end_staging()  # again: the sampling tensors' copies read host buffers too
         sampled, stats = self.sampler.sample(logits, md)
         tokens, logprobs = self.sampler.to_host(sampled, stats, md.num_logprobs)  # one copy
         output = ModelRunnerOutput()

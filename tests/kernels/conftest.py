@@ -1,16 +1,11 @@
 """Kernel tests: Triton kernels against plain torch references. Without a CUDA device they run
-under Triton's CPU interpreter, which @triton.jit picks when it decorates a kernel, so
-TRITON_INTERPRET is set here, before any test module imports the kernels."""
+under Triton's CPU interpreter (TRITON_INTERPRET is set in tests/conftest.py, before anything
+imports triton)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
