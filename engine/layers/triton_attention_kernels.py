@@ -41,6 +41,50 @@ def attend_tile(
 
 
 @triton.jit
+def load_kv_tile(
+    key_cache_ptr,
+    value_cache_ptr,
+    bt_row,
+    pos,
+    in_range,
+    offs_d,
+    kv_head,
+    head_dim,
+    block_size,
+    stride_btb,
+    stride_kb,
+    stride_ko,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vo,
+    stride_vh,
+    stride_vd,
+    UPCAST: tl.constexpr,
+):
+    """The keys and values at positions `pos` of one KV head, through the sequence's block table
+    row `bt_row`; positions outside `in_range` read as 0. Both [BLOCK_N, BLOCK_D]."""
+    block = tl.load(bt_row + (pos // block_size) * stride_btb, mask=in_range, other=0)
+    mask_nd = in_range[:, None] & (offs_d[None, :] < head_dim)
+    row = block.to(tl.int64) * stride_kb + (pos % block_size) * stride_ko
+    k = tl.load(
+        key_cache_ptr + row[:, None] + kv_head * stride_kh + offs_d[None, :] * stride_kd,
+        mask=mask_nd,
+        other=0.0,
+    )
+    row = block.to(tl.int64) * stride_vb + (pos % block_size) * stride_vo
+    v = tl.load(
+        value_cache_ptr + row[:, None] + kv_head * stride_vh + offs_d[None, :] * stride_vd,
+        mask=mask_nd,
+        other=0.0,
+    )
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def paged_decode_kernel(
     out_ptr,
     part_max_ptr,
@@ -109,23 +153,27 @@ def paged_decode_kernel(
     for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         in_range = (pos >= lo) & (pos < hi)
-        block = tl.load(bt_row + (pos // block_size) * stride_btb, mask=in_range, other=0)
-        row = block.to(tl.int64) * stride_kb + (pos % block_size) * stride_ko
-        mask_nd = in_range[:, None] & (offs_d[None, :] < head_dim)
-        k = tl.load(
-            key_cache_ptr + row[:, None] + kv_head * stride_kh + offs_d[None, :] * stride_kd,
-            mask=mask_nd,
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        row = block.to(tl.int64) * stride_vb + (pos % block_size) * stride_vo
-        v = tl.load(
-            value_cache_ptr + row[:, None] + kv_head * stride_vh + offs_d[None, :] * stride_vd,
-            mask=mask_nd,
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = load_kv_tile(
+            key_cache_ptr,
+            value_cache_ptr,
+            bt_row,
+            pos,
+            in_range,
+            offs_d,
+            kv_head,
+            head_dim,
+            block_size,
+            stride_btb,
+            stride_kb,
+            stride_ko,
+            stride_kh,
+            stride_kd,
+            stride_vb,
+            stride_vo,
+            stride_vh,
+            stride_vd,
+            UPCAST,
+        )  # [BLOCK_N, BLOCK_D] each
         visible = in_range[None, :]  # [1, BLOCK_N]: every query head sees the same keys
         m_i, l_i, acc = attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, DOT_PRECISION)
 
@@ -250,23 +298,27 @@ def prefill_kernel(
     for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         in_range = (pos >= lo) & (pos < hi)
-        block = tl.load(bt_row + (pos // block_size) * stride_btb, mask=in_range, other=0)
-        row = block.to(tl.int64) * stride_kb + (pos % block_size) * stride_ko
-        mask_nd = in_range[:, None] & (offs_d[None, :] < head_dim)
-        k = tl.load(
-            key_cache_ptr + row[:, None] + kv_head * stride_kh + offs_d[None, :] * stride_kd,
-            mask=mask_nd,
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        row = block.to(tl.int64) * stride_vb + (pos % block_size) * stride_vo
-        v = tl.load(
-            value_cache_ptr + row[:, None] + kv_head * stride_vh + offs_d[None, :] * stride_vd,
-            mask=mask_nd,
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = load_kv_tile(
+            key_cache_ptr,
+            value_cache_ptr,
+            bt_row,
+            pos,
+            in_range,
+            offs_d,
+            kv_head,
+            head_dim,
+            block_size,
+            stride_btb,
+            stride_kb,
+            stride_ko,
+            stride_kh,
+            stride_kd,
+            stride_vb,
+            stride_vo,
+            stride_vh,
+            stride_vd,
+            UPCAST,
+        )  # [BLOCK_N, BLOCK_D] each
         visible = in_range[None, :] & (pos[None, :] <= q_pos[:, None])  # [BLOCK_M, BLOCK_N]
         if USE_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
