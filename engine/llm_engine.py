@@ -1,6 +1,6 @@
 """LLMEngine: requests in, RequestOutputs out, one step at a time.
 
-    step():  schedule()  ->  executor.execute_model(...)  ->  postprocess()
+    step():  schedule()  ->  batch_queue.run(...) (the executor)  ->  postprocess()
 
 Prompts are validated and tokenized in add_request; a bad request raises a typed error there and
 never reaches the scheduler, so the requests already running are not disturbed. With
@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from llmctl.engine.batch_queue import BatchQueue
 from llmctl.engine.config import EngineArgs, EngineConfig, check_kv_cache_fits
 from llmctl.engine.errors import InvalidRequestError, PromptTooLongError
 from llmctl.engine.executor.base import Executor
@@ -74,6 +75,9 @@ class LLMEngine:
             raise
         self._log_kv_cache()
         self.scheduler = Scheduler(engine_config.scheduler_config, cc, self.num_blocks)
+        # The pipeline's batches in flight: one per stage unless --max-concurrent-batches says.
+        sc = engine_config.scheduler_config
+        self.batch_queue = BatchQueue(self.executor, sc.max_concurrent_batches)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -148,7 +152,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
-        finished_batch = self.executor.execute_model(scheduler_output)
+        finished_batch = self.batch_queue.run(scheduler_output)
         return self.postprocess(finished_batch)
 
     def postprocess(

@@ -1,8 +1,10 @@
-"""What the workers hand back each step: one sampled token per request that reached its end."""
+"""What a step hands back: one sampled token per request that reached its end, or (a pipeline stage
+before the last) the hidden states for the next stage."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -20,3 +22,6 @@ class ModelRunnerOutput:
     # req_id -> sampled token; requests in the middle of a chunked prefill sample nothing.
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # A stage before the last: the tensors for the next stage ({"hidden_states": [num_tokens,
+    # hidden_size], "residual": ...}); the worker sends them on and never returns them.
+    intermediate_tensors: Any = None

@@ -5,9 +5,8 @@ rank). `Executor.get_class` picks one as vLLM's documentation says: `mp` when no
 placement group and this node has a device for every rank, otherwise `ray`. Ray is imported only
 when the Ray backend is used.
 
-Pipelining: `execute_model` keeps up to `max_concurrent_batches` batches in flight (the number of
-pipeline stages), so stage 0 computes batch k+1 while stage 1 computes batch k. It returns the
-oldest batch once the pipeline is full, or when nothing new was scheduled.
+`execute_model` only submits a batch and returns a future of its output (the last stage's tp_rank
+0 result); the engine's BatchQueue decides how many batches are in flight.
 """
 
 from __future__ import annotations
@@ -15,13 +14,11 @@ from __future__ import annotations
 import logging
 import os
 from abc import ABC, abstractmethod
-from collections import deque
 from typing import Any, Protocol
 
 from llmctl.engine.config import EngineConfig, ParallelConfig
 from llmctl.engine.distributed import ranks
 from llmctl.engine.errors import ConfigError, EngineDeadError
-from llmctl.engine.model_runner_output import ModelRunnerOutput
 from llmctl.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("llmctl")
@@ -32,6 +29,17 @@ CPU_DEVICES_ENV = "LLMCTL_CPU_DEVICES"
 
 class Future(Protocol):
     def result(self) -> Any: ...
+
+
+class _OutputOf:
+    """The future of one rank's value from a collective call's future."""
+
+    def __init__(self, future: Future, rank: int) -> None:
+        self.future = future
+        self.rank = rank
+
+    def result(self) -> Any:
+        return self.future.result()[self.rank]
 
 
 class Done:
@@ -107,12 +115,9 @@ def check_local_gpus(parallel_config: ParallelConfig) -> None:
 
 
 class Executor(ABC):
-    max_concurrent_batches = 1
-
     def __init__(self, engine_config: EngineConfig, progress=None) -> None:
         self.engine_config = engine_config
         self.parallel_config = engine_config.parallel_config
-        self._in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
         self.is_dead = False
         self._init_executor(progress)
 
@@ -157,20 +162,12 @@ class Executor(ABC):
     def initialize_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_cache", (num_blocks,))
 
-    def execute_model(
-        self, scheduler_output: SchedulerOutput
-    ) -> tuple[SchedulerOutput, ModelRunnerOutput] | None:
-        """Submit a batch; return a finished batch and its output, or None while filling."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Future:
+        """Start one step on every worker; the future's result is the step's ModelRunnerOutput
+        (the sampled tokens, from the last stage's tp_rank 0)."""
         self.check_alive()
-        if scheduler_output.total_num_scheduled_tokens:
-            future = self.collective_rpc_async("execute_model", (scheduler_output,))
-            self._in_flight.append((scheduler_output, future))
-            if len(self._in_flight) < self.max_concurrent_batches:
-                return None
-        if not self._in_flight:
-            return None
-        oldest, future = self._in_flight.popleft()
-        return oldest, future.result()[self.output_rank]
+        future = self.collective_rpc_async("execute_model", (scheduler_output,))
+        return _OutputOf(future, self.output_rank)
 
     def check_alive(self) -> None:
         if self.is_dead:

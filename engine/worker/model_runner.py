@@ -113,21 +113,22 @@ class ModelRunner:
         self,
         scheduler_output: SchedulerOutput,
         intermediate_tensors: IntermediateTensors | None = None,
-    ) -> ModelRunnerOutput | IntermediateTensors | None:
-        """Run one step. Returns the sampled tokens (last pipeline stage, tp_rank 0), the
-        hidden states for the next stage (other stages), or None (other tensor-parallel ranks)."""
+    ) -> ModelRunnerOutput:
+        """Run one step. The output holds the sampled tokens on the last pipeline stage's
+        tp_rank 0, the hidden states for the next stage on other stages, and nothing on the
+        other tensor-parallel ranks."""
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput()
         inputs = self._prepare_inputs(scheduler_output)
         hidden = self._forward(inputs, intermediate_tensors)
         if not self.model.shard.is_last:
-            return hidden
+            return ModelRunnerOutput(intermediate_tensors=hidden)
         if not len(inputs.sampled_rows):
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         if logits is None:
-            return None  # another tensor-parallel rank samples
+            return ModelRunnerOutput()  # another tensor-parallel rank samples
         md = self._sampling_metadata(inputs.sampled_rows)
         self._end_staging()  # again: the sampling tensors' copies read host buffers too
         sampled, stats = self.sampler.sample(logits, md)

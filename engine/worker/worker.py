@@ -166,7 +166,7 @@ class Worker:
             # gpu_memory_utilization leaves free. Nothing is captured with --enforce-eager.
             self.model_runner.capture_cuda_graphs()
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         pp = parallel_state.get_pp_group()
         intermediate = None
         num_tokens = scheduler_output.total_num_scheduled_tokens
@@ -174,13 +174,15 @@ class Worker:
             buffers = self.model_runner.make_empty_intermediate_tensors(num_tokens)
             intermediate = pp.recv_tensor_dict(buffers, pp.rank_in_group - 1)
         output = self.model_runner.execute_model(scheduler_output, intermediate)
-        if isinstance(output, dict):
+        if output.intermediate_tensors is not None:
             # Sends complete in order; wait for the previous batch's before queueing this one,
             # which also keeps its tensors alive until they are delivered.
             for work in self._pending_sends:
                 work.wait()
-            self._pending_sends = pp.send_tensor_dict(output, pp.rank_in_group + 1)
-            return None
+            self._pending_sends = pp.send_tensor_dict(
+                output.intermediate_tensors, pp.rank_in_group + 1
+            )
+            return ModelRunnerOutput()
         return output
 
     def rank_info(self) -> dict:
