@@ -31,7 +31,9 @@ class BatchQueue:
         self, scheduler_output: SchedulerOutput
     ) -> tuple[SchedulerOutput, ModelRunnerOutput] | None:
         """Submit a batch (an empty one is not sent); return the oldest finished batch with its
-        output, or None while the pipeline fills."""
+        output, or None while the pipeline fills. Raises EngineDeadError once the workers are
+        gone, whether or not this step has work."""
+        self.executor.check_alive()
         if scheduler_output.total_num_scheduled_tokens:
             future = self.executor.execute_model(scheduler_output)
             self._in_flight.append((scheduler_output, future))

@@ -395,14 +395,14 @@ def test_killed_worker_fails_requests_and_health(server_factory, tiny):
     while server.metric("llmctl:num_requests_running") < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     os.kill(workers[1], signal.SIGKILL)
-    killed_at = time.monotonic()
     for t in threads:
-        t.join(timeout=30)
+        t.join(timeout=120)
     assert len(outcomes) == 3 and all(o.startswith("error") for o in outcomes), outcomes
-    assert time.monotonic() - killed_at < 10
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 503
-    assert "rank 1" in health.json()["error"]["message"]
+    # Seen from the process itself, not by a timeout: the message names the signal.
+    message = health.json()["error"]["message"]
+    assert "rank 1" in message and "SIGKILL" in message, message
     response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"})
     assert response.status_code == 503
     assert server.stop() == 0

@@ -118,7 +118,7 @@ def test_per_rank_weights_shrink_with_tp(tiny_models):
     assert sizes[2] <= 0.55 * sizes[1]
 
 
-def test_killed_worker_raises_within_10_seconds(tiny_models):
+def test_killed_worker_fails_the_next_step_naming_it(tiny_models):
     before = child_pids()
     llm = LLM(
         str(tiny_models.path("llama")),
@@ -134,11 +134,10 @@ def test_killed_worker_raises_within_10_seconds(tiny_models):
     for _ in range(3):
         engine.step()
     os.kill(pids[1], signal.SIGKILL)
-    start = time.monotonic()
+    # The death is seen from the process itself (its pidfd), not by a timeout: the very step
+    # that needs the killed rank fails, however slow the machine is.
     with pytest.raises(EngineDeadError) as err:
-        while True:
-            engine.step()
-    assert time.monotonic() - start < 10
+        engine.step()
     assert "rank 1" in err.value.message and "SIGKILL" in err.value.message
     assert child_pids() <= before  # the surviving worker was stopped too
     with pytest.raises(EngineDeadError):
