@@ -47,7 +47,6 @@ from llmctl.cluster.node_launch import (
     node_launches,
 )
 from llmctl.cluster.parsers import (
-    ContainerState,
     RayNode,
     RayStatus,
     interface_of,
@@ -70,6 +69,8 @@ from llmctl.cluster.transport import (
     Transport,
     check,
 )
+from llmctl.cluster.up_diff import Action, Keep, changes, diff, node_action
+from llmctl.cluster.up_executor import UpFailed, execute, start, wait_for_ray
 
 RAY_WAIT_S = 120.0
 
@@ -153,6 +154,26 @@ class Cluster:
         allow_public_ip: bool = False,
         dry_run: bool = False,
     ) -> Report:
+        """Probe -> preflight -> prepare (image, model) -> plan -> diff -> act -> verify."""
+        image = self._check_request(image, image_file, allow_public_ip)
+        probes = self._probe(image)
+        raise_problems(probe_problems(self.inventory, probes, image=image,
+                                      image_file=image_file, sync_model=sync_model))  # fmt: skip
+        report = Report(self.inventory.name, [], dry_run=dry_run)
+        self._load_images(probes, image, image_file, report)
+        self._sync_model(probes, sync_model, report)
+        launches = self._plan(probes, image)
+        actions = diff(launches, {host: probe.container for host, probe in probes.items()})
+        _describe(actions, report)
+        if dry_run:
+            return report
+        self._act(actions, report)
+        return report
+
+    def _check_request(
+        self, image: str | None, image_file: str | None, allow_public_ip: bool
+    ) -> str:
+        """The image to run; refuses public VLLM_HOST_IPs (unless allowed) and a missing file."""
         inv = self.inventory
         raise_problems(public_ip_problems(inv, allow_public_ip))
         image = image or inv.image
@@ -165,65 +186,39 @@ class Cluster:
                 f"--image-file {image_file} does not exist",
                 f"make it with docker save {image} -o FILE",
             )
-        report = Report(inv.name, [], dry_run=dry_run)
-        self.log(f"probing {len(inv.nodes)} nodes")
-        probes = self._parallel(
-            lambda n: probe_node(self.transports[n.host], image, inv.model, self.container),
-            inv.nodes,
+        return image
+
+    def _probe(self, image: str) -> dict[str, NodeProbe]:
+        """Every node, in parallel, read-only."""
+        self.log(f"probing {len(self.inventory.nodes)} nodes")
+        return self._parallel(
+            lambda n: probe_node(
+                self.transports[n.host], image, self.inventory.model, self.container
+            ),  # fmt: skip
+            self.inventory.nodes,
         )
-        raise_problems(
-            probe_problems(inv, probes, image=image, image_file=image_file, sync_model=sync_model)
-        )
-        self._load_images(probes, image, image_file, report)
-        self._sync_model(probes, sync_model, report)
-        launches = self._plan(probes, image)
-        actions = _actions(launches, probes)
-        for launch in launches:
-            probe = probes[launch.host]
-            report.rows.append(
-                NodeRow(
-                    launch.host, launch.role, launch.ip,
-                    ifname=dict(launch.env).get("NCCL_SOCKET_IFNAME"),
-                    container=launch.container, action=actions[launch.host],
-                )
-            )  # fmt: skip
-            report.env[launch.host] = launch.printable_env()
-            if actions[launch.host] != "unchanged":
-                if probe.container is not None:
-                    report.commands.setdefault(launch.host, []).append(
-                        commands.docker_rm_argv(launch.container)
-                    )
-                report.commands.setdefault(launch.host, []).append(launch.docker_run_argv())
-        report.changed = any(a != "unchanged" for a in actions.values())
-        if dry_run:
-            for row in report.rows:
-                row.action = f"would {row.action}" if row.action != "unchanged" else "unchanged"
-            return report
-        started: list[str] = []
+
+    def _act(self, actions: list[Action], report: Report) -> None:
+        """Carry out the actions, then verify Ray; a failure says what runs where."""
+        source = self.inventory.source
         try:
-            head = launches[0]
-            if actions[head.host] != "unchanged":
-                self.log(f"starting the head on {head.host}")
-                start(self.transports[head.host], head)
-                started.append(head.host)
-            wait_for_ray(self.transports[head.host], head, self.ray_wait_s)
-            workers = [w for w in launches[1:] if actions[w.host] != "unchanged"]
-            if workers:
-                self.log(f"starting {len(workers)} workers")
-            self._parallel(lambda w: start(self.transports[w.host], w), workers)
-            started += [w.host for w in workers]
-            report.ray = self._verify(launches, report)
-        except ClusterError as exc:
-            running = ", ".join(started) or "none"
-            raise type(exc)(
-                exc.message,
-                f"{exc.hint + '; ' if exc.hint else ''}containers started by this run: {running};"
-                f" `llmctl cluster status -i {inv.source}` shows the cluster,"
-                f" `llmctl cluster down -i {inv.source}` removes it",
-            ) from None
-        for row in report.rows:
-            row.action = {"create": "created", "recreate": "recreated"}.get(row.action, row.action)
-        return report
+            execute(actions, self.transports, ray_wait_s=self.ray_wait_s, log=self.log)
+            report.ray = self._verify([a.launch for a in actions], report)
+        except UpFailed as failed:
+            exc, running = failed.error, ", ".join(failed.started) or "none"
+        except ClusterError as exc_:
+            exc = exc_
+            running = ", ".join(a.launch.host for a in actions if not isinstance(a, Keep))
+        else:
+            for row in report.rows:
+                row.action = _DONE.get(row.action, row.action)
+            return
+        raise type(exc)(
+            exc.message,
+            f"{exc.hint + '; ' if exc.hint else ''}containers started by this run: {running};"
+            f" `llmctl cluster status -i {source}` shows the cluster,"
+            f" `llmctl cluster down -i {source}` removes it",
+        ) from None
 
     def _load_images(
         self, probes: dict[str, NodeProbe], image: str, image_file: str | None, report: Report
@@ -486,67 +481,16 @@ class Cluster:
         return transport.run(commands.docker_exec_argv(self.container, argv), timeout=timeout)
 
 
-def start(transport: Transport, launch: NodeLaunch) -> None:
-    """(Re)create the node's container: remove the old one, write the env file, docker run."""
-    transport.run(commands.docker_rm_argv(launch.container))
-    transport.write_file(launch.env_file, launch.env_file_text().encode(), mode=0o600)
-    check(transport.run(launch.docker_run_argv()), launch.host, "docker run")
-
-
-def wait_for_ray(transport: Transport, launch: NodeLaunch, wait_s: float) -> None:
-    """Until `ray status` answers inside the container; its exit or the timeout is an error."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        result = transport.run(commands.ray_status_argv(launch.container), timeout=60)
-        if result.ok:
-            return
-        state = inspect_container(transport, launch.container)
-        if state is None or not state.running or time.monotonic() > deadline:
-            raise RayClusterError(
-                f"Ray did not start on the {launch.role} {launch.host}:"
-                f" {_why(transport, launch, state)}",
-                f"see `llmctl cluster logs {launch.host}` (or docker logs {launch.container})",
-            )
-        time.sleep(1.0)
-
-
-def _why(transport: Transport, launch: NodeLaunch, state: ContainerState | None) -> str:
-    if state is None:
-        return "its container is gone"
-    logs = transport.run(commands.docker_logs_argv(launch.container, tail=20))
-    last = CommandResult((), 1, "", logs.stderr + logs.stdout).error_line()
-    where = f"container {state.status}"
-    if not state.running:
-        where += f" (exit code {state.exit_code})"
-    return f"{where}; last log line: {last}"
-
-
 def up_local(
     transport: Transport, launch: NodeLaunch, *, dry_run: bool = False, wait_s: float = RAY_WAIT_S
 ) -> Report:
     """`cluster up --head/--worker`: this node's container, detached, under a stable name."""
     report = Report(launch.cluster, [], dry_run=dry_run)
-    row = NodeRow(launch.host, launch.role, launch.ip, container=launch.container)
-    row.ifname = dict(launch.env).get("NCCL_SOCKET_IFNAME")
-    report.rows.append(row)
-    report.env[launch.host] = launch.printable_env()
-    state = inspect_container(transport, launch.container)
-    unchanged = (
-        state is not None
-        and state.running
-        and state.labels.get(commands.LABEL_CONFIG) == launch.config_hash
-    )
-    if unchanged:
-        row.action = "unchanged"
-    else:
-        report.commands[launch.host] = [launch.docker_run_argv()]
-        if state is not None:
-            report.commands[launch.host].insert(0, commands.docker_rm_argv(launch.container))
-        row.action = ("would " if dry_run else "") + ("recreate" if state else "create")
-        if not dry_run:
-            start(transport, launch)
-            row.action = "recreated" if state else "created"
-    report.changed = not unchanged
+    action = node_action(launch, inspect_container(transport, launch.container))
+    _describe([action], report)
+    if not dry_run and not isinstance(action, Keep):
+        start(transport, launch)
+        report.rows[0].action = _DONE[action.verb]
     if not dry_run:
         wait_for_ray(transport, launch, wait_s)
     return report
@@ -616,18 +560,23 @@ def down_local(transport: Transport, *, dry_run: bool = False) -> Report:
     return report
 
 
-def _actions(launches: list[NodeLaunch], probes: dict[str, NodeProbe]) -> dict[str, str]:
-    actions = {}
-    for launch in launches:
-        state = probes[launch.host].container
-        if state is None:
-            actions[launch.host] = "create"
-        elif state.running and state.labels.get(commands.LABEL_CONFIG) == launch.config_hash:
-            actions[launch.host] = "unchanged"
-        else:
-            actions[launch.host] = "recreate"
-    if actions[launches[0].host] != "unchanged":  # a new head: every worker must join it
-        for launch in launches[1:]:
-            if actions[launch.host] == "unchanged":
-                actions[launch.host] = "recreate"
-    return actions
+_DONE = {"create": "created", "recreate": "recreated"}
+
+
+def _describe(actions: list[Action], report: Report) -> None:
+    """The report's rows, env files and (for --dry-run) commands: one per action, in order."""
+    for action in actions:
+        launch = action.launch
+        report.rows.append(
+            NodeRow(
+                launch.host, launch.role, launch.ip,
+                ifname=dict(launch.env).get("NCCL_SOCKET_IFNAME"),
+                container=launch.container,
+                action=action.verb if not report.dry_run or isinstance(action, Keep)
+                else f"would {action.verb}",
+            )
+        )  # fmt: skip
+        report.env[launch.host] = launch.printable_env()
+        if action.argvs():
+            report.commands.setdefault(launch.host, []).extend(action.argvs())
+    report.changed = changes(actions)
