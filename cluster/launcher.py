@@ -35,6 +35,7 @@ from llmctl.cluster.errors import (
     RayClusterError,
 )
 from llmctl.cluster.head_server import HeadServer, ServerRecord, ServerState
+from llmctl.cluster.invariants import model_copies, own_address
 from llmctl.cluster.inventory import Inventory, NodeSpec
 from llmctl.cluster.node_launch import (
     FORWARDED_SECRETS,
@@ -49,7 +50,6 @@ from llmctl.cluster.node_launch import (
 from llmctl.cluster.parsers import (
     RayNode,
     RayStatus,
-    interface_of,
     parse_ray_nodes,
     parse_ray_status,
 )
@@ -257,8 +257,10 @@ class Cluster:
         lacking = [n for n in self.inventory.nodes if probes[n.host].model_files is None]
         if not lacking:
             return
-        have = [n for n in self.inventory.nodes if probes[n.host].model_files is not None]
-        source = next((n for n in have if n.head), have[0])
+        nodes = self.inventory.nodes
+        head = next(i for i, n in enumerate(nodes) if n.head)
+        copies = model_copies([probes[n.host].model_fingerprint for n in nodes], head)
+        source = nodes[copies[0].reference or 0]  # the copy the others must equal
         files = probes[source.host].model_files or {}
         if report.dry_run:
             for node in lacking:
@@ -289,7 +291,7 @@ class Cluster:
         facts = {}
         for node in inv.nodes:
             probe = probes[node.host]
-            own = interface_of(probe.addresses, node.ip)
+            own = own_address(node.ip, probe.addresses)
             facts[node.host] = NodeFacts(
                 ifname=own.ifname if own else None,
                 image_id=probe.image_id,
@@ -524,7 +526,7 @@ def up_this_node(
         raise ImageMissingError(
             f"the image {image} is not on this node", "build it: llmctl image build --tag " + image
         )
-    own = interface_of(probe.addresses, ip)
+    own = own_address(ip, probe.addresses)
     if own is None:
         have = ", ".join(a.ip for a in probe.addresses if not a.interface.is_loopback)
         raise NodeNetworkError(
