@@ -1,13 +1,14 @@
 """The cluster launcher: `cluster up/down/status/logs/exec` over one Transport per node.
 
-`up` is probe -> compare -> act:
-  1. refuse public VLLM_HOST_IPs (unless allowed), probe every node in parallel (read-only), and
-     collect every problem (unreachable, SSH key, Docker, image, model, network); any problem
-     stops here with nothing started;
+`up` is probe -> diff -> act:
+  1. refuse public VLLM_HOST_IPs (unless allowed), probe every node in parallel (read-only,
+     probe.py), and collect every problem (unreachable, SSH key, Docker, image, model, network;
+     preflight.py); any problem stops here with nothing started;
   2. load the image file and copy the model where they are missing (when asked to);
-  3. plan one NodeLaunch per node; a node whose running container carries the same config hash
-     is left alone, any other is (re)created, and a new head means new workers;
-  4. start the head, wait for Ray on it, start the workers in parallel;
+  3. plan one NodeLaunch per node (node_launch.py) and diff it with the containers found
+     (up_diff.py, pure): Keep a node whose running container carries the same config hash,
+     (re)create any other, and a new head means new workers; --dry-run stops here;
+  4. act (up_executor.py): start the head, wait for Ray on it, start the workers in parallel;
   5. verify with `ray status` (nodes, GPUs) and `ray list nodes` (each node's IP is its
      VLLM_HOST_IP).
 A failure after step 4 began names what is running and how to remove it.
@@ -18,45 +19,36 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmctl.cluster import commands
 from llmctl.cluster.errors import (
     ClusterError,
     ConfigError,
-    DockerUnavailableError,
     ImageMissingError,
     ModelMismatchError,
-    NodeNetworkError,
-    RayClusterError,
 )
-from llmctl.cluster.head_server import HeadServer, ServerRecord, ServerState
+from llmctl.cluster.head_server import HeadServer
 from llmctl.cluster.invariants import model_copies, own_address
 from llmctl.cluster.inventory import Inventory, NodeSpec
+from llmctl.cluster.launch_report import DONE, NodeRow, Report, describe
 from llmctl.cluster.node_launch import (
     FORWARDED_SECRETS,
     NodeFacts,
     NodeLaunch,
     container_name,
     env_file_path,
-    local_container_name,
-    local_launch,
     node_launches,
 )
 from llmctl.cluster.parsers import (
     RayNode,
-    RayStatus,
-    parse_ray_nodes,
     parse_ray_status,
 )
 from llmctl.cluster.preflight import probe_problems, public_ip_problems, raise_problems
 from llmctl.cluster.probe import (
     NodeProbe,
-    docker_problem,
     fingerprint,
     inspect_container,
     probe_node,
@@ -64,43 +56,18 @@ from llmctl.cluster.probe import (
 from llmctl.cluster.transfer import copy_model, load_image_file
 from llmctl.cluster.transport import (
     CommandResult,
-    LocalTransport,
     SSHTransport,
     Transport,
     check,
 )
-from llmctl.cluster.up_diff import Action, Keep, changes, diff, node_action
-from llmctl.cluster.up_executor import UpFailed, execute, start, wait_for_ray
-
-RAY_WAIT_S = 120.0
-
-
-@dataclass
-class NodeRow:
-    host: str
-    role: str
-    ip: str
-    ifname: str | None = None
-    container: str = ""
-    action: str = ""  # created, recreated, unchanged, removed, absent, would create, ...
-    ray_ip: str | None = None  # the IP Ray registered the node under
-    gpus: float | None = None
-    status: str = ""
-    versions: dict[str, str | None] = field(default_factory=dict)
-    error: str | None = None
-
-
-@dataclass
-class Report:
-    cluster: str
-    rows: list[NodeRow]
-    changed: bool = False
-    dry_run: bool = False
-    commands: dict[str, list[list[str]]] = field(default_factory=dict)  # per host, in order
-    env: dict[str, dict[str, str]] = field(default_factory=dict)  # per host, secrets masked
-    ray: RayStatus | None = None
-    notes: list[str] = field(default_factory=list)
-    server: tuple[ServerRecord, ServerState] | None = None  # `serve -i`'s server on the head
+from llmctl.cluster.up_diff import Action, Keep, diff
+from llmctl.cluster.up_executor import (
+    RAY_WAIT_S,
+    UpFailed,
+    execute,
+    ray_nodes,
+    verify_ray,
+)
 
 
 def ssh_transports(inventory: Inventory) -> dict[str, Transport]:
@@ -164,7 +131,7 @@ class Cluster:
         self._sync_model(probes, sync_model, report)
         launches = self._plan(probes, image)
         actions = diff(launches, {host: probe.container for host, probe in probes.items()})
-        _describe(actions, report)
+        describe(actions, report)
         if dry_run:
             return report
         self._act(actions, report)
@@ -203,7 +170,10 @@ class Cluster:
         source = self.inventory.source
         try:
             execute(actions, self.transports, ray_wait_s=self.ray_wait_s, log=self.log)
-            report.ray = self._verify([a.launch for a in actions], report)
+            head = self.transports[actions[0].launch.host]
+            report.ray, joined = verify_ray(head, [a.launch for a in actions], self.ray_wait_s)
+            for row in report.rows:
+                row.ray_ip, row.gpus = joined[row.host].ip, joined[row.host].gpus
         except UpFailed as failed:
             exc, running = failed.error, ", ".join(failed.started) or "none"
         except ClusterError as exc_:
@@ -211,7 +181,7 @@ class Cluster:
             running = ", ".join(a.launch.host for a in actions if not isinstance(a, Keep))
         else:
             for row in report.rows:
-                row.action = _DONE.get(row.action, row.action)
+                row.action = DONE.get(row.action, row.action)
             return
         raise type(exc)(
             exc.message,
@@ -319,63 +289,8 @@ class Cluster:
             return {}
         return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
 
-    def _verify(self, launches: list[NodeLaunch], report: Report) -> RayStatus:
-        head = launches[0]
-        transport = self.transports[head.host]
-        want_nodes = len(launches)
-        want_gpus = float(sum(launch.gpus or 0 for launch in launches))
-        deadline = time.monotonic() + self.ray_wait_s
-        status = RayStatus((), (), {})
-        while True:
-            result = transport.run(commands.ray_status_argv(head.container), timeout=60)
-            if result.ok:
-                status = parse_ray_status(result.stdout)
-                if len(status.active_nodes) >= want_nodes and status.gpus >= want_gpus:
-                    break
-            if time.monotonic() > deadline:
-                nodes = self._ray_nodes(head.host)
-                seen = {n.ip for n in nodes if n.alive}
-                missing = [launch.host for launch in launches if launch.ip not in seen]
-                raise RayClusterError(
-                    f"after {self.ray_wait_s:.0f} s Ray on {head.host} shows"
-                    f" {len(status.active_nodes)} of {want_nodes} nodes and {status.gpus:g} of"
-                    f" {want_gpus:g} GPUs; not joined: {', '.join(missing) or 'none'}",
-                    "see `llmctl cluster logs NODE` for those nodes",
-                )
-            time.sleep(1.0)
-        nodes = self._ray_nodes(head.host)
-        by_ip = {n.ip: n for n in nodes if n.alive}
-        wrong = []
-        for launch, row in zip(launches, report.rows, strict=True):
-            node = by_ip.get(launch.ip)
-            if node is None:
-                wrong.append(f"{launch.host} (VLLM_HOST_IP {launch.ip})")
-                continue
-            row.ray_ip, row.gpus = node.ip, node.gpus
-            if launch.gpus is not None and node.gpus != launch.gpus:
-                raise RayClusterError(
-                    f"{launch.host}: Ray sees {node.gpus:g} GPUs, the inventory declares"
-                    f" {launch.gpus}",
-                    "fix `gpus:` for that node, or its NVIDIA runtime (docker info)",
-                )
-        if wrong:
-            extra = sorted(ip for ip in by_ip if ip not in {launch.ip for launch in launches})
-            raise RayClusterError(
-                f"Ray's node IPs differ from VLLM_HOST_IP for {', '.join(wrong)}; Ray registered"
-                f" {', '.join(extra) or 'no other address'} instead",
-                "set each node's `ip:` to the address Ray should use (vLLM then fails with"
-                " 'No available node types can fulfill resource request')",
-            )
-        return status
-
     def _ray_nodes(self, head_host: str) -> list[RayNode]:
-        result = self.transports[head_host].run(commands.ray_list_nodes_argv(self.container))
-        if not result.ok:
-            return []
-        try:
-            return parse_ray_nodes(result.stdout)
-        except ValueError:
-            return []
+        return ray_nodes(self.transports[head_host], self.container)
 
     # -- down, status, logs, exec -------------------------------------------------------------
     def down(self, *, dry_run: bool = False) -> Report:
@@ -481,104 +396,3 @@ class Cluster:
                 f"start the cluster: llmctl cluster up -i {self.inventory.source}",
             )
         return transport.run(commands.docker_exec_argv(self.container, argv), timeout=timeout)
-
-
-def up_local(
-    transport: Transport, launch: NodeLaunch, *, dry_run: bool = False, wait_s: float = RAY_WAIT_S
-) -> Report:
-    """`cluster up --head/--worker`: this node's container, detached, under a stable name."""
-    report = Report(launch.cluster, [], dry_run=dry_run)
-    action = node_action(launch, inspect_container(transport, launch.container))
-    _describe([action], report)
-    if not dry_run and not isinstance(action, Keep):
-        start(transport, launch)
-        report.rows[0].action = _DONE[action.verb]
-    if not dry_run:
-        wait_for_ray(transport, launch, wait_s)
-    return report
-
-
-def up_this_node(
-    role: str,
-    *,
-    ip: str | None,
-    head_ip: str | None,
-    image: str | None,
-    hf_home: str | None = None,
-    gpus: int | None = None,
-    env: dict[str, str] | None = None,
-    dry_run: bool = False,
-    transport: Transport | None = None,
-) -> Report:
-    """Probe this node, build its NodeLaunch, and bring its container up."""
-    if not ip:
-        raise ConfigError("this node's IP is not known", "pass --ip or set VLLM_HOST_IP")
-    if role == "worker" and not head_ip:
-        raise ConfigError("--worker needs the head's address", "pass --head-ip HEAD_IP")
-    if not image:
-        raise ConfigError("no image given", "pass --image llmctl:latest (see llmctl image build)")
-    transport = transport or LocalTransport()
-    probe = probe_node(transport, image, None, local_container_name(role))
-    if probe.docker is None:
-        cause = docker_problem(probe.docker_error) if probe.docker_error else "no Docker"
-        raise DockerUnavailableError(f"{cause} on this node", "install docker and start dockerd")
-    if probe.image_id is None:
-        raise ImageMissingError(
-            f"the image {image} is not on this node", "build it: llmctl image build --tag " + image
-        )
-    own = own_address(ip, probe.addresses)
-    if own is None:
-        have = ", ".join(a.ip for a in probe.addresses if not a.interface.is_loopback)
-        raise NodeNetworkError(
-            f"{ip} is not an address of this node (it has {have})", "pass --ip with one of its own"
-        )
-    facts = NodeFacts(
-        own.ifname, probe.image_id, bool(probe.docker.nvidia), probe.home, probe.hostname
-    )
-    launch = local_launch(
-        role, ip, head_ip or ip, image, facts, hf_home=hf_home, gpus=gpus, env=env
-    )
-    return up_local(transport, launch, dry_run=dry_run)
-
-
-def down_local(transport: Transport, *, dry_run: bool = False) -> Report:
-    """Remove this node's `cluster up --head/--worker` containers."""
-    report = Report("local", [], dry_run=dry_run)
-    for role in ("head", "worker"):
-        name = local_container_name(role)
-        row = NodeRow(transport.name, role, "", container=name)
-        report.commands[transport.name] = report.commands.get(transport.name, []) + [
-            commands.docker_rm_argv(name)
-        ]
-        if inspect_container(transport, name) is None:
-            row.action = "absent"
-        elif dry_run:
-            row.action = "would remove"
-        else:
-            check(transport.run(commands.docker_rm_argv(name)), transport.name, "docker rm")
-            row.action = "removed"
-            report.changed = True
-        report.rows.append(row)
-    return report
-
-
-_DONE = {"create": "created", "recreate": "recreated"}
-
-
-def _describe(actions: list[Action], report: Report) -> None:
-    """The report's rows, env files and (for --dry-run) commands: one per action, in order."""
-    for action in actions:
-        launch = action.launch
-        report.rows.append(
-            NodeRow(
-                launch.host, launch.role, launch.ip,
-                ifname=dict(launch.env).get("NCCL_SOCKET_IFNAME"),
-                container=launch.container,
-                action=action.verb if not report.dry_run or isinstance(action, Keep)
-                else f"would {action.verb}",
-            )
-        )  # fmt: skip
-        report.env[launch.host] = launch.printable_env()
-        if action.argvs():
-            report.commands.setdefault(launch.host, []).extend(action.argvs())
-    report.changed = changes(actions)

@@ -15,9 +15,11 @@ from typer.testing import CliRunner
 
 from llmctl.cli.main import app
 from llmctl.cluster import commands, launcher
-from llmctl.cluster.errors import RemoteCommandError
+from llmctl.cluster.errors import NodeNetworkError, RemoteCommandError
 from llmctl.cluster.inventory import parse_inventory
+from llmctl.cluster.launch_report import Report
 from llmctl.cluster.launcher import Cluster
+from llmctl.cluster.local_node import up_this_node
 from llmctl.cluster.node_launch import NodeFacts, node_launches
 from llmctl.cluster.parsers import ContainerState
 from llmctl.cluster.up_diff import Create, Keep, Recreate, diff
@@ -61,7 +63,7 @@ def nodes(text: str = INVENTORY) -> dict[str, FakeTransport]:
     return fakes
 
 
-def up(fakes: dict[str, FakeTransport], text: str = INVENTORY, **kw) -> launcher.Report:
+def up(fakes: dict[str, FakeTransport], text: str = INVENTORY, **kw) -> Report:
     with Cluster(parse_inventory(text), fakes, ray_wait_s=5.0) as cluster:
         return cluster.up(**kw)
 
@@ -205,3 +207,19 @@ def test_diff_is_one_typed_action_per_node_with_its_reason():
         Recreate(c, "a new head on n1"),
     ]
     assert actions[1].argvs() == [["docker", "rm", "--force", "llmctl-demo"], b.docker_run_argv()]
+
+
+def test_this_node_up_is_idempotent_too():
+    fake = docker_node("localhost", "10.0.0.2")
+    fake.reply(r"^docker exec llmctl-ray-worker ray status$", "Active:\n 1 node_a\n")
+    options = dict(ip="10.0.0.2", head_ip="10.0.0.1", image="llmctl:latest", transport=fake)
+    first = up_this_node("worker", **options)
+    assert [r.action for r in first.rows] == ["created"] and first.changed
+    (run,) = fake.ran(r"^docker run ")
+    assert "--address=10.0.0.1:6379" in run and "--node-ip-address=10.0.0.2" in run
+    fake.calls.clear()
+    again = up_this_node("worker", **options)
+    assert [r.action for r in again.rows] == ["unchanged"] and not again.changed
+    assert changes(fake) == []
+    with pytest.raises(NodeNetworkError, match="10.0.0.50 is not an address of this node"):
+        up_this_node("worker", **dict(options, ip="10.0.0.50"))
