@@ -58,14 +58,14 @@ from llmctl.cluster.transport import (
     CommandResult,
     SSHTransport,
     Transport,
-    check,
 )
-from llmctl.cluster.up_diff import Action, Keep, diff
+from llmctl.cluster.up_diff import Action, Keep, diff, removal
 from llmctl.cluster.up_executor import (
     RAY_WAIT_S,
     UpFailed,
     execute,
     ray_nodes,
+    remove,
     verify_ray,
 )
 
@@ -296,37 +296,28 @@ class Cluster:
     def down(self, *, dry_run: bool = False) -> Report:
         report = Report(self.inventory.name, [], dry_run=dry_run)
 
-        def remove(node: NodeSpec) -> NodeRow:
+        def take_down(node: NodeSpec) -> NodeRow:
             row = NodeRow(node.host, "head" if node.head else "worker", node.ip)
             row.container = self.container
             transport = self.transports[node.host]
             try:
+                env_file = env_file_path(transport.home(), self.inventory.name, node.ip)
                 state = inspect_container(transport, self.container)
-                if state is None:
+                action = removal(node.host, self.container, state, env_file)
+                if action is None:
                     row.action = "absent"
-                    return row
-                if dry_run:
-                    row.action = "would remove"
-                    return row
-                check(
-                    transport.run(commands.docker_rm_argv(self.container)), node.host, "docker rm"
-                )
-                transport.run(
-                    [
-                        "rm",
-                        "-f",
-                        "--",
-                        env_file_path(transport.home(), self.inventory.name, node.ip),
-                    ]
-                )
-                row.action = "removed"
+                elif dry_run:
+                    row.action = f"would {action.verb}"
+                else:
+                    remove(transport, action)
+                    row.action = "removed"
             except ClusterError as exc:
                 row.action, row.error = "failed", exc.message
             return row
 
         for node in self.inventory.nodes:
             report.commands[node.host] = [commands.docker_rm_argv(self.container)]
-        rows = self._parallel(remove, self.inventory.nodes)
+        rows = self._parallel(take_down, self.inventory.nodes)
         report.rows = [rows[n.host] for n in self.inventory.nodes]
         report.changed = any(r.action == "removed" for r in report.rows)
         return report

@@ -14,9 +14,9 @@ from llmctl.cluster.invariants import own_address
 from llmctl.cluster.launch_report import DONE, NodeRow, Report, describe
 from llmctl.cluster.node_launch import NodeFacts, NodeLaunch, local_container_name, local_launch
 from llmctl.cluster.probe import docker_problem, inspect_container, probe_node
-from llmctl.cluster.transport import LocalTransport, Transport, check
-from llmctl.cluster.up_diff import Keep, node_action
-from llmctl.cluster.up_executor import RAY_WAIT_S, start, wait_for_ray
+from llmctl.cluster.transport import LocalTransport, Transport
+from llmctl.cluster.up_diff import Keep, node_action, removal
+from llmctl.cluster.up_executor import RAY_WAIT_S, remove, start, wait_for_ray
 
 
 def up_local(
@@ -86,12 +86,13 @@ def down_local(transport: Transport, *, dry_run: bool = False) -> Report:
         report.commands[transport.name] = report.commands.get(transport.name, []) + [
             commands.docker_rm_argv(name)
         ]
-        if inspect_container(transport, name) is None:
+        action = removal(transport.name, name, inspect_container(transport, name))
+        if action is None:
             row.action = "absent"
         elif dry_run:
-            row.action = "would remove"
+            row.action = f"would {action.verb}"
         else:
-            check(transport.run(commands.docker_rm_argv(name)), transport.name, "docker rm")
+            remove(transport, action)
             row.action = "removed"
             report.changed = True
         report.rows.append(row)

@@ -1,5 +1,6 @@
 """`cluster up`'s decision: the plan (one NodeLaunch per node, head first) against what the probe
 observed (each node's container, or None), as one typed action per node. Pure: no transport.
+`cluster down`'s is `removal`: a Remove for each node that has the container.
 
     launches = [head n1, worker n2, worker n3]; observed: n1 running with n1's config hash,
     n2 running with an older hash, n3 absent
@@ -55,7 +56,30 @@ class Recreate:
         return [commands.docker_rm_argv(self.launch.container), self.launch.docker_run_argv()]
 
 
+@dataclass(frozen=True)
+class Remove:
+    """`cluster down`: a container of the cluster on the node goes (its env file with it)."""
+
+    host: str
+    container: str
+    reason: str
+    env_file: str | None = None
+    verb = "remove"
+
+    def argvs(self) -> list[list[str]]:
+        return [commands.docker_rm_argv(self.container)]
+
+
 Action = Keep | Create | Recreate
+
+
+def removal(
+    host: str, container: str, state: ContainerState | None, env_file: str | None = None
+) -> Remove | None:
+    """`cluster down` on one node: Remove its container, or None when there is none."""
+    if state is None:
+        return None
+    return Remove(host, container, f"its container is {state.status}", env_file)
 
 
 def node_action(launch: NodeLaunch, state: ContainerState | None) -> Action:

@@ -26,7 +26,7 @@ from llmctl.cluster.parsers import (
 )
 from llmctl.cluster.probe import inspect_container
 from llmctl.cluster.transport import CommandResult, Transport, check
-from llmctl.cluster.up_diff import Action, Keep
+from llmctl.cluster.up_diff import Action, Keep, Remove
 
 RAY_WAIT_S = 120.0  # how long Ray may take to start, and to count every node
 
@@ -78,6 +78,13 @@ def start(transport: Transport, launch: NodeLaunch) -> None:
     transport.run(commands.docker_rm_argv(launch.container))
     transport.write_file(launch.env_file, launch.env_file_text().encode(), mode=0o600)
     check(transport.run(launch.docker_run_argv()), launch.host, "docker run")
+
+
+def remove(transport: Transport, action: Remove) -> None:
+    """`cluster down` on one node: docker rm, then its env file (it holds the Ray token)."""
+    check(transport.run(commands.docker_rm_argv(action.container)), action.host, "docker rm")
+    if action.env_file:
+        transport.run(["rm", "-f", "--", action.env_file])
 
 
 def wait_for_ray(transport: Transport, launch: NodeLaunch, wait_s: float) -> None:

@@ -19,7 +19,7 @@ from llmctl.cluster.errors import NodeNetworkError, RemoteCommandError
 from llmctl.cluster.inventory import parse_inventory
 from llmctl.cluster.launch_report import Report
 from llmctl.cluster.launcher import Cluster
-from llmctl.cluster.local_node import up_this_node
+from llmctl.cluster.local_node import down_local, up_this_node
 from llmctl.cluster.node_launch import NodeFacts, node_launches
 from llmctl.cluster.parsers import ContainerState
 from llmctl.cluster.up_diff import Create, Keep, Recreate, diff
@@ -223,3 +223,6 @@ def test_this_node_up_is_idempotent_too():
     assert changes(fake) == []
     with pytest.raises(NodeNetworkError, match="10.0.0.50 is not an address of this node"):
         up_this_node("worker", **dict(options, ip="10.0.0.50"))
+    down = down_local(fake)
+    assert [(r.role, r.action) for r in down.rows] == [("head", "absent"), ("worker", "removed")]
+    assert not fake.containers
