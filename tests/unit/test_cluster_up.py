@@ -226,3 +226,20 @@ def test_this_node_up_is_idempotent_too():
     down = down_local(fake)
     assert [(r.role, r.action) for r in down.rows] == [("head", "absent"), ("worker", "removed")]
     assert not fake.containers
+
+
+def test_down_removes_what_up_started_and_then_finds_nothing():
+    fakes = nodes()
+    up(fakes)
+    with Cluster(parse_inventory(INVENTORY), fakes) as cluster:
+        dry = cluster.down(dry_run=True)
+        assert [r.action for r in dry.rows] == ["would remove"] * 3
+        assert all(f.containers for f in fakes.values())
+        report = cluster.down()
+        assert [r.action for r in report.rows] == ["removed"] * 3 and report.changed
+        for host, fake in fakes.items():
+            assert not fake.containers
+            ip = {"n1": "10.0.0.1", "n2": "10.0.0.2", "n3": "10.0.0.3"}[host]
+            assert fake.ran(r"^rm -f -- ") == [["rm", "-f", "--", f"/root/.llmctl/demo-{ip}.env"]]
+        again = cluster.down()
+        assert [r.action for r in again.rows] == ["absent"] * 3 and not again.changed
