@@ -83,6 +83,11 @@ def ip_addr_argv() -> list[str]:
     return ["ip", "-o", "addr", "show"]
 
 
+def statfs_argv(path: str) -> list[str]:
+    """The filesystem's fragment size and block count (statvfs's f_frsize, f_blocks)."""
+    return ["stat", "--file-system", "--format", "%S %b", path]
+
+
 def model_listing_argv(model: str) -> list[str]:
     """Name and size of each file of a model directory (or of a single GGUF file). Symlinks are
     followed: a Hugging Face cache snapshot is a folder of links into its blobs."""

@@ -13,9 +13,10 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 from llmctl.cluster.collective_report import CollectiveReport, format_bytes
+from llmctl.cluster.invariants import model_copies, own_address
 from llmctl.cluster.nccl_log import assess_transport
 from llmctl.cluster.node_facts import NodeReport
-from llmctl.cluster.parsers import Address, interface_of
+from llmctl.cluster.parsers import Address
 
 Status = Literal["pass", "warn", "fail"]
 MIB = 1 << 20
@@ -133,7 +134,7 @@ def check_host_ip(report: NodeReport, cluster_size: int = 1) -> CheckResult:
     except ValueError:
         detail = f"VLLM_HOST_IP={host_ip!r} on {name} is not an IP address"
         return _fail("host_ip", name, detail, f"{to_cluster_ip} ({_listed(routable)})")
-    own = interface_of(list(report.addresses), host_ip)
+    own = own_address(host_ip, report.addresses)
     if own is None:
         detail = f"VLLM_HOST_IP={host_ip} is not an address of {name} (it has {_listed(routable)})"
         return _fail("host_ip", name, detail, f"set VLLM_HOST_IP on {name} to one of its own")
@@ -191,7 +192,7 @@ def check_ifname(report: NodeReport) -> CheckResult:
     VLLM_HOST_IP."""
     name = report.node
     ifnames = report.interface_names()
-    own = interface_of(list(report.addresses), report.host_ip) if report.host_ip else None
+    own = own_address(report.host_ip, report.addresses) if report.host_ip else None
     target = own.ifname if own else None
     suggestion = target or next((a.ifname for a in routable_addresses(report)), None)
     set_vars = {v: report.env[v] for v in INTERFACE_VARIABLES if report.env.get(v)}
@@ -315,16 +316,16 @@ def check_model(reports: Sequence[NodeReport]) -> list[CheckResult]:
     model = next((r.model for r in reports if r.model), None)
     if model is None:
         return []
-    expected = head.model_fingerprint
+    copies = model_copies([r.model_fingerprint for r in reports], fallback=False)
     results = []
-    for report in reports:
-        name, mine = report.node, report.model_fingerprint
-        if mine is None:
+    for report, copy in zip(reports, copies, strict=True):
+        name, mine, expected = report.node, copy.fingerprint, copy.expected
+        if copy.status == "missing":
             fix = f"copy it to {model} on {name} (llmctl cluster up --sync-model)"
             results.append(_fail("model", name, f"the model {model} is missing on {name}", fix))
-        elif report is head or expected is None:
+        elif copy.status in ("reference", "unknown"):
             results.append(_pass("model", name, f"fingerprint {mine}"))
-        elif mine != expected:
+        elif copy.status == "differs":
             detail = (
                 f"the model {model} on {name} differs from {head.node}'s "
                 f"(fingerprint {mine} vs {expected})"

@@ -1,13 +1,14 @@
 """The cluster launcher: `cluster up/down/status/logs/exec` over one Transport per node.
 
-`up` is probe -> compare -> act:
-  1. refuse public VLLM_HOST_IPs (unless allowed), probe every node in parallel (read-only), and
-     collect every problem (unreachable, SSH key, Docker, image, model, network); any problem
-     stops here with nothing started;
+`up` is probe -> diff -> act:
+  1. refuse public VLLM_HOST_IPs (unless allowed), probe every node in parallel (read-only,
+     probe.py), and collect every problem (unreachable, SSH key, Docker, image, model, network;
+     preflight.py); any problem stops here with nothing started;
   2. load the image file and copy the model where they are missing (when asked to);
-  3. plan one NodeLaunch per node; a node whose running container carries the same config hash
-     is left alone, any other is (re)created, and a new head means new workers;
-  4. start the head, wait for Ray on it, start the workers in parallel;
+  3. plan one NodeLaunch per node (node_launch.py) and diff it with the containers found
+     (up_diff.py, pure): Keep a node whose running container carries the same config hash,
+     (re)create any other, and a new head means new workers; --dry-run stops here;
+  4. act (up_executor.py): start the head, wait for Ray on it, start the workers in parallel;
   5. verify with `ray status` (nodes, GPUs) and `ray list nodes` (each node's IP is its
      VLLM_HOST_IP).
 A failure after step 4 began names what is running and how to remove it.
@@ -18,46 +19,36 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmctl.cluster import commands
 from llmctl.cluster.errors import (
     ClusterError,
     ConfigError,
-    DockerUnavailableError,
     ImageMissingError,
     ModelMismatchError,
-    NodeNetworkError,
-    RayClusterError,
 )
-from llmctl.cluster.head_server import HeadServer, ServerRecord, ServerState
+from llmctl.cluster.head_server import HeadServer
+from llmctl.cluster.invariants import model_copies, own_address
 from llmctl.cluster.inventory import Inventory, NodeSpec
+from llmctl.cluster.launch_report import DONE, NodeRow, Report, describe
 from llmctl.cluster.node_launch import (
     FORWARDED_SECRETS,
     NodeFacts,
     NodeLaunch,
     container_name,
     env_file_path,
-    local_container_name,
-    local_launch,
     node_launches,
 )
 from llmctl.cluster.parsers import (
-    ContainerState,
     RayNode,
-    RayStatus,
-    interface_of,
-    parse_ray_nodes,
     parse_ray_status,
 )
 from llmctl.cluster.preflight import probe_problems, public_ip_problems, raise_problems
 from llmctl.cluster.probe import (
     NodeProbe,
-    docker_problem,
     fingerprint,
     inspect_container,
     probe_node,
@@ -65,41 +56,18 @@ from llmctl.cluster.probe import (
 from llmctl.cluster.transfer import copy_model, load_image_file
 from llmctl.cluster.transport import (
     CommandResult,
-    LocalTransport,
     SSHTransport,
     Transport,
-    check,
 )
-
-RAY_WAIT_S = 120.0
-
-
-@dataclass
-class NodeRow:
-    host: str
-    role: str
-    ip: str
-    ifname: str | None = None
-    container: str = ""
-    action: str = ""  # created, recreated, unchanged, removed, absent, would create, ...
-    ray_ip: str | None = None  # the IP Ray registered the node under
-    gpus: float | None = None
-    status: str = ""
-    versions: dict[str, str | None] = field(default_factory=dict)
-    error: str | None = None
-
-
-@dataclass
-class Report:
-    cluster: str
-    rows: list[NodeRow]
-    changed: bool = False
-    dry_run: bool = False
-    commands: dict[str, list[list[str]]] = field(default_factory=dict)  # per host, in order
-    env: dict[str, dict[str, str]] = field(default_factory=dict)  # per host, secrets masked
-    ray: RayStatus | None = None
-    notes: list[str] = field(default_factory=list)
-    server: tuple[ServerRecord, ServerState] | None = None  # `serve -i`'s server on the head
+from llmctl.cluster.up_diff import Action, Keep, diff, removal
+from llmctl.cluster.up_executor import (
+    RAY_WAIT_S,
+    UpFailed,
+    execute,
+    ray_nodes,
+    remove,
+    verify_ray,
+)
 
 
 def ssh_transports(inventory: Inventory) -> dict[str, Transport]:
@@ -153,6 +121,26 @@ class Cluster:
         allow_public_ip: bool = False,
         dry_run: bool = False,
     ) -> Report:
+        """Probe -> preflight -> prepare (image, model) -> plan -> diff -> act -> verify."""
+        image = self._check_request(image, image_file, allow_public_ip)
+        probes = self._probe(image)
+        raise_problems(probe_problems(self.inventory, probes, image=image,
+                                      image_file=image_file, sync_model=sync_model))  # fmt: skip
+        report = Report(self.inventory.name, [], dry_run=dry_run)
+        self._load_images(probes, image, image_file, report)
+        self._sync_model(probes, sync_model, report)
+        launches = self._plan(probes, image)
+        actions = diff(launches, {host: probe.container for host, probe in probes.items()})
+        describe(actions, report)
+        if dry_run:
+            return report
+        self._act(actions, report)
+        return report
+
+    def _check_request(
+        self, image: str | None, image_file: str | None, allow_public_ip: bool
+    ) -> str:
+        """The image to run; refuses public VLLM_HOST_IPs (unless allowed) and a missing file."""
         inv = self.inventory
         raise_problems(public_ip_problems(inv, allow_public_ip))
         image = image or inv.image
@@ -165,65 +153,42 @@ class Cluster:
                 f"--image-file {image_file} does not exist",
                 f"make it with docker save {image} -o FILE",
             )
-        report = Report(inv.name, [], dry_run=dry_run)
-        self.log(f"probing {len(inv.nodes)} nodes")
-        probes = self._parallel(
-            lambda n: probe_node(self.transports[n.host], image, inv.model, self.container),
-            inv.nodes,
+        return image
+
+    def _probe(self, image: str) -> dict[str, NodeProbe]:
+        """Every node, in parallel, read-only."""
+        self.log(f"probing {len(self.inventory.nodes)} nodes")
+        return self._parallel(
+            lambda n: probe_node(
+                self.transports[n.host], image, self.inventory.model, self.container
+            ),  # fmt: skip
+            self.inventory.nodes,
         )
-        raise_problems(
-            probe_problems(inv, probes, image=image, image_file=image_file, sync_model=sync_model)
-        )
-        self._load_images(probes, image, image_file, report)
-        self._sync_model(probes, sync_model, report)
-        launches = self._plan(probes, image)
-        actions = _actions(launches, probes)
-        for launch in launches:
-            probe = probes[launch.host]
-            report.rows.append(
-                NodeRow(
-                    launch.host, launch.role, launch.ip,
-                    ifname=dict(launch.env).get("NCCL_SOCKET_IFNAME"),
-                    container=launch.container, action=actions[launch.host],
-                )
-            )  # fmt: skip
-            report.env[launch.host] = launch.printable_env()
-            if actions[launch.host] != "unchanged":
-                if probe.container is not None:
-                    report.commands.setdefault(launch.host, []).append(
-                        commands.docker_rm_argv(launch.container)
-                    )
-                report.commands.setdefault(launch.host, []).append(launch.docker_run_argv())
-        report.changed = any(a != "unchanged" for a in actions.values())
-        if dry_run:
-            for row in report.rows:
-                row.action = f"would {row.action}" if row.action != "unchanged" else "unchanged"
-            return report
-        started: list[str] = []
+
+    def _act(self, actions: list[Action], report: Report) -> None:
+        """Carry out the actions, then verify Ray; a failure says what runs where."""
+        source = self.inventory.source
         try:
-            head = launches[0]
-            if actions[head.host] != "unchanged":
-                self.log(f"starting the head on {head.host}")
-                start(self.transports[head.host], head)
-                started.append(head.host)
-            wait_for_ray(self.transports[head.host], head, self.ray_wait_s)
-            workers = [w for w in launches[1:] if actions[w.host] != "unchanged"]
-            if workers:
-                self.log(f"starting {len(workers)} workers")
-            self._parallel(lambda w: start(self.transports[w.host], w), workers)
-            started += [w.host for w in workers]
-            report.ray = self._verify(launches, report)
-        except ClusterError as exc:
-            running = ", ".join(started) or "none"
-            raise type(exc)(
-                exc.message,
-                f"{exc.hint + '; ' if exc.hint else ''}containers started by this run: {running};"
-                f" `llmctl cluster status -i {inv.source}` shows the cluster,"
-                f" `llmctl cluster down -i {inv.source}` removes it",
-            ) from None
-        for row in report.rows:
-            row.action = {"create": "created", "recreate": "recreated"}.get(row.action, row.action)
-        return report
+            execute(actions, self.transports, ray_wait_s=self.ray_wait_s, log=self.log)
+            head = self.transports[actions[0].launch.host]
+            report.ray, joined = verify_ray(head, [a.launch for a in actions], self.ray_wait_s)
+            for row in report.rows:
+                row.ray_ip, row.gpus = joined[row.host].ip, joined[row.host].gpus
+        except UpFailed as failed:
+            exc, running = failed.error, ", ".join(failed.started) or "none"
+        except ClusterError as exc_:
+            exc = exc_
+            running = ", ".join(a.launch.host for a in actions if not isinstance(a, Keep))
+        else:
+            for row in report.rows:
+                row.action = DONE.get(row.action, row.action)
+            return
+        raise type(exc)(
+            exc.message,
+            f"{exc.hint + '; ' if exc.hint else ''}containers started by this run: {running};"
+            f" `llmctl cluster status -i {source}` shows the cluster,"
+            f" `llmctl cluster down -i {source}` removes it",
+        ) from None
 
     def _load_images(
         self, probes: dict[str, NodeProbe], image: str, image_file: str | None, report: Report
@@ -262,8 +227,10 @@ class Cluster:
         lacking = [n for n in self.inventory.nodes if probes[n.host].model_files is None]
         if not lacking:
             return
-        have = [n for n in self.inventory.nodes if probes[n.host].model_files is not None]
-        source = next((n for n in have if n.head), have[0])
+        nodes = self.inventory.nodes
+        head = next(i for i, n in enumerate(nodes) if n.head)
+        copies = model_copies([probes[n.host].model_fingerprint for n in nodes], head)
+        source = nodes[copies[0].reference or 0]  # the copy the others must equal
         files = probes[source.host].model_files or {}
         if report.dry_run:
             for node in lacking:
@@ -294,7 +261,7 @@ class Cluster:
         facts = {}
         for node in inv.nodes:
             probe = probes[node.host]
-            own = interface_of(probe.addresses, node.ip)
+            own = own_address(node.ip, probe.addresses)
             facts[node.host] = NodeFacts(
                 ifname=own.ifname if own else None,
                 image_id=probe.image_id,
@@ -322,99 +289,35 @@ class Cluster:
             return {}
         return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
 
-    def _verify(self, launches: list[NodeLaunch], report: Report) -> RayStatus:
-        head = launches[0]
-        transport = self.transports[head.host]
-        want_nodes = len(launches)
-        want_gpus = float(sum(launch.gpus or 0 for launch in launches))
-        deadline = time.monotonic() + self.ray_wait_s
-        status = RayStatus((), (), {})
-        while True:
-            result = transport.run(commands.ray_status_argv(head.container), timeout=60)
-            if result.ok:
-                status = parse_ray_status(result.stdout)
-                if len(status.active_nodes) >= want_nodes and status.gpus >= want_gpus:
-                    break
-            if time.monotonic() > deadline:
-                nodes = self._ray_nodes(head.host)
-                seen = {n.ip for n in nodes if n.alive}
-                missing = [launch.host for launch in launches if launch.ip not in seen]
-                raise RayClusterError(
-                    f"after {self.ray_wait_s:.0f} s Ray on {head.host} shows"
-                    f" {len(status.active_nodes)} of {want_nodes} nodes and {status.gpus:g} of"
-                    f" {want_gpus:g} GPUs; not joined: {', '.join(missing) or 'none'}",
-                    "see `llmctl cluster logs NODE` for those nodes",
-                )
-            time.sleep(1.0)
-        nodes = self._ray_nodes(head.host)
-        by_ip = {n.ip: n for n in nodes if n.alive}
-        wrong = []
-        for launch, row in zip(launches, report.rows, strict=True):
-            node = by_ip.get(launch.ip)
-            if node is None:
-                wrong.append(f"{launch.host} (VLLM_HOST_IP {launch.ip})")
-                continue
-            row.ray_ip, row.gpus = node.ip, node.gpus
-            if launch.gpus is not None and node.gpus != launch.gpus:
-                raise RayClusterError(
-                    f"{launch.host}: Ray sees {node.gpus:g} GPUs, the inventory declares"
-                    f" {launch.gpus}",
-                    "fix `gpus:` for that node, or its NVIDIA runtime (docker info)",
-                )
-        if wrong:
-            extra = sorted(ip for ip in by_ip if ip not in {launch.ip for launch in launches})
-            raise RayClusterError(
-                f"Ray's node IPs differ from VLLM_HOST_IP for {', '.join(wrong)}; Ray registered"
-                f" {', '.join(extra) or 'no other address'} instead",
-                "set each node's `ip:` to the address Ray should use (vLLM then fails with"
-                " 'No available node types can fulfill resource request')",
-            )
-        return status
-
     def _ray_nodes(self, head_host: str) -> list[RayNode]:
-        result = self.transports[head_host].run(commands.ray_list_nodes_argv(self.container))
-        if not result.ok:
-            return []
-        try:
-            return parse_ray_nodes(result.stdout)
-        except ValueError:
-            return []
+        return ray_nodes(self.transports[head_host], self.container)
 
     # -- down, status, logs, exec -------------------------------------------------------------
     def down(self, *, dry_run: bool = False) -> Report:
         report = Report(self.inventory.name, [], dry_run=dry_run)
 
-        def remove(node: NodeSpec) -> NodeRow:
+        def take_down(node: NodeSpec) -> NodeRow:
             row = NodeRow(node.host, "head" if node.head else "worker", node.ip)
             row.container = self.container
             transport = self.transports[node.host]
             try:
+                env_file = env_file_path(transport.home(), self.inventory.name, node.ip)
                 state = inspect_container(transport, self.container)
-                if state is None:
+                action = removal(node.host, self.container, state, env_file)
+                if action is None:
                     row.action = "absent"
-                    return row
-                if dry_run:
-                    row.action = "would remove"
-                    return row
-                check(
-                    transport.run(commands.docker_rm_argv(self.container)), node.host, "docker rm"
-                )
-                transport.run(
-                    [
-                        "rm",
-                        "-f",
-                        "--",
-                        env_file_path(transport.home(), self.inventory.name, node.ip),
-                    ]
-                )
-                row.action = "removed"
+                elif dry_run:
+                    row.action = f"would {action.verb}"
+                else:
+                    remove(transport, action)
+                    row.action = "removed"
             except ClusterError as exc:
                 row.action, row.error = "failed", exc.message
             return row
 
         for node in self.inventory.nodes:
             report.commands[node.host] = [commands.docker_rm_argv(self.container)]
-        rows = self._parallel(remove, self.inventory.nodes)
+        rows = self._parallel(take_down, self.inventory.nodes)
         report.rows = [rows[n.host] for n in self.inventory.nodes]
         report.changed = any(r.action == "removed" for r in report.rows)
         return report
@@ -484,150 +387,3 @@ class Cluster:
                 f"start the cluster: llmctl cluster up -i {self.inventory.source}",
             )
         return transport.run(commands.docker_exec_argv(self.container, argv), timeout=timeout)
-
-
-def start(transport: Transport, launch: NodeLaunch) -> None:
-    """(Re)create the node's container: remove the old one, write the env file, docker run."""
-    transport.run(commands.docker_rm_argv(launch.container))
-    transport.write_file(launch.env_file, launch.env_file_text().encode(), mode=0o600)
-    check(transport.run(launch.docker_run_argv()), launch.host, "docker run")
-
-
-def wait_for_ray(transport: Transport, launch: NodeLaunch, wait_s: float) -> None:
-    """Until `ray status` answers inside the container; its exit or the timeout is an error."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        result = transport.run(commands.ray_status_argv(launch.container), timeout=60)
-        if result.ok:
-            return
-        state = inspect_container(transport, launch.container)
-        if state is None or not state.running or time.monotonic() > deadline:
-            raise RayClusterError(
-                f"Ray did not start on the {launch.role} {launch.host}:"
-                f" {_why(transport, launch, state)}",
-                f"see `llmctl cluster logs {launch.host}` (or docker logs {launch.container})",
-            )
-        time.sleep(1.0)
-
-
-def _why(transport: Transport, launch: NodeLaunch, state: ContainerState | None) -> str:
-    if state is None:
-        return "its container is gone"
-    logs = transport.run(commands.docker_logs_argv(launch.container, tail=20))
-    last = CommandResult((), 1, "", logs.stderr + logs.stdout).error_line()
-    where = f"container {state.status}"
-    if not state.running:
-        where += f" (exit code {state.exit_code})"
-    return f"{where}; last log line: {last}"
-
-
-def up_local(
-    transport: Transport, launch: NodeLaunch, *, dry_run: bool = False, wait_s: float = RAY_WAIT_S
-) -> Report:
-    """`cluster up --head/--worker`: this node's container, detached, under a stable name."""
-    report = Report(launch.cluster, [], dry_run=dry_run)
-    row = NodeRow(launch.host, launch.role, launch.ip, container=launch.container)
-    row.ifname = dict(launch.env).get("NCCL_SOCKET_IFNAME")
-    report.rows.append(row)
-    report.env[launch.host] = launch.printable_env()
-    state = inspect_container(transport, launch.container)
-    unchanged = (
-        state is not None
-        and state.running
-        and state.labels.get(commands.LABEL_CONFIG) == launch.config_hash
-    )
-    if unchanged:
-        row.action = "unchanged"
-    else:
-        report.commands[launch.host] = [launch.docker_run_argv()]
-        if state is not None:
-            report.commands[launch.host].insert(0, commands.docker_rm_argv(launch.container))
-        row.action = ("would " if dry_run else "") + ("recreate" if state else "create")
-        if not dry_run:
-            start(transport, launch)
-            row.action = "recreated" if state else "created"
-    report.changed = not unchanged
-    if not dry_run:
-        wait_for_ray(transport, launch, wait_s)
-    return report
-
-
-def up_this_node(
-    role: str,
-    *,
-    ip: str | None,
-    head_ip: str | None,
-    image: str | None,
-    hf_home: str | None = None,
-    gpus: int | None = None,
-    env: dict[str, str] | None = None,
-    dry_run: bool = False,
-    transport: Transport | None = None,
-) -> Report:
-    """Probe this node, build its NodeLaunch, and bring its container up."""
-    if not ip:
-        raise ConfigError("this node's IP is not known", "pass --ip or set VLLM_HOST_IP")
-    if role == "worker" and not head_ip:
-        raise ConfigError("--worker needs the head's address", "pass --head-ip HEAD_IP")
-    if not image:
-        raise ConfigError("no image given", "pass --image llmctl:latest (see llmctl image build)")
-    transport = transport or LocalTransport()
-    probe = probe_node(transport, image, None, local_container_name(role))
-    if probe.docker is None:
-        cause = docker_problem(probe.docker_error) if probe.docker_error else "no Docker"
-        raise DockerUnavailableError(f"{cause} on this node", "install docker and start dockerd")
-    if probe.image_id is None:
-        raise ImageMissingError(
-            f"the image {image} is not on this node", "build it: llmctl image build --tag " + image
-        )
-    own = interface_of(probe.addresses, ip)
-    if own is None:
-        have = ", ".join(a.ip for a in probe.addresses if not a.interface.is_loopback)
-        raise NodeNetworkError(
-            f"{ip} is not an address of this node (it has {have})", "pass --ip with one of its own"
-        )
-    facts = NodeFacts(
-        own.ifname, probe.image_id, bool(probe.docker.nvidia), probe.home, probe.hostname
-    )
-    launch = local_launch(
-        role, ip, head_ip or ip, image, facts, hf_home=hf_home, gpus=gpus, env=env
-    )
-    return up_local(transport, launch, dry_run=dry_run)
-
-
-def down_local(transport: Transport, *, dry_run: bool = False) -> Report:
-    """Remove this node's `cluster up --head/--worker` containers."""
-    report = Report("local", [], dry_run=dry_run)
-    for role in ("head", "worker"):
-        name = local_container_name(role)
-        row = NodeRow(transport.name, role, "", container=name)
-        report.commands[transport.name] = report.commands.get(transport.name, []) + [
-            commands.docker_rm_argv(name)
-        ]
-        if inspect_container(transport, name) is None:
-            row.action = "absent"
-        elif dry_run:
-            row.action = "would remove"
-        else:
-            check(transport.run(commands.docker_rm_argv(name)), transport.name, "docker rm")
-            row.action = "removed"
-            report.changed = True
-        report.rows.append(row)
-    return report
-
-
-def _actions(launches: list[NodeLaunch], probes: dict[str, NodeProbe]) -> dict[str, str]:
-    actions = {}
-    for launch in launches:
-        state = probes[launch.host].container
-        if state is None:
-            actions[launch.host] = "create"
-        elif state.running and state.labels.get(commands.LABEL_CONFIG) == launch.config_hash:
-            actions[launch.host] = "unchanged"
-        else:
-            actions[launch.host] = "recreate"
-    if actions[launches[0].host] != "unchanged":  # a new head: every worker must join it
-        for launch in launches[1:]:
-            if actions[launch.host] == "unchanged":
-                actions[launch.host] = "recreate"
-    return actions

@@ -187,3 +187,22 @@ def model_fingerprint(files: dict[str, int], digests: dict[str, str]) -> str:
     """A short digest of a model: every file's name and size, plus config and index content."""
     blob = json.dumps({"files": sorted(files.items()), "content": sorted(digests.items())})
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+_GPU_ROW = re.compile(r"^GPU\d+\s")
+_NVLINK_CELL = re.compile(r"^NV\d+$")
+
+
+def parse_nvidia_topo(text: str) -> bool | None:
+    """`nvidia-smi topo -m`: True when some GPU pair is joined by NVLink (an `NV#` cell), False
+    when there are 2 or more GPUs and none is, None with fewer than 2 GPUs.
+
+        \\tGPU0\\tGPU1\\tCPU Affinity\\tNUMA Affinity
+        GPU0\\t X \\tNV12\\t0-23\\t0
+        GPU1\\tNV12\\t X \\t0-23\\t0
+    """
+    rows = [line.split() for line in text.splitlines() if _GPU_ROW.match(line)]
+    if len(rows) < 2:
+        return None
+    cells = (cell for row in rows for cell in row[1 : len(rows) + 1])
+    return any(_NVLINK_CELL.match(cell) for cell in cells)

@@ -16,8 +16,8 @@ from llmctl.cluster.errors import (
     ModelMismatchError,
     NodeNetworkError,
 )
+from llmctl.cluster.invariants import differing_files, model_copies, own_address
 from llmctl.cluster.inventory import Inventory, NodeSpec
-from llmctl.cluster.parsers import interface_of
 from llmctl.cluster.probe import NodeProbe, docker_problem
 
 
@@ -96,8 +96,7 @@ def probe_problems(
 def _network_problems(
     node: NodeSpec, probe: NodeProbe, head: NodeSpec, head_probe: NodeProbe
 ) -> list[Problem]:
-    own = interface_of(probe.addresses, node.ip)
-    if own is None:
+    if own_address(node.ip, probe.addresses) is None:
         have = ", ".join(
             f"{a.ip} ({a.ifname})" for a in probe.addresses if not a.interface.is_loopback
         )
@@ -111,7 +110,7 @@ def _network_problems(
         ]
     if node.head or head_probe.error is not None:
         return []
-    head_address = interface_of(head_probe.addresses, head.ip)
+    head_address = own_address(head.ip, head_probe.addresses)
     if head_address is None:
         return []  # reported on the head
     if ipaddress.ip_address(node.ip) not in head_address.interface.network:
@@ -134,10 +133,11 @@ def _model_problems(
     if not inventory.model:
         return []
     reachable = [n for n in inventory.nodes if probes[n.host].error is None]
-    have = [n for n in reachable if probes[n.host].model_files is not None]
-    if not have:
-        if not reachable:
-            return []
+    if not reachable:
+        return []
+    head = next((i for i, n in enumerate(reachable) if n.head), 0)
+    copies = model_copies([probes[n.host].model_fingerprint for n in reachable], head)
+    if all(copy.status == "missing" for copy in copies):
         return [
             Problem(
                 inventory.head.host,
@@ -146,27 +146,21 @@ def _model_problems(
                 "copy it to that path on one node (the head), then pass --sync-model",
             )
         ]
-    reference = next((n for n in have if n.head), have[0])
-    expected = probes[reference.host].model_fingerprint
+    reference = reachable[copies[0].reference or 0]
     problems = []
-    for node in reachable:
-        probe = probes[node.host]
-        if probe.model_files is None:
-            if not sync_model:
-                problems.append(
-                    Problem(
-                        node.host,
-                        ModelMismatchError,
-                        f"{node.host}: the model {inventory.model} is missing",
-                        f"copy it there, or pass --sync-model to copy it from {reference.host}",
-                    )
+    for node, copy in zip(reachable, copies, strict=True):
+        if copy.status == "missing" and not sync_model:
+            problems.append(
+                Problem(
+                    node.host,
+                    ModelMismatchError,
+                    f"{node.host}: the model {inventory.model} is missing",
+                    f"copy it there, or pass --sync-model to copy it from {reference.host}",
                 )
-        elif probe.model_fingerprint != expected:
-            ref_files = probes[reference.host].model_files or {}
-            differ = sorted(
-                name
-                for name in set(ref_files) | set(probe.model_files)
-                if ref_files.get(name) != probe.model_files.get(name)
+            )
+        elif copy.status == "differs":
+            differ = differing_files(
+                probes[reference.host].model_files or {}, probes[node.host].model_files or {}
             )
             detail = f"files differ: {', '.join(differ[:4])}" if differ else "config differs"
             problems.append(
@@ -174,7 +168,7 @@ def _model_problems(
                     node.host,
                     ModelMismatchError,
                     f"{node.host}: the model {inventory.model} differs from {reference.host}'s"
-                    f" (fingerprint {probe.model_fingerprint} vs {expected}; {detail})",
+                    f" (fingerprint {copy.fingerprint} vs {copy.expected}; {detail})",
                     "make the model identical on every node (--sync-model only fills missing"
                     " copies; it never overwrites one)",
                 )

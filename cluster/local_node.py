@@ -1,0 +1,99 @@
+"""`cluster up --head/--worker` and `cluster down` without an inventory: this node's container,
+over a LocalTransport, under a stable name (what run_cluster.sh does, but detached)."""
+
+from __future__ import annotations
+
+from llmctl.cluster import commands
+from llmctl.cluster.errors import (
+    ConfigError,
+    DockerUnavailableError,
+    ImageMissingError,
+    NodeNetworkError,
+)
+from llmctl.cluster.invariants import own_address
+from llmctl.cluster.launch_report import DONE, NodeRow, Report, describe
+from llmctl.cluster.node_launch import NodeFacts, NodeLaunch, local_container_name, local_launch
+from llmctl.cluster.probe import docker_problem, inspect_container, probe_node
+from llmctl.cluster.transport import LocalTransport, Transport
+from llmctl.cluster.up_diff import Keep, node_action, removal
+from llmctl.cluster.up_executor import RAY_WAIT_S, remove, start, wait_for_ray
+
+
+def up_local(
+    transport: Transport, launch: NodeLaunch, *, dry_run: bool = False, wait_s: float = RAY_WAIT_S
+) -> Report:
+    """`cluster up --head/--worker`: this node's container, detached, under a stable name."""
+    report = Report(launch.cluster, [], dry_run=dry_run)
+    action = node_action(launch, inspect_container(transport, launch.container))
+    describe([action], report)
+    if not dry_run and not isinstance(action, Keep):
+        start(transport, launch)
+        report.rows[0].action = DONE[action.verb]
+    if not dry_run:
+        wait_for_ray(transport, launch, wait_s)
+    return report
+
+
+def up_this_node(
+    role: str,
+    *,
+    ip: str | None,
+    head_ip: str | None,
+    image: str | None,
+    hf_home: str | None = None,
+    gpus: int | None = None,
+    env: dict[str, str] | None = None,
+    dry_run: bool = False,
+    transport: Transport | None = None,
+) -> Report:
+    """Probe this node, build its NodeLaunch, and bring its container up."""
+    if not ip:
+        raise ConfigError("this node's IP is not known", "pass --ip or set VLLM_HOST_IP")
+    if role == "worker" and not head_ip:
+        raise ConfigError("--worker needs the head's address", "pass --head-ip HEAD_IP")
+    if not image:
+        raise ConfigError("no image given", "pass --image llmctl:latest (see llmctl image build)")
+    transport = transport or LocalTransport()
+    probe = probe_node(transport, image, None, local_container_name(role))
+    if probe.docker is None:
+        cause = docker_problem(probe.docker_error) if probe.docker_error else "no Docker"
+        raise DockerUnavailableError(f"{cause} on this node", "install docker and start dockerd")
+    if probe.image_id is None:
+        raise ImageMissingError(
+            f"the image {image} is not on this node", "build it: llmctl image build --tag " + image
+        )
+    own = own_address(ip, probe.addresses)
+    if own is None:
+        have = ", ".join(a.ip for a in probe.addresses if not a.interface.is_loopback)
+        raise NodeNetworkError(
+            f"{ip} is not an address of this node (it has {have})", "pass --ip with one of its own"
+        )
+    facts = NodeFacts(
+        own.ifname, probe.image_id, bool(probe.docker.nvidia), probe.home, probe.hostname
+    )
+    launch = local_launch(
+        role, ip, head_ip or ip, image, facts, hf_home=hf_home, gpus=gpus, env=env
+    )
+    return up_local(transport, launch, dry_run=dry_run)
+
+
+def down_local(transport: Transport, *, dry_run: bool = False) -> Report:
+    """Remove this node's `cluster up --head/--worker` containers."""
+    report = Report("local", [], dry_run=dry_run)
+    for role in ("head", "worker"):
+        name = local_container_name(role)
+        row = NodeRow(transport.name, role, "", container=name)
+        report.commands[transport.name] = report.commands.get(transport.name, []) + [
+            commands.docker_rm_argv(name)
+        ]
+        action = removal(transport.name, name, inspect_container(transport, name))
+        if action is None:
+            row.action = "absent"
+        elif dry_run:
+            row.action = f"would {action.verb}"
+        else:
+            remove(transport, action)
+            row.action = "removed"
+            report.changed = True
+        report.rows.append(row)
+    return report
