@@ -22,6 +22,7 @@ from llmctl.cluster import commands
 from llmctl.cluster.errors import ClusterError, ConfigError, PlanError, RemoteCommandError
 from llmctl.cluster.inventory import Inventory
 from llmctl.cluster.transport import Transport, check
+from llmctl.engine.engine_args import engine_args_to_argv
 
 STATE_DIR = "/root/.llmctl"  # inside the container
 PID_FILE = f"{STATE_DIR}/server.pid"
@@ -99,18 +100,13 @@ def choose_layout(
 
 
 def serve_argv(model: str, layout: Layout, port: int, options: dict[str, object]) -> list[str]:
-    """`llmctl serve` on the head, listening on every address, on the Ray backend."""
+    """`llmctl serve` on the head, listening on every address, on the Ray backend; `options` are
+    further EngineArgs keywords, given by their flags (engine_args_to_argv)."""
     argv = ["llmctl", "serve", model]
     argv += ["--tensor-parallel-size", str(layout.tensor_parallel_size)]
     argv += ["--pipeline-parallel-size", str(layout.pipeline_parallel_size)]
     argv += ["--distributed-executor-backend", "ray", "--host", "0.0.0.0", "--port", str(port)]
-    for name, value in options.items():
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else f"--no-{flag[2:]}")
-        elif value is not None:
-            argv += [flag, str(value)]
-    return argv
+    return argv + engine_args_to_argv(options)
 
 
 def launch_argv(container: str, argv: list[str]) -> list[str]:

@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from llmctl.engine.config import EngineArgs, EngineConfig, check_kv_cache_fits
+from llmctl.engine.config import EngineConfig, check_kv_cache_fits
+from llmctl.engine.engine_args import EngineArgs
 from llmctl.engine.errors import InvalidRequestError, PromptTooLongError
 from llmctl.engine.executor.base import Executor
 from llmctl.engine.model_runner_output import ModelRunnerOutput
