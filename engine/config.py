@@ -131,7 +131,7 @@ class SchedulerConfig:
     """Continuous batching limits: requests per step and tokens per step (chunked prefill)."""
 
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int = 8192
     # Batches in flight at once (pipeline parallelism): running requests are split into this
     # many batches so that every pipeline stage has work.

@@ -69,8 +69,8 @@ class OptionSpec:
     commands: tuple[str, ...] = ENGINE_COMMANDS
 
 
-def option(default: Any, help: str, **spec: Any) -> Any:
-    """A field that is a command-line option: `dtype: str = option("auto", "...")`."""
+def option(help: str, *, default: Any, **spec: Any) -> Any:
+    """A field that is a command-line option: `block_size: int = option("...", default=16)`."""
     return field(default=default, metadata={_OPTION: OptionSpec(help, **spec)})
 
 
@@ -78,71 +78,105 @@ def option(default: Any, help: str, **spec: Any) -> Any:
 class EngineArgs:
     """Everything a user may set, as LLM(...) keywords and CLI flags name it.
 
-    The order of the option fields is their order in --help."""
+    Defaults are the per-layer configs' (as vLLM's EngineArgs takes them). The order of the
+    option fields is their order in --help."""
 
     model: str | None = None
     served_model_name: str | None = option(
-        None, "The model name clients send.", panel=SERVER, default_help="the model's name",
+        "The model name clients send.",
+        default=None,
+        default_help="the model's name",
+        panel=SERVER,
         commands=(SERVE,),
-    )  # fmt: skip
+    )
     dtype: str = option(
-        "auto", "auto, float32, bfloat16 or float16.", show_default=True, commands=PLANNER
+        "auto, float32, bfloat16 or float16.", default="auto", show_default=True, commands=PLANNER
     )
     max_model_len: int | None = option(
-        None, "Longest prompt + completion, in tokens.", default_help="the model's",
+        "Longest prompt + completion, in tokens.",
+        default=None,
+        default_help="the model's",
         commands=PLANNER,
-    )  # fmt: skip
+    )
     kv_cache_space_gib: float | None = option(
-        None, "CPU: memory for the KV cache, in GiB.",
-        default_help=f"{DEFAULT_CPU_KV_CACHE_SPACE_GIB:g}", commands=PLANNER,
-    )  # fmt: skip
-    gpu_memory_utilization: float = option(
-        0.9, "CUDA: fraction of each GPU's memory the engine may use (weights, activations, KV "
-        "cache: the KV cache gets what the others leave).", commands=PLANNER,
-    )  # fmt: skip
-    device: str = option(  # auto: cuda when torch sees a GPU, else cpu
-        "auto", "auto, cuda or cpu.", default_help="auto: cuda when torch sees a GPU, else cpu",
+        "CPU: memory for the KV cache, in GiB.",
+        default=None,
+        default_help=f"{DEFAULT_CPU_KV_CACHE_SPACE_GIB:g}",
         commands=PLANNER,
-    )  # fmt: skip
+    )
+    gpu_memory_utilization: float = option(
+        "CUDA: fraction of each GPU's memory the engine may use (weights, activations, KV cache: "
+        "the KV cache gets what the others leave).",
+        default=CacheConfig.gpu_memory_utilization,
+        commands=PLANNER,
+    )
+    device: str = option(
+        "auto, cuda or cpu.",
+        default="auto",
+        default_help="auto: cuda when torch sees a GPU, else cpu",
+        commands=PLANNER,
+    )
     enforce_eager: bool = option(
-        False, "CUDA: run every step eagerly, without CUDA graphs (slower decode, less memory, "
-        "no capture at start-up). The CPU always runs eagerly.", negatable=False,
-    )  # fmt: skip
-    block_size: int = option(16, "Tokens per KV cache block.", commands=PLANNER)
-    max_num_seqs: int = option(256, "Most requests per step.", commands=PLANNER)
+        "CUDA: run every step eagerly, without CUDA graphs (slower decode, less memory, no capture "
+        "at start-up). The CPU always runs eagerly.",
+        default=ModelConfig.enforce_eager,
+        negatable=False,
+    )
+    block_size: int = option(
+        "Tokens per KV cache block.", default=CacheConfig.block_size, commands=PLANNER
+    )
+    max_num_seqs: int = option(
+        "Most requests per step.", default=SchedulerConfig.max_num_seqs, commands=PLANNER
+    )
     max_num_batched_tokens: int | None = option(
-        None, "Most tokens per step (longer prompts prefill in chunks).",
+        "Most tokens per step (longer prompts prefill in chunks).",
+        default=None,
         default_help=f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, or --max-num-seqs if larger",
         commands=PLANNER,
-    )  # fmt: skip
-    enable_prefix_caching: bool = option(True, "Reuse the KV cache of shared prompt prefixes.")
+    )
+    enable_prefix_caching: bool = option(
+        "Reuse the KV cache of shared prompt prefixes.", default=CacheConfig.enable_prefix_caching
+    )
     tokenizer: str | None = option(
-        None, "Directory to load the tokenizer from.", default_help="MODEL's directory"
+        "Directory to load the tokenizer from.", default=None, default_help="MODEL's directory"
     )
     skip_tokenizer_init: bool = option(
-        False, "Load no tokenizer (the model directory needs no tokenizer files): prompts must "
-        "be token ids, outputs carry token ids and no text, stop strings and chat are refused.",
-        negatable=False, commands=(SERVE,),
-    )  # fmt: skip
+        "Load no tokenizer (the model directory needs no tokenizer files): prompts must be token "
+        "ids, outputs carry token ids and no text, stop strings and chat are refused.",
+        default=ModelConfig.skip_tokenizer_init,
+        negatable=False,
+        commands=(SERVE,),
+    )
     tensor_parallel_size: int = option(
-        1, "Ranks that split each layer (Megatron-LM tensor parallelism).", panel=PARALLEL,
-        aliases=("-tp",), commands=PLANNER,
-    )  # fmt: skip
-    pipeline_parallel_size: int = option(
-        1, "Pipeline stages that split the layers.", panel=PARALLEL, aliases=("-pp",),
+        "Ranks that split each layer (Megatron-LM tensor parallelism).",
+        default=ParallelConfig.tensor_parallel_size,
+        aliases=("-tp",),
+        panel=PARALLEL,
         commands=PLANNER,
-    )  # fmt: skip
+    )
+    pipeline_parallel_size: int = option(
+        "Pipeline stages that split the layers.",
+        default=ParallelConfig.pipeline_parallel_size,
+        aliases=("-pp",),
+        panel=PARALLEL,
+        commands=PLANNER,
+    )
     distributed_executor_backend: str | None = option(
-        None, "uni, mp or ray.", panel=PARALLEL,
+        "uni, mp or ray.",
+        default=None,  # executor/base.py: choose_backend
         default_help="mp when this node has a device per rank, else ray; on the CPU, devices are "
         "LLMCTL_CPU_DEVICES or the cores",
-    )  # fmt: skip
+        panel=PARALLEL,
+    )
     pipeline_layer_partition: str | tuple[int, ...] | None = option(
-        None, 'Layers per pipeline stage, e.g. "10,11,9".', panel=PARALLEL,
-        default_help="equal shares, the remainder before the last stage", value_type=str,
+        'Layers per pipeline stage, e.g. "10,11,9".',
+        default=None,
+        default_help="equal shares, the remainder before the last stage",
+        value_type=str,
+        panel=PARALLEL,
         commands=PLANNER,
-    )  # fmt: skip
-    seed: int = 0
+    )
+    seed: int = ModelConfig.seed
     num_gpu_blocks_override: int | None = None
     max_concurrent_batches: int | None = None  # default: pipeline_parallel_size
 

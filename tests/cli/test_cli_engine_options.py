@@ -150,7 +150,7 @@ def test_serve_on_a_cluster_forwards_the_engine_options(invoke, served, monkeypa
 # Adding an option is one edit: a field with its OptionSpec. vLLM's --max-logprobs, say.
 WithMaxLogprobs = dataclasses.make_dataclass(
     "EngineArgs",
-    [("max_logprobs", int, option(20, "Most log-probabilities returned per token."))],
+    [("max_logprobs", int, option("Most log-probabilities returned per token.", default=20))],
     bases=(EngineArgs,),
 )
 

@@ -107,7 +107,7 @@ def test_plan_options_default_to_the_engine_defaults():
 def test_a_flag_without_its_negation_must_default_to_false():
     Broken = dataclasses.make_dataclass(
         "Broken",
-        [("fast", bool, option(True, "Go fast.", negatable=False))],
+        [("fast", bool, option("Go fast.", default=True, negatable=False))],
         bases=(EngineArgs,),
     )
     with pytest.raises(TypeError, match="--no-fast"):
