@@ -107,7 +107,21 @@ def serve(
             raise ConfigError(
                 "a cluster is served on the Ray backend", "drop --distributed-executor-backend"
             )
-        _serve_on_cluster(inventory, model, tp, pp, port, engine, stop=stop, wait=wait)
+        from llmctl.engine.server.server_config import ServerConfig
+
+        # The server's options go along where given (the head's own address is 0.0.0.0).
+        server = {
+            name: value
+            for name, value in (
+                ("shutdown_timeout", shutdown_timeout),
+                ("max_request_body_bytes", max_request_body_bytes),
+                ("http_timeout", http_timeout),
+            )
+            if value != getattr(ServerConfig, name)
+        }
+        _serve_on_cluster(
+            inventory, model, tp, pp, port, engine, server=server, stop=stop, wait=wait
+        )
         return
     if stop:
         raise ConfigError("--stop stops a cluster's server", "add -i cluster.yaml")
@@ -140,6 +154,7 @@ def _serve_on_cluster(
     port: int,
     options: EngineKwargs,
     *,
+    server: dict,
     stop: bool,
     wait: float,
 ) -> None:
@@ -162,7 +177,7 @@ def _serve_on_cluster(
         if not model:
             raise ConfigError(f"{inv.source} names no model", "pass MODEL or add `model:` to it")
         layout = choose_layout(inv, model, tp, pp, lambda m, i: make_plan(load_model_spec(m), i))
-        argv = serve_argv(model, layout, port, options)
+        argv = serve_argv(model, layout, port, options, server)
         record = ServerRecord(
             model, port, layout.tensor_parallel_size, layout.pipeline_parallel_size, tuple(argv)
         )

@@ -115,14 +115,14 @@ def test_plan_takes_the_engine_options(invoke):
 def test_serve_on_a_cluster_forwards_the_engine_options(invoke, served, monkeypatch):
     seen = {}
 
-    def record(inventory, model, tp, pp, port, options, *, stop, wait):
-        seen.update(tp=tp, pp=pp, port=port, options=options)
+    def record(inventory, model, tp, pp, port, options, *, server, stop, wait):
+        seen.update(tp=tp, pp=pp, port=port, options=options, server=server)
 
     monkeypatch.setattr(serve_command, "_serve_on_cluster", record)
     result = invoke(
         "-q", "serve", "m", "-i", "cluster.yaml", "-tp", "2", "--port", "8011",
         "--gpu-memory-utilization", "0.8", "--served-model-name", "smol", "--enforce-eager",
-        "--no-enable-prefix-caching", "--max-model-len", "512",
+        "--no-enable-prefix-caching", "--max-model-len", "512", "--http-timeout", "60",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert (seen["tp"], seen["pp"]) == (2, None)  # the layout, chosen apart
@@ -135,7 +135,8 @@ def test_serve_on_a_cluster_forwards_the_engine_options(invoke, served, monkeypa
         "enable_prefix_caching": False,
     }
     # The head runs `llmctl serve` with them: parsed back, they are the same EngineArgs.
-    argv = serve_argv("m", Layout(2, 1, ""), seen["port"], seen["options"])
+    assert seen["server"] == {"http_timeout": 60.0}  # the server's options given, too
+    argv = serve_argv("m", Layout(2, 1, ""), seen["port"], seen["options"], seen["server"])
     assert argv[:2] == ["llmctl", "serve"]
     with pytest.raises(_Recorded):
         invoke("-q", *argv[1:])
@@ -144,7 +145,8 @@ def test_serve_on_a_cluster_forwards_the_engine_options(invoke, served, monkeypa
         model="m", tensor_parallel_size=2, distributed_executor_backend="ray", **seen["options"]
     )
     assert args == expected
-    assert (server.host, server.port) == ("0.0.0.0", 8011)
+    assert (server.host, server.port, server.http_timeout) == ("0.0.0.0", 8011, 60.0)
+    assert server.shutdown_timeout == 30.0  # not given: not forwarded, the default
 
 
 # Adding an option is one edit: a field with its OptionSpec. vLLM's --max-logprobs, say.
