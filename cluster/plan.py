@@ -39,7 +39,7 @@ from llmctl.engine.config import (
 )
 from llmctl.engine.distributed import ranks as rank_mesh
 from llmctl.engine.distributed.partition import layer_partition, valid_tp_sizes
-from llmctl.engine.engine_args import engine_default
+from llmctl.engine.engine_args import engine_args_to_argv, engine_default
 from llmctl.engine.errors import ConfigError
 from llmctl.engine.memory_profile import (
     CUDA_CONTEXT_BYTES,
@@ -607,27 +607,34 @@ def _finish(ctx: _Ctx, chosen: _Eval, reasons, rejected, alternatives) -> Plan:
     reasons.append(
         f"the KV cache has {blocks:,} blocks: as many as rank {worst.rank} (the fewest) holds"
     )
-    serve = ["llmctl", "serve", spec.name if _is_catalog(spec) else spec.name]
-    serve += ["-tp", str(tp)] if tp > 1 else []
-    serve += ["-pp", str(pp)] if pp > 1 else []
-    if world > 1:
-        serve += ["--distributed-executor-backend", backend]
-    if not chosen.default_parts:
-        serve += ["--pipeline-layer-partition", ",".join(map(str, chosen.parts))]
-    if ctx.max_model_len != spec.max_position_embeddings:
-        serve += ["--max-model-len", str(ctx.max_model_len)]
-    if opts.dtype != "auto":
-        serve += ["--dtype", ctx.dtype]
-    # The options the prediction depends on, where they differ from the engine's defaults.
+    # `llmctl serve`: the layout, then the options the prediction depends on where they differ
+    # from the engine's defaults, spelled as EngineArgs declares them.
     defaults = PlanOptions()
-    if opts.device == "cuda" and opts.gpu_memory_utilization != defaults.gpu_memory_utilization:
-        serve += ["--gpu-memory-utilization", f"{opts.gpu_memory_utilization:g}"]
-    if opts.max_num_batched_tokens is not None:
-        serve += ["--max-num-batched-tokens", str(opts.max_num_batched_tokens)]
-    if opts.max_num_seqs != defaults.max_num_seqs:
-        serve += ["--max-num-seqs", str(opts.max_num_seqs)]
-    if opts.block_size != defaults.block_size:
-        serve += ["--block-size", str(opts.block_size)]
+    cpu = opts.device == "cpu"
+    layout = {
+        "tensor_parallel_size": tp if tp > 1 else None,
+        "pipeline_parallel_size": pp if pp > 1 else None,
+        "distributed_executor_backend": backend if world > 1 else None,
+        "pipeline_layer_partition": None if chosen.default_parts else chosen.parts,
+    }
+    engine = {
+        "dtype": ctx.dtype if opts.dtype != "auto" else None,
+        "max_model_len": (
+            ctx.max_model_len if ctx.max_model_len != spec.max_position_embeddings else None
+        ),
+        "device": "cpu" if cpu else None,
+        "kv_cache_space_gib": opts.kv_cache_space_gib if cpu else None,
+        "gpu_memory_utilization": (
+            opts.gpu_memory_utilization
+            if not cpu and opts.gpu_memory_utilization != defaults.gpu_memory_utilization
+            else None
+        ),
+        "block_size": opts.block_size if opts.block_size != defaults.block_size else None,
+        "max_num_seqs": opts.max_num_seqs if opts.max_num_seqs != defaults.max_num_seqs else None,
+        "max_num_batched_tokens": opts.max_num_batched_tokens,
+    }
+    serve = ["llmctl", "serve", spec.name, *engine_args_to_argv(layout, aliases=True)]
+    serve += engine_args_to_argv(engine)
     commands = {"serve": " ".join(serve)}
     if nodes_used > 1:
         source = ctx.inventory.source if ctx.inventory.source != "<flags>" else "cluster.yaml"
@@ -658,12 +665,6 @@ def _finish(ctx: _Ctx, chosen: _Eval, reasons, rejected, alternatives) -> Plan:
         alternatives=tuple(alternatives),
         commands=commands,
     )
-
-
-def _is_catalog(spec: ModelSpec) -> bool:
-    from llmctl.cluster.catalog import CATALOG
-
-    return CATALOG.get(spec.name) is spec
 
 
 def _too_big(ctx: _Ctx, tried: list[_Eval], what: str) -> PlanError:

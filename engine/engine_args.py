@@ -303,8 +303,9 @@ class EngineOption:
             text = _default_text(self.default)
         return f"{self.spec.help} (default: {text})" if text else self.spec.help
 
-    def argv(self, value: Any) -> list[str]:
-        """The flags that give `value` (None gives nothing: the engine's default)."""
+    def argv(self, value: Any, alias: bool = False) -> list[str]:
+        """The flags that give `value` (None gives nothing: the engine's default), under the
+        first alias with `alias` (-tp 2)."""
         if value is None:
             return []
         if self.value_type is bool:
@@ -313,7 +314,8 @@ class EngineOption:
             return [f"--no-{self.flag[2:]}"] if self.spec.negatable else []
         if isinstance(value, (tuple, list)):
             value = ",".join(str(v) for v in value)
-        return [self.flag, str(value)]
+        flag = self.spec.aliases[0] if alias and self.spec.aliases else self.flag
+        return [flag, str(value)]
 
 
 def cli_options(
@@ -334,14 +336,22 @@ def cli_options(
     return tuple(options)
 
 
-def engine_args_to_argv(kwargs: Mapping[str, Any], args_class: type = EngineArgs) -> list[str]:
+def engine_args_to_argv(
+    kwargs: Mapping[str, Any], args_class: type = EngineArgs, *, aliases: bool = False
+) -> list[str]:
     """The command-line flags that give these EngineArgs keywords to `llmctl serve` (or
-    `generate`), in field order; a None value is left out (the engine's default)."""
+    `generate`), in field order; a None value is left out (the engine's default). `aliases`
+    spells an option by its vLLM alias where it has one (-tp 2)."""
     by_name = {o.name: o for o in cli_options(args_class=args_class)}
     unknown = sorted(set(kwargs) - set(by_name))
     if unknown:
         raise ValueError(f"no command-line flag for {', '.join(unknown)}")
-    return [arg for name, o in by_name.items() if name in kwargs for arg in o.argv(kwargs[name])]
+    return [
+        arg
+        for name, o in by_name.items()
+        if name in kwargs
+        for arg in o.argv(kwargs[name], alias=aliases)
+    ]
 
 
 def engine_default(name: str) -> Any:

@@ -112,3 +112,35 @@ def test_a_flag_without_its_negation_must_default_to_false():
     )
     with pytest.raises(TypeError, match="--no-fast"):
         cli_options(args_class=Broken)
+
+
+def test_aliases_spell_the_layout_as_vllm_does():
+    argv = engine_args_to_argv(
+        {"tensor_parallel_size": 8, "pipeline_parallel_size": 2, "dtype": "bfloat16"},
+        aliases=True,
+    )
+    assert argv == ["--dtype", "bfloat16", "-tp", "8", "-pp", "2"]
+
+
+def test_the_plans_serve_command_carries_what_its_prediction_assumed():
+    from llmctl.cluster.catalog import CATALOG
+    from llmctl.cluster.inventory import inventory_from_flags
+    from llmctl.cluster.plan import make_plan
+
+    cpu = make_plan(
+        CATALOG["SmolLM2-135M-Instruct"],
+        inventory_from_flags(1, 2, 80),
+        PlanOptions(device="cpu", kv_cache_space_gib=2.0, block_size=32),
+    )
+    assert cpu.commands["serve"] == (
+        "llmctl serve SmolLM2-135M-Instruct --kv-cache-space-gib 2.0 --device cpu --block-size 32"
+    )
+    cuda = make_plan(
+        CATALOG["Llama-3.1-8B"],
+        inventory_from_flags(1, 8, 80),
+        PlanOptions(tensor_parallel_size=2, max_model_len=4096, gpu_memory_utilization=0.8),
+    )
+    assert cuda.commands["serve"] == (
+        "llmctl serve Llama-3.1-8B -tp 2 --distributed-executor-backend mp "
+        "--max-model-len 4096 --gpu-memory-utilization 0.8"
+    )
