@@ -255,7 +255,7 @@ def check_layout(hf_config: Any, tp: int, pp: int, explicit: tuple[int, ...] | N
     layer_partition(layers, pp, explicit)
 
 
-def _checkpoint_dtype(hf_config: Any) -> str | None:
+def checkpoint_dtype(hf_config: Any) -> str | None:
     value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if value is None:
         return None
@@ -273,7 +273,7 @@ def _derived_max_model_len(hf_config: Any) -> int:
     return 2048
 
 
-def _resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
+def resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
     derived = _derived_max_model_len(hf_config)
     if requested is None:
         return derived

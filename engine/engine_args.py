@@ -29,11 +29,11 @@ from llmctl.engine.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
-    _checkpoint_dtype,
-    _resolve_max_model_len,
     check_layout,
+    checkpoint_dtype,
     normalize_dtype,
     parse_layer_partition,
+    resolve_max_model_len,
     resolve_max_num_batched_tokens,
 )
 from llmctl.engine.errors import ConfigError
@@ -229,8 +229,8 @@ class EngineArgs:
         check_layout(
             hf_config, self.tensor_parallel_size, self.pipeline_parallel_size, layer_partition
         )
-        resolved_dtype = platform.resolve_dtype(dtype, device, _checkpoint_dtype(hf_config))
-        max_model_len = _resolve_max_model_len(hf_config, self.max_model_len)
+        resolved_dtype = platform.resolve_dtype(dtype, device, checkpoint_dtype(hf_config))
+        max_model_len = resolve_max_model_len(hf_config, self.max_model_len)
         model_config = ModelConfig(
             model=self.model or "",
             path=source.path,
