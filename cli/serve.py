@@ -93,6 +93,8 @@ def serve(
     Try it: curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json'
     -d '{"prompt": "The capital of France is", "max_tokens": 16}'
     """
+    from llmctl.engine.server.server_config import ServerConfig
+
     state: CliState = ctx.obj or CliState()
     if inventory is not None:
         if api_key:
@@ -107,8 +109,6 @@ def serve(
             raise ConfigError(
                 "a cluster is served on the Ray backend", "drop --distributed-executor-backend"
             )
-        from llmctl.engine.server.server_config import ServerConfig
-
         # The server's options go along where given (the head's own address is 0.0.0.0).
         server = {
             name: value
@@ -128,7 +128,6 @@ def serve(
     from llmctl.engine.engine_args import EngineArgs
     from llmctl.engine.progress import rich_progress
     from llmctl.engine.server.api_server import run_server
-    from llmctl.engine.server.server_config import ServerConfig
 
     engine_args = EngineArgs(model=model, **engine)
     server_config = ServerConfig(
