@@ -1,164 +1,28 @@
-"""Engine options shared by the commands that start an engine (`generate`, `serve`).
+"""The engine options of a command, derived from EngineArgs' fields (engine/engine_args.py).
 
-Each option is defined once here, under vLLM's name, as a typed alias a command uses as a
-parameter annotation; `engine_kwargs` turns the given ones into EngineArgs keywords.
+`@engine_options("generate")` replaces the command's `engine` parameter by one Typer option per
+EngineArgs field that belongs to the command, in field order, and calls the command with `engine`
+holding the options given, as EngineArgs keywords: an option not given is left out, so the engine
+keeps its default. Typer reads the command's parameters from `inspect.signature`, which returns
+the `__signature__` set here. A command may restyle a shared option for itself (`overrides`: its
+help, panel or default), never its name.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any
 
 import typer
 
-ENGINE = "Engine"
-PARALLEL = "Parallelism"
+from llmctl.engine.engine_args import ENGINE, PARALLEL, EngineArgs, EngineOption, cli_options
 
+__all__ = ["ENGINE", "PARALLEL", "EngineKwargs", "Model", "engine_options"]
 
-Dtype = Annotated[
-    str,
-    typer.Option(help="auto, float32, bfloat16 or float16.", rich_help_panel=ENGINE),
-]
-
-MaxModelLen = Annotated[
-    int | None,
-    typer.Option(
-        help="Longest prompt + completion, in tokens. (default: the model's)",
-        show_default=False,
-        rich_help_panel=ENGINE,
-    ),
-]
-
-KvCacheSpaceGib = Annotated[
-    float | None,
-    typer.Option(
-        help="CPU: memory for the KV cache, in GiB. (default: 4)",
-        show_default=False,
-        rich_help_panel=ENGINE,
-    ),
-]
-
-GpuMemoryUtilization = Annotated[
-    float | None,
-    typer.Option(
-        help="CUDA: fraction of each GPU's memory the engine may use (weights, activations, KV "
-        "cache: the KV cache gets what the others leave). (default: 0.9)",
-        show_default=False,
-        rich_help_panel=ENGINE,
-    ),
-]
-
-Device = Annotated[
-    str | None,
-    typer.Option(
-        help="auto, cuda or cpu. (default: auto: cuda when torch sees a GPU, else cpu)",
-        show_default=False,
-        rich_help_panel=ENGINE,
-    ),
-]
-
-EnforceEager = Annotated[
-    bool | None,
-    typer.Option(
-        "--enforce-eager",
-        help="CUDA: run every step eagerly, without CUDA graphs (slower decode, less memory, "
-        "no capture at start-up). The CPU always runs eagerly.",
-        show_default=False,
-        rich_help_panel=ENGINE,
-    ),
-]
-
-BlockSize = Annotated[
-    int | None,
-    typer.Option(
-        help="Tokens per KV cache block. (default: 16)",
-        show_default=False,
-        rich_help_panel=ENGINE,
-    ),
-]
-
-MaxNumSeqs = Annotated[
-    int | None,
-    typer.Option(
-        help="Most requests per step. (default: 256)",
-        show_default=False,
-        rich_help_panel=ENGINE,
-    ),
-]
-
-MaxNumBatchedTokens = Annotated[
-    int | None,
-    typer.Option(
-        help="Most tokens per step (longer prompts prefill in chunks). "
-        "(default: 8192, or --max-num-seqs if larger)",
-        show_default=False,
-        rich_help_panel=ENGINE,
-    ),
-]
-
-EnablePrefixCaching = Annotated[
-    bool | None,
-    typer.Option(
-        "--enable-prefix-caching/--no-enable-prefix-caching",
-        help="Reuse the KV cache of shared prompt prefixes. (default: enabled)",
-        show_default=False,
-        rich_help_panel=ENGINE,
-    ),
-]
-
-SkipTokenizerInit = Annotated[
-    bool | None,
-    typer.Option(
-        "--skip-tokenizer-init",
-        help="Load no tokenizer (the model directory needs no tokenizer files): prompts must be "
-        "token ids, outputs carry token ids and no text, stop strings and chat are refused.",
-        show_default=False,
-        rich_help_panel=ENGINE,
-    ),
-]
-
-TensorParallelSize = Annotated[
-    int | None,
-    typer.Option(
-        "--tensor-parallel-size",
-        "-tp",
-        help="Ranks that split each layer (Megatron-LM tensor parallelism). (default: 1)",
-        show_default=False,
-        rich_help_panel=PARALLEL,
-    ),
-]
-
-PipelineParallelSize = Annotated[
-    int | None,
-    typer.Option(
-        "--pipeline-parallel-size",
-        "-pp",
-        help="Pipeline stages that split the layers. (default: 1)",
-        show_default=False,
-        rich_help_panel=PARALLEL,
-    ),
-]
-
-DistributedExecutorBackend = Annotated[
-    str | None,
-    typer.Option(
-        "--distributed-executor-backend",
-        help="uni, mp or ray. (default: mp when this node has a device per rank, else ray; "
-        "on the CPU, devices are LLMCTL_CPU_DEVICES or the cores)",
-        show_default=False,
-        rich_help_panel=PARALLEL,
-    ),
-]
-
-PipelineLayerPartition = Annotated[
-    str | None,
-    typer.Option(
-        "--pipeline-layer-partition",
-        help='Layers per pipeline stage, e.g. "10,11,9". (default: equal shares, the '
-        "remainder before the last stage)",
-        show_default=False,
-        rich_help_panel=PARALLEL,
-    ),
-]
+EngineKwargs = dict[str, Any]  # EngineArgs keywords: the engine options a user gave
 
 Model = Annotated[
     str | None,
@@ -171,27 +35,68 @@ Model = Annotated[
 ]
 
 
-# The EngineArgs options above, as parameters of a command (each command declares them).
-ENGINE_OPTIONS = (
-    "dtype",
-    "max_model_len",
-    "kv_cache_space_gib",
-    "gpu_memory_utilization",
-    "device",
-    "enforce_eager",
-    "block_size",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "enable_prefix_caching",
-    "skip_tokenizer_init",
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "distributed_executor_backend",
-    "pipeline_layer_partition",
-)
+def engine_options(
+    command: str,
+    *,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    args_class: type = EngineArgs,
+) -> Callable[[Callable], Callable]:
+    """Give a command the options of `args_class` (EngineArgs, or a dataclass extending it) that
+    belong to `command`, in place of its `engine` parameter.
+
+    `overrides` maps a field to OptionSpec fields (help, panel, default_help) and `default` (a
+    value Typer shows and always passes) that differ for this command.
+    """
+    overrides = overrides or {}
+
+    def decorate(func: Callable) -> Callable:
+        signature = inspect.signature(func, eval_str=True)
+        params = list(signature.parameters.values())
+        names = [p.name for p in params]
+        options = cli_options(command, args_class)
+        unknown = set(overrides) - {o.name for o in options}
+        clash = set(names) & {o.name for o in options}
+        if "engine" not in names or unknown or clash:
+            raise TypeError(
+                f"{func.__name__}: needs an `engine` parameter, and no parameter or override "
+                f"other than the engine options ({sorted(clash | unknown)})"
+            )
+        at = names.index("engine")
+        derived = [_parameter(o, overrides.get(o.name, {})) for o in options]
+
+        @functools.wraps(func)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            given = {o.name: kwargs.pop(o.name, None) for o in options}
+            engine = {name: value for name, value in given.items() if value is not None}
+            return func(*args, engine=engine, **kwargs)
+
+        new_params = params[:at] + derived + params[at + 1 :]
+        run.__signature__ = signature.replace(parameters=new_params)  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in new_params}
+        return run
+
+    return decorate
 
 
-def engine_kwargs(parameters: dict) -> dict:
-    """EngineArgs keywords from a command's parameters (its `locals()`): the engine options the
-    user gave; None leaves the engine's default."""
-    return {name: parameters[name] for name in ENGINE_OPTIONS if parameters.get(name) is not None}
+def _parameter(option: EngineOption, override: Mapping[str, Any]) -> inspect.Parameter:
+    """The Typer parameter of one option: `name: Annotated[T | None, typer.Option(...)] = None`."""
+    override = dict(override)
+    default = override.pop("default", None)
+    if default is not None:
+        override["show_default"] = True
+    option = dataclasses.replace(option, spec=dataclasses.replace(option.spec, **override))
+    show_default = option.spec.show_default
+    value = default if default is not None else option.default if show_default else None
+    info = typer.Option(
+        *option.param_decls,
+        help=option.help,
+        show_default=show_default,
+        rich_help_panel=option.spec.panel,
+    )
+    annotation = option.value_type if show_default else option.value_type | None
+    return inspect.Parameter(
+        option.name,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        default=value,
+        annotation=Annotated[annotation, info],
+    )

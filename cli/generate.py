@@ -11,24 +11,7 @@ from typing import Annotated
 import typer
 
 from llmctl.cli.console import CliState, stdout_console
-from llmctl.cli.engine_options import (
-    BlockSize,
-    Device,
-    DistributedExecutorBackend,
-    Dtype,
-    EnablePrefixCaching,
-    EnforceEager,
-    GpuMemoryUtilization,
-    KvCacheSpaceGib,
-    MaxModelLen,
-    MaxNumBatchedTokens,
-    MaxNumSeqs,
-    Model,
-    PipelineLayerPartition,
-    PipelineParallelSize,
-    TensorParallelSize,
-    engine_kwargs,
-)
+from llmctl.cli.engine_options import EngineKwargs, Model, engine_options
 from llmctl.cli.render import print_completions, print_json
 from llmctl.engine.errors import RequestBatchError
 from llmctl.engine.sampling_params import SamplingParams
@@ -39,6 +22,7 @@ _SAMPLING = "Sampling"
 
 
 @app.command()
+@engine_options("generate")
 def generate(
     ctx: typer.Context,
     prompt: Annotated[
@@ -107,20 +91,7 @@ def generate(
             rich_help_panel=_SAMPLING,
         ),
     ] = False,
-    dtype: Dtype = "auto",
-    max_model_len: MaxModelLen = None,
-    kv_cache_space_gib: KvCacheSpaceGib = None,
-    gpu_memory_utilization: GpuMemoryUtilization = None,
-    device: Device = None,
-    enforce_eager: EnforceEager = None,
-    block_size: BlockSize = None,
-    max_num_seqs: MaxNumSeqs = None,
-    max_num_batched_tokens: MaxNumBatchedTokens = None,
-    enable_prefix_caching: EnablePrefixCaching = None,
-    tensor_parallel_size: TensorParallelSize = None,
-    pipeline_parallel_size: PipelineParallelSize = None,
-    distributed_executor_backend: DistributedExecutorBackend = None,
-    pipeline_layer_partition: PipelineLayerPartition = None,
+    engine: EngineKwargs = None,  # the EngineArgs options of `generate` (@engine_options)
     json_output: Annotated[
         bool,
         typer.Option(
@@ -146,13 +117,11 @@ def generate(
         ignore_eos=ignore_eos,
         seed=seed,
     )
-    options = engine_kwargs(locals())
-
     from llmctl.engine.llm import LLM
 
     render = print_json if json_output else print_completions
     console = stdout_console()
-    with LLM(model, use_tqdm_on_load=state.progress, **options) as llm:
+    with LLM(model, use_tqdm_on_load=state.progress, **engine) as llm:
         try:
             if chat:
                 conversations = [[{"role": "user", "content": text}] for text in prompt]

@@ -12,21 +12,32 @@ import typer
 from rich.table import Table
 
 from llmctl.cli.console import stdout_console
-from llmctl.cli.engine_options import (
-    Dtype,
-    GpuMemoryUtilization,
-    MaxModelLen,
-    MaxNumBatchedTokens,
-    MaxNumSeqs,
-    PipelineLayerPartition,
-)
+from llmctl.cli.engine_options import EngineKwargs, engine_options
 
 app = typer.Typer()
 _INVENTORY = "Inventory"
 _MEMORY = "Memory"
 
 
+# The options plan shares with the engine, restyled for planning (their flags stay the engine's).
+_SHARED = {
+    "device": dict(
+        help="cuda, or cpu to plan for llmctl's CPU engine (KV cache from --kv-cache-space-gib).",
+        panel=_INVENTORY,
+        default="cuda",
+    ),
+    "kv_cache_space_gib": dict(help="CPU: the KV cache per rank, in GiB.", panel=_MEMORY),
+    "tensor_parallel_size": dict(
+        help="Evaluate this layout instead of choosing.", panel=None, default_help=""
+    ),
+    "pipeline_parallel_size": dict(
+        help="Evaluate this layout instead of choosing.", panel=None, default_help=""
+    ),
+}
+
+
 @app.command()
+@engine_options("plan", overrides=_SHARED)
 def plan(
     model: Annotated[
         str | None,
@@ -63,52 +74,21 @@ def plan(
         str,
         typer.Option(help="nvlink or pcie, without --inventory.", rich_help_panel=_INVENTORY),
     ] = "nvlink",
-    device: Annotated[
-        str,
-        typer.Option(
-            help="cuda, or cpu to plan for llmctl's CPU engine (KV cache from "
-            "--kv-cache-space-gib).",
-            rich_help_panel=_INVENTORY,
-        ),
-    ] = "cuda",
-    dtype: Dtype = "auto",
-    max_model_len: MaxModelLen = None,
-    gpu_memory_utilization: GpuMemoryUtilization = None,
-    max_num_batched_tokens: MaxNumBatchedTokens = None,
-    max_num_seqs: MaxNumSeqs = None,
-    kv_cache_dtype: Annotated[
-        str,
-        typer.Option(help="auto (the model's dtype), fp8, ...", rich_help_panel=_MEMORY),
-    ] = "auto",
-    kv_cache_space_gib: Annotated[
-        float | None,
-        typer.Option(
-            help="CPU: the KV cache per rank, in GiB. (default: 4)",
-            show_default=False,
-            rich_help_panel=_MEMORY,
-        ),
-    ] = None,
-    min_concurrency: Annotated[
-        int,
-        typer.Option(help="Requests of max-model-len the plan must hold.", rich_help_panel=_MEMORY),
-    ] = 1,
     allow_uneven_tp: Annotated[
         bool,
         typer.Option(help="Allow tensor parallel sizes that do not divide the heads."),
     ] = False,
-    tensor_parallel_size: Annotated[
-        int | None,
-        typer.Option(
-            "--tensor-parallel-size", "-tp", help="Evaluate this layout instead of choosing."
-        ),
-    ] = None,
-    pipeline_parallel_size: Annotated[
-        int | None,
-        typer.Option(
-            "--pipeline-parallel-size", "-pp", help="Evaluate this layout instead of choosing."
-        ),
-    ] = None,
-    pipeline_layer_partition: PipelineLayerPartition = None,
+    # The EngineArgs options of `plan` (@engine_options, restyled by _SHARED): dtype, lengths,
+    # memory, the step's size, the layout and the device.
+    engine: EngineKwargs = None,
+    kv_cache_dtype: Annotated[
+        str,
+        typer.Option(help="auto (the model's dtype), fp8, ...", rich_help_panel=_MEMORY),
+    ] = "auto",
+    min_concurrency: Annotated[
+        int,
+        typer.Option(help="Requests of max-model-len the plan must hold.", rich_help_panel=_MEMORY),
+    ] = 1,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Choose the TP x PP layout for MODEL on the inventory and predict its KV-cache capacity.
@@ -125,26 +105,10 @@ def plan(
         return
     try:
         result = _make(
-            model,
-            inventory,
-            nodes,
-            gpus_per_node,
-            gpu_memory_gib,
-            interconnect,
-            device,
-            dtype,
-            max_model_len,
-            gpu_memory_utilization,
-            max_num_batched_tokens,
-            max_num_seqs,
-            kv_cache_dtype,
-            kv_cache_space_gib,
-            min_concurrency,
-            allow_uneven_tp,
-            tensor_parallel_size,
-            pipeline_parallel_size,
-            pipeline_layer_partition,
-        )
+            model, inventory, nodes, gpus_per_node, gpu_memory_gib, interconnect, engine,
+            kv_cache_dtype=kv_cache_dtype, min_concurrency=min_concurrency,
+            allow_uneven_tp=allow_uneven_tp,
+        )  # fmt: skip
     except Exception as exc:
         from llmctl.engine.errors import LLMCtlError
 
@@ -159,9 +123,8 @@ def plan(
         _print_plan(console, result)
 
 
-def _make(model, inventory, nodes, gpus, memory, interconnect, device, dtype, max_model_len,
-          utilization, batched_tokens, max_seqs, kv_dtype, kv_space, concurrency, uneven, tp, pp,
-          partition):  # fmt: skip
+def _make(model, inventory, nodes, gpus, memory, interconnect, engine: EngineKwargs,
+          **plan_only):  # fmt: skip
     from llmctl.cluster.inventory import inventory_from_flags, load_inventory
     from llmctl.cluster.model_spec import load_model_spec
     from llmctl.cluster.plan import PlanOptions, make_plan
@@ -171,27 +134,11 @@ def _make(model, inventory, nodes, gpus, memory, interconnect, device, dtype, ma
     inv = load_inventory(inventory) if inventory else inventory_from_flags(
         nodes, gpus, memory, interconnect
     )  # fmt: skip
-    engine_defaults = PlanOptions()  # an option not given: the engine's default
-    options = PlanOptions(
-        dtype=dtype,
-        max_model_len=max_model_len,
-        gpu_memory_utilization=_given(utilization, engine_defaults.gpu_memory_utilization),
-        max_num_batched_tokens=batched_tokens,
-        max_num_seqs=_given(max_seqs, engine_defaults.max_num_seqs),
-        kv_cache_dtype=kv_dtype,
-        kv_cache_space_gib=kv_space,
-        min_concurrency=concurrency,
-        allow_uneven_tp=uneven,
-        tensor_parallel_size=tp,
-        pipeline_parallel_size=pp,
-        pipeline_layer_partition=parse_layer_partition(partition),
-        device=device,
-    )
-    return make_plan(spec, inv, options)
-
-
-def _given(value, default):
-    return default if value is None else value
+    if "pipeline_layer_partition" in engine:
+        partition = parse_layer_partition(engine["pipeline_layer_partition"])
+        engine = {**engine, "pipeline_layer_partition": partition}
+    # An engine option not given is left out: PlanOptions' default, the engine's.
+    return make_plan(spec, inv, PlanOptions(**engine, **plan_only))
 
 
 def _print_catalog(console, catalog, as_json: bool) -> None:

@@ -12,63 +12,41 @@ from typing import Annotated
 import typer
 
 from llmctl.cli.console import CliState, stderr_console, stdout_console
-from llmctl.cli.engine_options import (
-    BlockSize,
-    Device,
-    DistributedExecutorBackend,
-    Dtype,
-    EnablePrefixCaching,
-    EnforceEager,
-    GpuMemoryUtilization,
-    KvCacheSpaceGib,
-    MaxModelLen,
-    MaxNumBatchedTokens,
-    MaxNumSeqs,
-    Model,
-    PipelineLayerPartition,
-    PipelineParallelSize,
-    SkipTokenizerInit,
-    TensorParallelSize,
-    engine_kwargs,
-)
+from llmctl.cli.engine_options import EngineKwargs, Model, engine_options
+from llmctl.engine.engine_args import SERVER
 from llmctl.engine.errors import ConfigError
 
 app = typer.Typer()
-_SERVER = "Server"
 _CLUSTER = "Cluster"
 
 
 @app.command()
+@engine_options("serve")
 def serve(
     ctx: typer.Context,
     model: Model = None,
     host: Annotated[
-        str, typer.Option(help="Address to listen on.", rich_help_panel=_SERVER)
+        str, typer.Option(help="Address to listen on.", rich_help_panel=SERVER)
     ] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.", rich_help_panel=_SERVER)] = 8000,
+    port: Annotated[int, typer.Option(help="Port to listen on.", rich_help_panel=SERVER)] = 8000,
     api_key: Annotated[
         str | None,
         typer.Option(
             help="Require `Authorization: Bearer KEY` on every route but /health. "
             "(default: $LLMCTL_API_KEY, else none)",
             show_default=False,
-            rich_help_panel=_SERVER,
+            rich_help_panel=SERVER,
         ),
     ] = None,
-    served_model_name: Annotated[
-        str | None,
-        typer.Option(
-            help="The model name clients send. (default: the model's name)",
-            show_default=False,
-            rich_help_panel=_SERVER,
-        ),
-    ] = None,
+    # The EngineArgs options of `serve` (@engine_options); served_model_name shows here, in the
+    # Server panel, the others after it in the Engine and Parallelism panels.
+    engine: EngineKwargs = None,
     shutdown_timeout: Annotated[
         float,
         typer.Option(
             help="On SIGTERM, seconds to let in-flight requests finish (a second SIGTERM or "
             "Ctrl-C stops at once).",
-            rich_help_panel=_SERVER,
+            rich_help_panel=SERVER,
         ),
     ] = 30.0,
     max_request_body_bytes: Annotated[
@@ -77,7 +55,7 @@ def serve(
             help="Largest request body accepted, in bytes; larger ones get 413. (default: the "
             "largest whose prompt could still fit --max-model-len)",
             show_default=False,
-            rich_help_panel=_SERVER,
+            rich_help_panel=SERVER,
         ),
     ] = None,
     http_timeout: Annotated[
@@ -85,24 +63,9 @@ def serve(
         typer.Option(
             help="Seconds a client may stall while sending its request or reading a stream "
             "before its connection is closed.",
-            rich_help_panel=_SERVER,
+            rich_help_panel=SERVER,
         ),
     ] = 30.0,
-    dtype: Dtype = "auto",
-    max_model_len: MaxModelLen = None,
-    kv_cache_space_gib: KvCacheSpaceGib = None,
-    gpu_memory_utilization: GpuMemoryUtilization = None,
-    device: Device = None,
-    enforce_eager: EnforceEager = None,
-    block_size: BlockSize = None,
-    max_num_seqs: MaxNumSeqs = None,
-    max_num_batched_tokens: MaxNumBatchedTokens = None,
-    enable_prefix_caching: EnablePrefixCaching = None,
-    skip_tokenizer_init: SkipTokenizerInit = None,
-    tensor_parallel_size: TensorParallelSize = None,
-    pipeline_parallel_size: PipelineParallelSize = None,
-    distributed_executor_backend: DistributedExecutorBackend = None,
-    pipeline_layer_partition: PipelineLayerPartition = None,
     inventory: Annotated[
         str | None,
         typer.Option(
@@ -130,6 +93,8 @@ def serve(
     Try it: curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json'
     -d '{"prompt": "The capital of France is", "max_tokens": 16}'
     """
+    from llmctl.engine.server.server_config import ServerConfig
+
     state: CliState = ctx.obj or CliState()
     if inventory is not None:
         if api_key:
@@ -138,28 +103,33 @@ def serve(
                 "put LLMCTL_API_KEY in the inventory's `env` (it reaches the container through "
                 "its 0600 env file) and run `llmctl cluster up` again",
             )
-        options = engine_kwargs(locals())
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            options.pop(name, None)
-        if options.pop("distributed_executor_backend", "ray") != "ray":
+        tp = engine.pop("tensor_parallel_size", None)
+        pp = engine.pop("pipeline_parallel_size", None)
+        if engine.pop("distributed_executor_backend", "ray") != "ray":
             raise ConfigError(
                 "a cluster is served on the Ray backend", "drop --distributed-executor-backend"
             )
+        # The server's options go along where given (the head's own address is 0.0.0.0).
+        server = {
+            name: value
+            for name, value in (
+                ("shutdown_timeout", shutdown_timeout),
+                ("max_request_body_bytes", max_request_body_bytes),
+                ("http_timeout", http_timeout),
+            )
+            if value != getattr(ServerConfig, name)
+        }
         _serve_on_cluster(
-            inventory, model, tensor_parallel_size, pipeline_parallel_size, port, options,
-            served_model_name=served_model_name, stop=stop, wait=wait,
-        )  # fmt: skip
+            inventory, model, tp, pp, port, engine, server=server, stop=stop, wait=wait
+        )
         return
     if stop:
         raise ConfigError("--stop stops a cluster's server", "add -i cluster.yaml")
-    from llmctl.engine.config import EngineArgs
+    from llmctl.engine.engine_args import EngineArgs
     from llmctl.engine.progress import rich_progress
     from llmctl.engine.server.api_server import run_server
-    from llmctl.engine.server.server_config import ServerConfig
 
-    engine_args = EngineArgs(
-        model=model, served_model_name=served_model_name, **engine_kwargs(locals())
-    )
+    engine_args = EngineArgs(model=model, **engine)
     server_config = ServerConfig(
         host=host,
         port=port,
@@ -181,9 +151,9 @@ def _serve_on_cluster(
     tp: int | None,
     pp: int | None,
     port: int,
-    options: dict,
+    options: EngineKwargs,
     *,
-    served_model_name: str | None,
+    server: dict,
     stop: bool,
     wait: float,
 ) -> None:
@@ -206,9 +176,7 @@ def _serve_on_cluster(
         if not model:
             raise ConfigError(f"{inv.source} names no model", "pass MODEL or add `model:` to it")
         layout = choose_layout(inv, model, tp, pp, lambda m, i: make_plan(load_model_spec(m), i))
-        if served_model_name:
-            options = {**options, "served_model_name": served_model_name}
-        argv = serve_argv(model, layout, port, options)
+        argv = serve_argv(model, layout, port, options, server)
         record = ServerRecord(
             model, port, layout.tensor_parallel_size, layout.pipeline_parallel_size, tuple(argv)
         )

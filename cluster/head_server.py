@@ -15,13 +15,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
 from llmctl.cluster import commands
 from llmctl.cluster.errors import ClusterError, ConfigError, PlanError, RemoteCommandError
 from llmctl.cluster.inventory import Inventory
 from llmctl.cluster.transport import Transport, check
+from llmctl.engine.engine_args import engine_args_to_argv
 
 STATE_DIR = "/root/.llmctl"  # inside the container
 PID_FILE = f"{STATE_DIR}/server.pid"
@@ -98,19 +99,23 @@ def choose_layout(
         )
 
 
-def serve_argv(model: str, layout: Layout, port: int, options: dict[str, object]) -> list[str]:
-    """`llmctl serve` on the head, listening on every address, on the Ray backend."""
+def serve_argv(
+    model: str,
+    layout: Layout,
+    port: int,
+    options: Mapping[str, object],
+    server: Mapping[str, object] | None = None,
+) -> list[str]:
+    """`llmctl serve` on the head, listening on every address, on the Ray backend; `options` are
+    further EngineArgs keywords (engine_args_to_argv spells them), `server` ServerConfig fields
+    (shutdown_timeout, max_request_body_bytes, http_timeout) that differ from their defaults."""
     argv = ["llmctl", "serve", model]
     argv += ["--tensor-parallel-size", str(layout.tensor_parallel_size)]
     argv += ["--pipeline-parallel-size", str(layout.pipeline_parallel_size)]
     argv += ["--distributed-executor-backend", "ray", "--host", "0.0.0.0", "--port", str(port)]
-    for name, value in options.items():
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else f"--no-{flag[2:]}")
-        elif value is not None:
-            argv += [flag, str(value)]
-    return argv
+    for name, value in (server or {}).items():
+        argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv + engine_args_to_argv(options)
 
 
 def launch_argv(container: str, argv: list[str]) -> list[str]:

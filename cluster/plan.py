@@ -31,6 +31,7 @@ from llmctl.cluster.errors import PlanError
 from llmctl.cluster.inventory import Inventory
 from llmctl.cluster.model_spec import ModelSpec
 from llmctl.engine.config import (
+    DEFAULT_CPU_KV_CACHE_SPACE_GIB,
     DTYPE_BYTES,
     SchedulerConfig,
     normalize_dtype,
@@ -38,6 +39,7 @@ from llmctl.engine.config import (
 )
 from llmctl.engine.distributed import ranks as rank_mesh
 from llmctl.engine.distributed.partition import layer_partition, valid_tp_sizes
+from llmctl.engine.engine_args import engine_args_to_argv, engine_default
 from llmctl.engine.errors import ConfigError
 from llmctl.engine.memory_profile import (
     CUDA_CONTEXT_BYTES,
@@ -57,20 +59,22 @@ _KV_DTYPES = {"auto": None, "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1,
 
 @dataclass(frozen=True)
 class PlanOptions:
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
+    """What to plan for. The fields named as EngineArgs' mean the same and default the same."""
+
+    dtype: str = engine_default("dtype")
+    max_model_len: int | None = engine_default("max_model_len")
+    gpu_memory_utilization: float = engine_default("gpu_memory_utilization")
     kv_cache_dtype: str = "auto"
     min_concurrency: int = 1
-    block_size: int = 16
-    max_num_batched_tokens: int | None = None  # None: the engine's default
-    max_num_seqs: int = 256
+    block_size: int = engine_default("block_size")
+    max_num_batched_tokens: int | None = engine_default("max_num_batched_tokens")
+    max_num_seqs: int = engine_default("max_num_seqs")
     allow_uneven_tp: bool = False
     tensor_parallel_size: int | None = None  # force a layout instead of choosing one
     pipeline_parallel_size: int | None = None
     pipeline_layer_partition: tuple[int, ...] | None = None
     device: str = "cuda"  # "cpu": plan for llmctl's CPU engine on this inventory's nodes
-    kv_cache_space_gib: float | None = None  # CPU: the engine's KV budget per rank
+    kv_cache_space_gib: float | None = engine_default("kv_cache_space_gib")  # CPU, per rank
 
     def __post_init__(self) -> None:
         check_gpu_memory_utilization(self.gpu_memory_utilization)
@@ -310,7 +314,7 @@ def _rank_memory(ctx: _Ctx, tp: int, pp: int, parts: list[int]) -> list[RankMemo
             block = opts.block_size * spec.kv_bytes_per_token(layers, tp_rank, tp, ctx.kv_bytes)
             if opts.device == "cpu":
                 activation = non_torch = 0
-                kv = int((opts.kv_cache_space_gib or 4.0) * GIB)
+                kv = int((opts.kv_cache_space_gib or DEFAULT_CPU_KV_CACHE_SPACE_GIB) * GIB)
             else:
                 activation = _activation_bytes(ctx, tp_rank, tp, last)
                 non_torch = estimate_non_torch_bytes(tp * pp)
@@ -603,25 +607,34 @@ def _finish(ctx: _Ctx, chosen: _Eval, reasons, rejected, alternatives) -> Plan:
     reasons.append(
         f"the KV cache has {blocks:,} blocks: as many as rank {worst.rank} (the fewest) holds"
     )
-    serve = ["llmctl", "serve", spec.name if _is_catalog(spec) else spec.name]
-    serve += ["-tp", str(tp)] if tp > 1 else []
-    serve += ["-pp", str(pp)] if pp > 1 else []
-    if world > 1:
-        serve += ["--distributed-executor-backend", backend]
-    if not chosen.default_parts:
-        serve += ["--pipeline-layer-partition", ",".join(map(str, chosen.parts))]
-    if ctx.max_model_len != spec.max_position_embeddings:
-        serve += ["--max-model-len", str(ctx.max_model_len)]
-    if opts.dtype != "auto":
-        serve += ["--dtype", ctx.dtype]
-    # The options the prediction depends on, where they differ from the engine's defaults.
+    # `llmctl serve`: the layout, then the options the prediction depends on where they differ
+    # from the engine's defaults, spelled as EngineArgs declares them.
     defaults = PlanOptions()
-    if opts.device == "cuda" and opts.gpu_memory_utilization != defaults.gpu_memory_utilization:
-        serve += ["--gpu-memory-utilization", f"{opts.gpu_memory_utilization:g}"]
-    if opts.max_num_batched_tokens is not None:
-        serve += ["--max-num-batched-tokens", str(opts.max_num_batched_tokens)]
-    if opts.max_num_seqs != defaults.max_num_seqs:
-        serve += ["--max-num-seqs", str(opts.max_num_seqs)]
+    cpu = opts.device == "cpu"
+    layout = {
+        "tensor_parallel_size": tp if tp > 1 else None,
+        "pipeline_parallel_size": pp if pp > 1 else None,
+        "distributed_executor_backend": backend if world > 1 else None,
+        "pipeline_layer_partition": None if chosen.default_parts else chosen.parts,
+    }
+    engine = {
+        "dtype": ctx.dtype if opts.dtype != "auto" else None,
+        "max_model_len": (
+            ctx.max_model_len if ctx.max_model_len != spec.max_position_embeddings else None
+        ),
+        "device": "cpu" if cpu else None,
+        "kv_cache_space_gib": opts.kv_cache_space_gib if cpu else None,
+        "gpu_memory_utilization": (
+            opts.gpu_memory_utilization
+            if not cpu and opts.gpu_memory_utilization != defaults.gpu_memory_utilization
+            else None
+        ),
+        "block_size": opts.block_size if opts.block_size != defaults.block_size else None,
+        "max_num_seqs": opts.max_num_seqs if opts.max_num_seqs != defaults.max_num_seqs else None,
+        "max_num_batched_tokens": opts.max_num_batched_tokens,
+    }
+    serve = ["llmctl", "serve", spec.name, *engine_args_to_argv(layout, aliases=True)]
+    serve += engine_args_to_argv(engine)
     commands = {"serve": " ".join(serve)}
     if nodes_used > 1:
         source = ctx.inventory.source if ctx.inventory.source != "<flags>" else "cluster.yaml"
@@ -652,12 +665,6 @@ def _finish(ctx: _Ctx, chosen: _Eval, reasons, rejected, alternatives) -> Plan:
         alternatives=tuple(alternatives),
         commands=commands,
     )
-
-
-def _is_catalog(spec: ModelSpec) -> bool:
-    from llmctl.cluster.catalog import CATALOG
-
-    return CATALOG.get(spec.name) is spec
 
 
 def _too_big(ctx: _Ctx, tried: list[_Eval], what: str) -> PlanError:

@@ -12,7 +12,7 @@ from llmctl.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from llmctl.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from llmctl.engine.config import EngineArgs
+    from llmctl.engine.engine_args import EngineArgs
     from llmctl.engine.llm import LLM
     from llmctl.engine.llm_engine import LLMEngine
 
@@ -37,7 +37,7 @@ def __getattr__(name: str):
 
         return LLMEngine
     if name == "EngineArgs":
-        from llmctl.engine.config import EngineArgs
+        from llmctl.engine.engine_args import EngineArgs
 
         return EngineArgs
     raise AttributeError(f"module 'llmctl.engine' has no attribute {name!r}")

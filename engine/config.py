@@ -1,13 +1,13 @@
 """Engine configuration: one frozen dataclass per layer, validated once in __post_init__.
 
-`EngineArgs` holds what a user passes (LLM(...) keywords, CLI flags); `create_engine_config()`
-resolves it into the frozen configs. Per-rank variants are made with `dataclasses.replace`.
+`EngineArgs` (engine/engine_args.py, importable from here too) holds what a user passes (LLM(...)
+keywords, CLI flags); its `create_engine_config()` resolves it into these frozen configs. Per-rank
+variants are made with `dataclasses.replace`.
 This module reads files (the model's config) but never imports torch at module level.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,7 +131,7 @@ class SchedulerConfig:
     """Continuous batching limits: requests per step and tokens per step (chunked prefill)."""
 
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int = 8192
     # Batches in flight at once (pipeline parallelism): running requests are split into this
     # many batches so that every pipeline stage has work.
@@ -207,126 +207,6 @@ class EngineConfig:
     device_config: DeviceConfig
 
 
-@dataclass
-class EngineArgs:
-    """Everything a user may set, as LLM(...) keywords and CLI flags name it."""
-
-    model: str | None = None
-    tokenizer: str | None = None
-    skip_tokenizer_init: bool = False
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    kv_cache_space_gib: float | None = None
-    gpu_memory_utilization: float = 0.9
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    seed: int = 0
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    pipeline_layer_partition: str | tuple[int, ...] | None = None
-    max_concurrent_batches: int | None = None  # default: pipeline_parallel_size
-    device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
-    enforce_eager: bool = False  # CUDA: disable CUDA graphs
-
-    def __post_init__(self) -> None:
-        # Checks that need no file and no torch, so a typo fails before anything loads.
-        normalize_dtype(self.dtype)
-        if self.device not in DEVICES:
-            raise ConfigError(f"unknown device {self.device!r}", "use --device auto, cpu or cuda")
-        CacheConfig(
-            block_size=self.block_size,
-            kv_cache_space_gib=self.kv_cache_space_gib,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            num_gpu_blocks_override=self.num_gpu_blocks_override,
-        )
-        SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens or self.max_num_seqs,
-        )
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ConfigError(
-                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}",
-                "allow a positive token budget per step",
-            )
-        ParallelConfig(
-            tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            distributed_executor_backend=self.distributed_executor_backend,
-        )
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ConfigError(
-                f"max_model_len must be at least 1, got {self.max_model_len}",
-                "pass a positive --max-model-len",
-            )
-
-    def create_engine_config(self, progress=None) -> EngineConfig:
-        from llmctl.engine import platform
-        from llmctl.engine.model_loader.source import resolve_model
-        from llmctl.engine.models.registry import check_architecture
-
-        dtype = normalize_dtype(self.dtype)
-        device = platform.resolve_device(self.device)
-        device_config = DeviceConfig(device=device)
-        source = resolve_model(self.model, progress)
-        hf_config = source.load_hf_config()
-        architecture = source.architecture(hf_config)
-        check_architecture(architecture)
-        layer_partition = parse_layer_partition(
-            self.pipeline_layer_partition or os.environ.get("LLMCTL_PP_LAYER_PARTITION")
-        )
-        check_layout(
-            hf_config, self.tensor_parallel_size, self.pipeline_parallel_size, layer_partition
-        )
-        resolved_dtype = platform.resolve_dtype(dtype, device, _checkpoint_dtype(hf_config))
-        max_model_len = _resolve_max_model_len(hf_config, self.max_model_len)
-        model_config = ModelConfig(
-            model=self.model or "",
-            path=source.path,
-            hf_config=hf_config,
-            architecture=architecture,
-            dtype=resolved_dtype,
-            max_model_len=max_model_len,
-            tokenizer=self.tokenizer or source.path,
-            served_model_name=self.served_model_name or source.display_name,
-            seed=self.seed,
-            skip_tokenizer_init=bool(self.skip_tokenizer_init),
-            enforce_eager=bool(self.enforce_eager),
-        )
-        cache_config = CacheConfig(
-            block_size=self.block_size,
-            kv_cache_space_gib=self.kv_cache_space_gib,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            enable_prefix_caching=self.enable_prefix_caching,
-            num_gpu_blocks_override=self.num_gpu_blocks_override,
-        )
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=resolve_max_num_batched_tokens(
-                self.max_num_batched_tokens, self.max_num_seqs
-            ),
-            max_model_len=max_model_len,
-            max_concurrent_batches=self.max_concurrent_batches or self.pipeline_parallel_size,
-        )
-        parallel_config = ParallelConfig(
-            tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            distributed_executor_backend=self.distributed_executor_backend,
-            pipeline_layer_partition=layer_partition,
-        )
-        return EngineConfig(
-            model_config=model_config,
-            cache_config=cache_config,
-            scheduler_config=scheduler_config,
-            parallel_config=parallel_config,
-            device_config=device_config,
-        )
-
-
 def resolve_max_num_batched_tokens(given: int | None, max_num_seqs: int) -> int:
     """The token budget per step (and the CUDA profile step's size): 8192, or max_num_seqs when
     larger, unless given."""
@@ -375,7 +255,7 @@ def check_layout(hf_config: Any, tp: int, pp: int, explicit: tuple[int, ...] | N
     layer_partition(layers, pp, explicit)
 
 
-def _checkpoint_dtype(hf_config: Any) -> str | None:
+def checkpoint_dtype(hf_config: Any) -> str | None:
     value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if value is None:
         return None
@@ -393,7 +273,7 @@ def _derived_max_model_len(hf_config: Any) -> int:
     return 2048
 
 
-def _resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
+def resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
     derived = _derived_max_model_len(hf_config)
     if requested is None:
         return derived
@@ -419,3 +299,12 @@ def check_kv_cache_fits(num_blocks: int, block_size: int, max_model_len: int, kn
         f"request of max_model_len={max_model_len} tokens",
         f"raise {knob}, or lower --max-model-len to {tokens} or less",
     )
+
+
+def __getattr__(name: str) -> Any:
+    # EngineArgs lives in engine_args.py, which imports this module: re-exported lazily.
+    if name == "EngineArgs":
+        from llmctl.engine.engine_args import EngineArgs
+
+        return EngineArgs
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from llmctl.engine.config import EngineArgs
+from llmctl.engine.engine_args import EngineArgs
 from llmctl.engine.errors import InvalidRequestError, RequestBatchError
 from llmctl.engine.llm_engine import LLMEngine, PromptType
 from llmctl.engine.outputs import RequestOutput

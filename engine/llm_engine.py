@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmctl.engine.batch_queue import BatchQueue
-from llmctl.engine.config import EngineArgs, EngineConfig, check_kv_cache_fits
+from llmctl.engine.config import EngineConfig, check_kv_cache_fits
+from llmctl.engine.engine_args import EngineArgs
 from llmctl.engine.errors import InvalidRequestError, PromptTooLongError
 from llmctl.engine.executor.base import Executor
 from llmctl.engine.model_runner_output import ModelRunnerOutput

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from llmctl.engine.async_llm import AsyncLLM
-from llmctl.engine.config import EngineArgs
+from llmctl.engine.engine_args import EngineArgs
 from llmctl.engine.errors import LLMCtlError
 from llmctl.engine.server.errors import error_response, response_for
 from llmctl.engine.server.http_server import HttpServer, guarded_protocol

@@ -1,0 +1,379 @@
+"""EngineArgs: everything a user may set, each option declared once, with its command line.
+
+A field that is a command-line option carries an `OptionSpec` in its metadata (help, panel, vLLM
+aliases such as -tp, bool style, the commands it belongs to), as vLLM's EngineArgs carries its
+argparse options. Everything else is derived from these declarations: the options of `generate`
+and `serve` (cli/engine_options.py), the options `plan` shares with the engine, and the argv that
+gives EngineArgs keywords back to `llmctl serve` (`engine_args_to_argv`, used by the head server).
+Adding an option is adding a field. `create_engine_config()` resolves the fields into the frozen
+per-layer configs of engine/config.py. Torch-free: `llmctl --help` and `llmctl plan` import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmctl.engine.config import (
+    DEFAULT_CPU_KV_CACHE_SPACE_GIB,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEVICES,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    check_layout,
+    checkpoint_dtype,
+    normalize_dtype,
+    parse_layer_partition,
+    resolve_max_model_len,
+    resolve_max_num_batched_tokens,
+)
+from llmctl.engine.errors import ConfigError
+
+# Help panels, and the commands an option can belong to.
+ENGINE = "Engine"
+PARALLEL = "Parallelism"
+SERVER = "Server"
+GENERATE, SERVE, PLAN = "generate", "serve", "plan"
+ENGINE_COMMANDS = (GENERATE, SERVE)  # the commands that start an engine
+PLANNER = (GENERATE, SERVE, PLAN)  # ... and `plan`, whose prediction depends on the option
+
+_OPTION = "llmctl.option"  # the metadata key of a field's OptionSpec
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """How an EngineArgs field appears on the command line, as --field-name (underscores become
+    dashes). A field without one is a keyword of LLM(...) only."""
+
+    help: str
+    panel: str | None = ENGINE  # the --help panel; None: the command's plain Options
+    aliases: tuple[str, ...] = ()  # vLLM's short names, e.g. ("-tp",)
+    negatable: bool = True  # a bool: --x/--no-x; False: --x alone, which sets True
+    # Help's "(default: ...)": None derives it from the field's default ("enabled" for a true
+    # bool, nothing for a false one); "" prints none.
+    default_help: str | None = None
+    # Give the command the field's default (Typer prints "[default: X]" and the value is always
+    # passed) instead of None, which leaves the engine's default.
+    show_default: bool = False
+    value_type: type | None = None  # the value's type on the command line, when the field's
+    # type is a union of several (pipeline_layer_partition: a str such as "10,11,9")
+    commands: tuple[str, ...] = ENGINE_COMMANDS
+
+
+def option(help: str, *, default: Any, **spec: Any) -> Any:
+    """A field that is a command-line option: `block_size: int = option("...", default=16)`."""
+    return field(default=default, metadata={_OPTION: OptionSpec(help, **spec)})
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user may set, as LLM(...) keywords and CLI flags name it.
+
+    Defaults are the per-layer configs' (as vLLM's EngineArgs takes them). The order of the
+    option fields is their order in --help."""
+
+    model: str | None = None
+    served_model_name: str | None = option(
+        "The model name clients send.",
+        default=None,
+        default_help="the model's name",
+        panel=SERVER,
+        commands=(SERVE,),
+    )
+    dtype: str = option(
+        "auto, float32, bfloat16 or float16.", default="auto", show_default=True, commands=PLANNER
+    )
+    max_model_len: int | None = option(
+        "Longest prompt + completion, in tokens.",
+        default=None,
+        default_help="the model's",
+        commands=PLANNER,
+    )
+    kv_cache_space_gib: float | None = option(
+        "CPU: memory for the KV cache, in GiB.",
+        default=None,
+        default_help=f"{DEFAULT_CPU_KV_CACHE_SPACE_GIB:g}",
+        commands=PLANNER,
+    )
+    gpu_memory_utilization: float = option(
+        "CUDA: fraction of each GPU's memory the engine may use (weights, activations, KV cache: "
+        "the KV cache gets what the others leave).",
+        default=CacheConfig.gpu_memory_utilization,
+        commands=PLANNER,
+    )
+    device: str = option(
+        "auto, cuda or cpu.",
+        default="auto",
+        default_help="auto: cuda when torch sees a GPU, else cpu",
+        commands=PLANNER,
+    )
+    enforce_eager: bool = option(
+        "CUDA: run every step eagerly, without CUDA graphs (slower decode, less memory, no capture "
+        "at start-up). The CPU always runs eagerly.",
+        default=ModelConfig.enforce_eager,
+        negatable=False,
+    )
+    block_size: int = option(
+        "Tokens per KV cache block.", default=CacheConfig.block_size, commands=PLANNER
+    )
+    max_num_seqs: int = option(
+        "Most requests per step.", default=SchedulerConfig.max_num_seqs, commands=PLANNER
+    )
+    max_num_batched_tokens: int | None = option(
+        "Most tokens per step (longer prompts prefill in chunks).",
+        default=None,
+        default_help=f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, or --max-num-seqs if larger",
+        commands=PLANNER,
+    )
+    enable_prefix_caching: bool = option(
+        "Reuse the KV cache of shared prompt prefixes.", default=CacheConfig.enable_prefix_caching
+    )
+    tokenizer: str | None = option(
+        "Directory to load the tokenizer from.", default=None, default_help="MODEL's directory"
+    )
+    skip_tokenizer_init: bool = option(
+        "Load no tokenizer (the model directory needs no tokenizer files): prompts must be token "
+        "ids, outputs carry token ids and no text, stop strings and chat are refused.",
+        default=ModelConfig.skip_tokenizer_init,
+        negatable=False,
+        commands=(SERVE,),
+    )
+    tensor_parallel_size: int = option(
+        "Ranks that split each layer (Megatron-LM tensor parallelism).",
+        default=ParallelConfig.tensor_parallel_size,
+        aliases=("-tp",),
+        panel=PARALLEL,
+        commands=PLANNER,
+    )
+    pipeline_parallel_size: int = option(
+        "Pipeline stages that split the layers.",
+        default=ParallelConfig.pipeline_parallel_size,
+        aliases=("-pp",),
+        panel=PARALLEL,
+        commands=PLANNER,
+    )
+    distributed_executor_backend: str | None = option(
+        "uni, mp or ray.",
+        default=None,  # executor/base.py: choose_backend
+        default_help="mp when this node has a device per rank, else ray; on the CPU, devices are "
+        "LLMCTL_CPU_DEVICES or the cores",
+        panel=PARALLEL,
+    )
+    pipeline_layer_partition: str | tuple[int, ...] | None = option(
+        'Layers per pipeline stage, e.g. "10,11,9".',
+        default=None,
+        default_help="equal shares, the remainder before the last stage",
+        value_type=str,
+        panel=PARALLEL,
+        commands=PLANNER,
+    )
+    seed: int = ModelConfig.seed
+    num_gpu_blocks_override: int | None = None
+    max_concurrent_batches: int | None = None  # default: pipeline_parallel_size
+
+    def __post_init__(self) -> None:
+        # Checks that need no file and no torch, so a typo fails before anything loads.
+        normalize_dtype(self.dtype)
+        if self.device not in DEVICES:
+            raise ConfigError(f"unknown device {self.device!r}", "use --device auto, cpu or cuda")
+        CacheConfig(
+            block_size=self.block_size,
+            kv_cache_space_gib=self.kv_cache_space_gib,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+        )
+        SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or self.max_num_seqs,
+        )
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}",
+                "allow a positive token budget per step",
+            )
+        ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+        )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(
+                f"max_model_len must be at least 1, got {self.max_model_len}",
+                "pass a positive --max-model-len",
+            )
+
+    def create_engine_config(self, progress=None) -> EngineConfig:
+        from llmctl.engine import platform
+        from llmctl.engine.model_loader.source import resolve_model
+        from llmctl.engine.models.registry import check_architecture
+
+        dtype = normalize_dtype(self.dtype)
+        device = platform.resolve_device(self.device)
+        device_config = DeviceConfig(device=device)
+        source = resolve_model(self.model, progress)
+        hf_config = source.load_hf_config()
+        architecture = source.architecture(hf_config)
+        check_architecture(architecture)
+        layer_partition = parse_layer_partition(
+            self.pipeline_layer_partition or os.environ.get("LLMCTL_PP_LAYER_PARTITION")
+        )
+        check_layout(
+            hf_config, self.tensor_parallel_size, self.pipeline_parallel_size, layer_partition
+        )
+        resolved_dtype = platform.resolve_dtype(dtype, device, checkpoint_dtype(hf_config))
+        max_model_len = resolve_max_model_len(hf_config, self.max_model_len)
+        model_config = ModelConfig(
+            model=self.model or "",
+            path=source.path,
+            hf_config=hf_config,
+            architecture=architecture,
+            dtype=resolved_dtype,
+            max_model_len=max_model_len,
+            tokenizer=self.tokenizer or source.path,
+            served_model_name=self.served_model_name or source.display_name,
+            seed=self.seed,
+            skip_tokenizer_init=bool(self.skip_tokenizer_init),
+            enforce_eager=bool(self.enforce_eager),
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            kv_cache_space_gib=self.kv_cache_space_gib,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=resolve_max_num_batched_tokens(
+                self.max_num_batched_tokens, self.max_num_seqs
+            ),
+            max_model_len=max_model_len,
+            max_concurrent_batches=self.max_concurrent_batches or self.pipeline_parallel_size,
+        )
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+            pipeline_layer_partition=layer_partition,
+        )
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            parallel_config=parallel_config,
+            device_config=device_config,
+        )
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """One command-line option of an EngineArgs field, resolved from its OptionSpec."""
+
+    name: str  # the field: the keyword of EngineArgs
+    spec: OptionSpec
+    default: Any  # the field's default
+    value_type: type  # of the value on the command line (bool for a flag)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def param_decls(self) -> tuple[str, ...]:
+        """The names to declare, in Click's spelling (a bool as "--x/--no-x", or "--x")."""
+        if self.value_type is bool and self.spec.negatable:
+            return (f"{self.flag}/--no-{self.flag[2:]}", *self.spec.aliases)
+        return (self.flag, *self.spec.aliases)
+
+    @property
+    def help(self) -> str:
+        if self.spec.show_default:
+            return self.spec.help  # Typer prints "[default: X]"
+        text = self.spec.default_help
+        if text is None:
+            text = _default_text(self.default)
+        return f"{self.spec.help} (default: {text})" if text else self.spec.help
+
+    def argv(self, value: Any, alias: bool = False) -> list[str]:
+        """The flags that give `value` (None gives nothing: the engine's default), under the
+        first alias with `alias` (-tp 2)."""
+        if value is None:
+            return []
+        if self.value_type is bool:
+            if value:
+                return [self.flag]
+            return [f"--no-{self.flag[2:]}"] if self.spec.negatable else []
+        if isinstance(value, (tuple, list)):
+            value = ",".join(str(v) for v in value)
+        flag = self.spec.aliases[0] if alias and self.spec.aliases else self.flag
+        return [flag, str(value)]
+
+
+def cli_options(
+    command: str | None = None, args_class: type = EngineArgs
+) -> tuple[EngineOption, ...]:
+    """The command-line options of `args_class` (EngineArgs, or a dataclass extending it), in
+    field order: those of `command` ("generate", "serve", "plan"), or all."""
+    hints = typing.get_type_hints(args_class)
+    options = []
+    for f in dataclasses.fields(args_class):
+        spec = f.metadata.get(_OPTION)
+        if spec is None or (command is not None and command not in spec.commands):
+            continue
+        value_type = spec.value_type or _value_type(f.name, hints[f.name])
+        if value_type is bool and not spec.negatable and f.default is not False:
+            raise TypeError(f"{f.name}: a flag without --no-{f.name} needs the default False")
+        options.append(EngineOption(f.name, spec, f.default, value_type))
+    return tuple(options)
+
+
+def engine_args_to_argv(
+    kwargs: Mapping[str, Any], args_class: type = EngineArgs, *, aliases: bool = False
+) -> list[str]:
+    """The command-line flags that give these EngineArgs keywords to `llmctl serve` (or
+    `generate`), in field order; a None value is left out (the engine's default). `aliases`
+    spells an option by its vLLM alias where it has one (-tp 2)."""
+    by_name = {o.name: o for o in cli_options(args_class=args_class)}
+    unknown = sorted(set(kwargs) - set(by_name))
+    if unknown:
+        raise ValueError(f"no command-line flag for {', '.join(unknown)}")
+    return [
+        arg
+        for name, o in by_name.items()
+        if name in kwargs
+        for arg in o.argv(kwargs[name], alias=aliases)
+    ]
+
+
+def engine_default(name: str) -> Any:
+    """EngineArgs' default for a field (for the planner's options that mirror the engine's)."""
+    return _FIELDS[name].default
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(EngineArgs)}
+
+
+def _value_type(name: str, hint: Any) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if len(args) != 1:
+            raise TypeError(f"{name}: give the OptionSpec a value_type for {hint}")
+        return args[0]
+    return hint
+
+
+def _default_text(default: Any) -> str:
+    if isinstance(default, bool):
+        return "enabled" if default else ""
+    if default is None or default is dataclasses.MISSING:
+        return ""
+    return f"{default:g}" if isinstance(default, float) else str(default)
