@@ -76,7 +76,7 @@ class LLMEngine:
             raise
         self._log_kv_cache()
         self.scheduler = Scheduler(engine_config.scheduler_config, cc, self.num_blocks)
-        # The pipeline's batches in flight: one per stage unless --max-concurrent-batches says.
+        # The pipeline's batches in flight: one per stage unless max_concurrent_batches says.
         sc = engine_config.scheduler_config
         self.batch_queue = BatchQueue(self.executor, sc.max_concurrent_batches)
         self.output_processor = OutputProcessor(self.tokenizer)
