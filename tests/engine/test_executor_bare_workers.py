@@ -1,0 +1,59 @@
+"""The executors' bare workers (an EngineConfig without a model): the caller joins the world
+through collective_rpc; a worker that dies or a call that runs out of time stops every worker
+and names the rank, whatever the wall clock."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from support import live_pids
+
+from llmctl.cluster.collective_check import check_config, join
+from llmctl.engine.errors import EngineDeadError, WorkerError, WorkerTimeoutError
+from llmctl.engine.executor.base import Executor
+
+
+def _bare(world_size: int, **kwargs) -> Executor:
+    config = check_config(world_size, "gloo", "mp")
+    return Executor.get_class(config)(config, **kwargs)
+
+
+def test_bare_workers_join_the_world_without_a_model():
+    before = live_pids(parent=os.getpid())
+    executor = _bare(2)
+    try:
+        joined = executor.collective_rpc(join, (None,))
+        assert [pid for _, pid in joined] == executor.pids
+        infos = executor.rank_info()
+        assert [(i["rank"], i["layers"], i["weight_bytes"]) for i in infos] == [
+            (0, None, 0),
+            (1, None, 0),
+        ]
+    finally:
+        executor.shutdown()
+    assert live_pids(parent=os.getpid()) - before == set()
+
+
+def test_a_killed_worker_is_named_and_every_worker_stopped():
+    before = live_pids(parent=os.getpid())
+    executor = _bare(2)
+    executor.collective_rpc(join, (None,))
+    os.kill(executor.pids[1], signal.SIGKILL)
+    with pytest.raises(WorkerError) as err:
+        executor.collective_rpc("check_health")
+    assert err.value.rank == 1 and err.value.reason == "was killed by SIGKILL"
+    assert "worker rank 1" in err.value.message
+    assert live_pids(parent=os.getpid()) - before == set()  # rank 0 was stopped too
+    with pytest.raises(EngineDeadError):
+        executor.collective_rpc("check_health")
+
+
+def test_workers_not_started_in_time_are_named_with_the_limit():
+    before = live_pids(parent=os.getpid())
+    with pytest.raises(WorkerTimeoutError) as err:
+        _bare(2, start_timeout_s=0.01)  # no interpreter imports torch within 10 ms
+    assert err.value.pending_ranks == (0, 1)
+    assert "worker ranks [0, 1]" in err.value.message and "within 0.01 s" in err.value.message
+    assert live_pids(parent=os.getpid()) - before == set()
