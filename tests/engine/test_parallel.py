@@ -118,7 +118,7 @@ def test_per_rank_weights_shrink_with_tp(tiny_models):
     assert sizes[2] <= 0.55 * sizes[1]
 
 
-def test_killed_worker_raises_within_10_seconds(tiny_models):
+def test_killed_worker_raises_at_the_next_step(tiny_models):
     before = child_pids()
     llm = LLM(
         str(tiny_models.path("llama")),
@@ -134,11 +134,14 @@ def test_killed_worker_raises_within_10_seconds(tiny_models):
     for _ in range(3):
         engine.step()
     os.kill(pids[1], signal.SIGKILL)
-    start = time.monotonic()
+    steps = 0
     with pytest.raises(EngineDeadError) as err:
-        while True:
+        while engine.has_unfinished_requests():
+            steps += 1
             engine.step()
-    assert time.monotonic() - start < 10
+    # Noticed by its process's sentinel at the next step (a step the kill may race with at
+    # most), not by rank 0's collective timing out; the requests had ~197 tokens to go.
+    assert steps <= 2
     assert "rank 1" in err.value.message and "SIGKILL" in err.value.message
     assert child_pids() <= before  # the surviving worker was stopped too
     with pytest.raises(EngineDeadError):
