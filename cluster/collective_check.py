@@ -297,6 +297,13 @@ def check_config(world_size: int, backend: str, executor_backend: str, placement
     )
 
 
+def start_workers(config, timeout_s: float):
+    """The executor its config names (mp or Ray) with bare workers started within `timeout_s`."""
+    from llmctl.engine.executor.base import Executor
+
+    return Executor.get_class(config)(config, start_timeout_s=timeout_s)
+
+
 def run_local(
     world_size: int = 2,
     backend: str = "gloo",
@@ -308,12 +315,10 @@ def run_local(
     _validate(world_size, backend, timeout_s)
     if backend == "nccl":
         _need_cuda(world_size)
-    from llmctl.engine.executor.base import Executor
-
     config = check_config(world_size, backend, "mp")
 
     def start(timeout: float):
-        return Executor.get_class(config)(config, start_timeout_s=timeout)
+        return start_workers(config, timeout)
 
     nodes = [socket.gethostname()] * world_size
     log_dir = tempfile.mkdtemp(prefix="llmctl-nccl-") if backend == "nccl" else None

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmctl.cluster.collective_check import check_config, run_check
+from llmctl.cluster.collective_check import check_config, run_check, start_workers
 from llmctl.cluster.collective_report import CollectiveReport
 from llmctl.cluster.errors import RayClusterError
 from llmctl.cluster.node_facts import NodeReport, collect_local_report, distinct_names
@@ -120,11 +120,9 @@ def run_on_ray(
 
 def _start(backend: str, world_size: int, pg, timeout_s: float):
     """The Ray executor's bare workers, rank i in bundle i of the doctor's group."""
-    from llmctl.engine.executor.ray import RayExecutor
-
     config = check_config(world_size, backend, "ray", placement_group=pg)
     try:
-        return RayExecutor(config, start_timeout_s=timeout_s)
+        return start_workers(config, timeout_s)
     except WorkerTimeoutError:
         raise _no_answer(timeout_s) from None
 

@@ -118,7 +118,9 @@ class MultiprocExecutor(Executor):
             self.shutdown()
             raise
         self.pids = [p.pid for p in self.processes]
-        logger.info(
+        # Bare workers (no model) are a tool's (llmctl doctor), which reports them itself.
+        log = logger.info if self.engine_config.model_config is not None else logger.debug
+        log(
             "Started %d worker processes (tp=%d, pp=%d), pids %s",
             self.world_size,
             pc.tensor_parallel_size,

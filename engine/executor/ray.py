@@ -177,8 +177,10 @@ class RayExecutor(Executor):
             for rank, actor in enumerate(self.actors)
         ]
         self.pids = self._get(refs, progress=progress, starting=True, timeout=self.start_timeout_s)
+        # Bare workers (no model) are a tool's (llmctl doctor), which reports them itself.
+        log = logger.info if self.engine_config.model_config is not None else logger.debug
         for rank, (ip, pid) in enumerate(zip(self.node_ips, self.pids, strict=True)):
-            logger.info("Ray worker rank %d on node %s, pid %d", rank, ip, pid)
+            log("Ray worker rank %d on node %s, pid %d", rank, ip, pid)
 
     def collective_rpc_async(
         self, method: str | Callable, args: tuple = (), kwargs: dict | None = None
