@@ -10,13 +10,27 @@ import signal
 import pytest
 from support import live_pids
 
-from llmctl.cluster.collective_check import check_config, join
+from llmctl.engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from llmctl.engine.errors import EngineDeadError, WorkerError, WorkerTimeoutError
 from llmctl.engine.executor.base import Executor
 
 
 def _bare(world_size: int, **kwargs) -> Executor:
-    config = check_config(world_size, "gloo", "mp")
+    config = EngineConfig(
+        model_config=None,
+        cache_config=CacheConfig(),
+        scheduler_config=SchedulerConfig(),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=world_size, distributed_executor_backend="mp"
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
     return Executor.get_class(config)(config, **kwargs)
 
 
@@ -24,13 +38,13 @@ def test_bare_workers_join_the_world_without_a_model():
     before = live_pids(parent=os.getpid())
     executor = _bare(2)
     try:
-        joined = executor.collective_rpc(join, (None,))
-        assert [pid for _, pid in joined] == executor.pids
-        infos = executor.rank_info()
-        assert [(i["rank"], i["layers"], i["weight_bytes"]) for i in infos] == [
-            (0, None, 0),
-            (1, None, 0),
+        before_join = executor.rank_info()
+        assert [(i["rank"], i["pid"], i["layers"]) for i in before_join] == [
+            (0, executor.pids[0], None),
+            (1, executor.pids[1], None),
         ]
+        # Returns once both ranks joined the world (init_process_group waits for all of them).
+        assert executor.collective_rpc("init_device", timeout=60) == [None, None]
     finally:
         executor.shutdown()
     assert live_pids(parent=os.getpid()) - before == set()
@@ -39,7 +53,7 @@ def test_bare_workers_join_the_world_without_a_model():
 def test_a_killed_worker_is_named_and_every_worker_stopped():
     before = live_pids(parent=os.getpid())
     executor = _bare(2)
-    executor.collective_rpc(join, (None,))
+    executor.collective_rpc("init_device")
     os.kill(executor.pids[1], signal.SIGKILL)
     with pytest.raises(WorkerError) as err:
         executor.collective_rpc("check_health")
