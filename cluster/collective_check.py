@@ -2,7 +2,7 @@
 
 The executors start bare workers (an EngineConfig without a model): `run_local` one process per
 rank on 127.0.0.1 (the mp executor), ray_doctor one Ray actor per node (the Ray executor). The
-check then runs on them through `collective_rpc`, one step per stage of STAGES:
+check then runs on them through `collective_rpc`, one step per stage (collective_report.STAGES):
 
     rendezvous   `join`: NCCL's log switched on, then the worker's own init_device
     warm-up      `warm_up`: a few all-reduces at every size
@@ -16,7 +16,7 @@ NCCL chose (nccl_log.parse_nccl_transport).
 
 `timeout_s` bounds the whole check, the workers' start included. A step that a rank does not
 finish in time, or that kills a rank or raises on it, ends the check: the executor stops every
-worker (processes, or actors and their placement group), and the report names the ranks that
+worker (its processes, or its actors), and the report names the ranks that
 were behind and their stage (ranks that finished a step wait in the next one), or the rank that
 failed. Torch is imported only on the workers.
 """
@@ -24,6 +24,7 @@ failed. Torch is imported only on the workers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 import socket
@@ -210,13 +211,6 @@ def _links(torch, dist, rank: int, world: int, device, sync) -> tuple[LinkResult
 
 # -- the driver: the steps in order, on workers an executor started ------------------------------
 
-STEPS = (
-    ("rendezvous", join),
-    ("warm-up", warm_up),
-    ("all-reduce", time_all_reduce),
-    ("links", time_links),
-)
-
 
 def run_check(
     start: Callable[[float], Any],
@@ -244,15 +238,20 @@ def run_check(
         executor = start(timeout_s)
     except (WorkerError, WorkerTimeoutError) as exc:
         return failed(exc, None, "rendezvous")
+    steps = (  # (stage, the step, its arguments), in STAGES order
+        ("rendezvous", join, (log_dir,)),
+        ("warm-up", warm_up, (tuple(sizes),)),
+        ("all-reduce", time_all_reduce, (tuple(sizes),)),
+        ("links", time_links, (log_dir,)),
+    )
     try:
         replies: list[list] = []
-        arguments = ((log_dir,), (tuple(sizes),), (tuple(sizes),), (log_dir,))
-        for i, ((stage, step), args) in enumerate(zip(STEPS, arguments, strict=True)):
+        for i, (stage, step, args) in enumerate(steps):
             remaining = max(0.0, deadline - time.monotonic())
             try:
                 replies.append(executor.collective_rpc(step, args, timeout=remaining))
             except (WorkerError, WorkerTimeoutError) as exc:
-                next_stage = STEPS[i + 1][0] if i + 1 < len(STEPS) else "done"
+                next_stage = steps[i + 1][0] if i + 1 < len(steps) else "done"
                 return failed(exc, stage, next_stage)
     finally:
         executor.shutdown()
@@ -316,15 +315,17 @@ def run_local(
     if backend == "nccl":
         _need_cuda(world_size)
     config = check_config(world_size, backend, "mp")
-
-    def start(timeout: float):
-        return start_workers(config, timeout)
-
     nodes = [socket.gethostname()] * world_size
     log_dir = tempfile.mkdtemp(prefix="llmctl-nccl-") if backend == "nccl" else None
     try:
         return run_check(
-            start, backend, nodes, "127.0.0.1", timeout_s, sizes=sizes, log_dir=log_dir
+            functools.partial(start_workers, config),
+            backend,
+            nodes,
+            "127.0.0.1",
+            timeout_s,
+            sizes=sizes,
+            log_dir=log_dir,
         )
     finally:
         if log_dir is not None:
