@@ -9,6 +9,7 @@ to every worker:
     engine -> worker   ("job", engine_config, rank, init_method, num_threads)   first, once
                        (its hf_config an HFConfigView: no transformers import in the worker)
                        ("call", call_id, method, args, kwargs)  |  ("shutdown",)
+                       (method: a Worker method's name, or a function given the worker)
     worker -> engine   ("ready", rank, pid)                      once the model is loaded
                                                                  (bare workers: once started)
                        ("init_error", rank, exception, traceback)

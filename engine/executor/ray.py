@@ -87,7 +87,9 @@ class RayExecutor(Executor):
         if not ray.is_initialized():
             self._started_ray = _connect_or_start_ray(self.world_size)
         resource = self._bundle_resource(ray)
-        current = pc.placement_group or ray.util.get_current_placement_group()
+        current = pc.placement_group
+        if current is None:
+            current = ray.util.get_current_placement_group()
         if current is not None:
             pg, self._own_pg = current, False
         else:
