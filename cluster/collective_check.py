@@ -1,46 +1,38 @@
-"""The all-reduce sanity check of the troubleshooting docs: one rank, and the local driver.
+"""The all-reduce sanity check of the troubleshooting docs, run on the engine's own workers.
 
-One rank (`run_rank`) joins the world over `tcp://master:port`, warms up, times all_reduce at a
-few sizes (4 B for latency, then MiBs for bandwidth), checks the sums, then measures each link
-between rank 0 and every other rank with send/recv ping-pongs. Its RankResult and the gathered
-CollectiveReport are in collective_report (bandwidths as nccl-tests define them).
+The executors start bare workers (an EngineConfig without a model): `run_local` one process per
+rank on 127.0.0.1 (the mp executor), ray_doctor one Ray actor per node (the Ray executor). The
+check then runs on them through `collective_rpc`, one step per stage (collective_report.STAGES):
 
-With NCCL, the rank logs NCCL_DEBUG=TRACE to a file and reads back the transport NCCL chose
-(nccl_log.parse_nccl_transport).
+    rendezvous   `join`: NCCL's log switched on, then the worker's own init_device
+    warm-up      `warm_up`: a few all-reduces at every size
+    all-reduce   `time_all_reduce`: the sums checked, then all_reduce timed at a few sizes
+                 (4 B for latency, then MiBs for bandwidth)
+    links        `time_links`: rank 0 ping-pongs with every other rank over send/recv
 
-Two drivers gather the ranks' results into one CollectiveReport:
-  run_local(world_size)  here: one process per rank on 127.0.0.1, like the mp executor's workers:
-                         fresh interpreters on a socketpair, dying with this process.
-  run_on_ray()           ray_doctor: one actor per alive node of the Ray cluster.
-Both stop every rank (kill the processes, kill the actors and remove the group) on success,
-failure or timeout; a timeout names the ranks that were behind and the stage they were in.
+RankResult and the gathered CollectiveReport are in collective_report (bandwidths as nccl-tests
+define them). With NCCL, each rank logs NCCL_DEBUG=TRACE to a file and reads back the transport
+NCCL chose (nccl_log.parse_nccl_transport).
 
-Protocol of a local rank process (Connection: framed pickles over one end of a socketpair):
-
-    driver -> rank   ("job", RankJob)                        once
-    rank -> driver   ("stage", rank, name)                   at each stage in STAGES order
-                     ("result", rank, RankResult) | ("error", rank, message, traceback)
-
-Torch is imported only inside a rank.
+`timeout_s` bounds the whole check, the workers' start included. A step that a rank does not
+finish in time, or that kills a rank or raises on it, ends the check: the executor stops every
+worker (its processes, or its actors), and the report names the ranks that
+were behind and their stage (ranks that finished a step wait in the next one), or the rank that
+failed. Torch is imported only on the workers.
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
+import dataclasses
+import functools
 import os
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
-from multiprocessing.connection import Connection, wait
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from llmctl.cluster.collective_report import (
     CollectiveReport,
@@ -53,17 +45,12 @@ from llmctl.cluster.collective_report import (
     merge_results,
 )
 from llmctl.cluster.nccl_log import parse_nccl_channels, parse_nccl_transport, weakest
-from llmctl.engine.errors import ConfigError
-from llmctl.engine.executor.multiproc import describe_exit, die_with_parent, free_port
-
-logger = logging.getLogger("llmctl")
+from llmctl.engine.errors import ConfigError, WorkerError, WorkerTimeoutError
 
 SIZES = (4, 1 * MiB, 16 * MiB)  # bytes per all-reduce: latency, then bandwidth
 LINK_BYTES = 4 * MiB
 LATENCY_ITERS = 20
 WARMUP_ITERS = 2
-POLL_S = 0.5  # how often a driver looks at the ranks' progress and the deadline
-_KILL_GRACE_S = 1.0
 
 
 def iterations(size_bytes: int) -> int:
@@ -73,114 +60,108 @@ def iterations(size_bytes: int) -> int:
     return 10 if size_bytes <= 2 * MiB else 5
 
 
-# -- one rank ------------------------------------------------------------------------------------
+# -- the steps, each run on every worker by collective_rpc (the worker comes first) --------------
 
 
-@dataclass(frozen=True)
-class RankJob:
-    rank: int
-    world_size: int
-    init_method: str  # tcp://master:port
-    backend: str  # "gloo" or "nccl"
-    timeout_s: float
-    local_rank: int = 0  # the CUDA device index on its node (NCCL)
-    sizes: tuple[int, ...] = SIZES
-    log_dir: str | None = None  # where NCCL's log goes (a temporary directory if None)
-    threads: int | None = None  # torch threads; None: torch's default for the machine
-
-
-def run_rank(job: RankJob, on_stage: Callable[[str], None] = lambda _: None) -> RankResult:
-    """Run the check as one rank; every rank of the world must call it with the same sizes."""
-    on_stage("starting")
-    log_path = None
-    if job.backend == "nccl":
-        log_path = Path(job.log_dir or tempfile.mkdtemp(prefix="llmctl-nccl-"))
-        log_path = log_path / f"nccl.rank{job.rank}.log"
+def join(worker: Any, log_dir: str | None) -> tuple[str, int]:
+    """Join the world through the worker's init_device (Gloo on the CPU, NCCL on CUDA); returns
+    this rank's node and pid. With NCCL, its log goes to `log_dir` (a temporary directory if
+    None)."""
+    if worker.config.device_config.device == "cuda":
+        log_path = Path(log_dir or tempfile.mkdtemp(prefix="llmctl-nccl-"))
         # Read once, at NCCL's first call in this process: set before the process group exists.
         # Release builds log TRACE as INFO; the 'Channel ... via' lines are in INIT.
         os.environ["NCCL_DEBUG"] = "TRACE"
         os.environ["NCCL_DEBUG_SUBSYS"] = "INIT,ENV,NET"
-        os.environ["NCCL_DEBUG_FILE"] = str(log_path)
+        os.environ["NCCL_DEBUG_FILE"] = str(log_path / f"nccl.rank{worker.rank}.log")
+    worker.init_device()
+    if worker.config.parallel_config.world_size == 1:  # init_device joins no world of one
+        from llmctl.engine.distributed import parallel_state
+
+        backend = "nccl" if worker.config.device_config.device == "cuda" else "gloo"
+        parallel_state.init_distributed_environment(1, 0, worker.distributed_init_method, backend)
+    return socket.gethostname(), os.getpid()
+
+
+def _device(worker: Any) -> tuple[Any, Callable[[], None]]:
+    import torch
+
+    if worker.config.device_config.device == "cuda":
+        return torch.device("cuda", worker.local_rank), torch.cuda.synchronize
+    return torch.device("cpu"), lambda: None
+
+
+def warm_up(worker: Any, sizes: Sequence[int]) -> None:
     import torch
     import torch.distributed as dist
 
-    from llmctl.engine.distributed import parallel_state
+    device, sync = _device(worker)
+    for size in sizes:
+        buffer = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
+        for _ in range(WARMUP_ITERS):
+            dist.all_reduce(buffer)
+    sync()
 
-    if job.threads is not None:
-        torch.set_num_threads(job.threads)
-    if job.backend == "nccl":
-        torch.cuda.set_device(job.local_rank)
-        device = torch.device("cuda", job.local_rank)
-        sync = torch.cuda.synchronize
-    else:
-        device = torch.device("cpu")
 
-        def sync() -> None:
-            pass
+def time_all_reduce(
+    worker: Any, sizes: Sequence[int]
+) -> tuple[tuple[SizeResult, ...], tuple[int, ...]]:
+    """Each size's timing (the slowest rank's), and the sizes whose sum was wrong on this rank."""
+    import torch
+    import torch.distributed as dist
 
-    on_stage("rendezvous")
-    parallel_state.init_distributed_environment(
-        job.world_size, job.rank, job.init_method, job.backend, timeout_s=job.timeout_s
-    )
-    try:
-        on_stage("warm-up")
-        world = job.world_size
-        for size in job.sizes:
-            buffer = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
-            for _ in range(WARMUP_ITERS):
-                dist.all_reduce(buffer)
-        sync()
-        on_stage("all-reduce")
-        sizes, wrong = [], []
-        for size in job.sizes:
-            if not _sum_is_exact(torch, dist, size, job.rank, world, device):
-                wrong.append(size)
-            buffer = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
-            n = iterations(size)
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(n):
-                dist.all_reduce(buffer)
-            sync()
-            elapsed = _slowest(torch, dist, time.perf_counter() - start, device)
-            per_call = elapsed / n
-            algbw = size / per_call / 1e9
-            sizes.append(SizeResult(size, n, per_call * 1e6, algbw, bus_bandwidth(algbw, world)))
-        on_stage("links")
-        links = _links(torch, dist, job.rank, world, device, sync)
+    device, sync = _device(worker)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results, wrong = [], []
+    for size in sizes:
+        if not _sum_is_exact(torch, dist, size, rank, world, device):
+            wrong.append(size)
+        buffer = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
+        n = iterations(size)
         dist.barrier()
-        on_stage("done")
-    finally:
-        parallel_state.destroy_distributed_environment()
-    transport, lines = None, ()
-    if log_path is not None and log_path.exists():
-        text = log_path.read_text(errors="replace")
-        if job.log_dir is None:
-            shutil.rmtree(log_path.parent, ignore_errors=True)
-        transport = parse_nccl_transport(text)
-        channels = parse_nccl_channels(text)
-        links = tuple(
-            replace(
-                link,
-                transport=weakest(
-                    c.transport for c in channels if {c.src, c.dst} == {0, link.dst_rank}
-                ),
-            )
-            for link in links
+        start = time.perf_counter()
+        for _ in range(n):
+            dist.all_reduce(buffer)
+        sync()
+        elapsed = _slowest(torch, dist, time.perf_counter() - start, device)
+        per_call = elapsed / n
+        algbw = size / per_call / 1e9
+        results.append(SizeResult(size, n, per_call * 1e6, algbw, bus_bandwidth(algbw, world)))
+    return tuple(results), tuple(wrong)
+
+
+def time_links(
+    worker: Any, log_dir: str | None
+) -> tuple[tuple[LinkResult, ...], str | None, tuple[str, ...]]:
+    """Rank 0's links (empty on the others), and with NCCL the transport this rank's log names,
+    each link's transport and the log's transport lines. Removes a log not in `log_dir`."""
+    import torch
+    import torch.distributed as dist
+
+    device, sync = _device(worker)
+    links = _links(torch, dist, dist.get_rank(), dist.get_world_size(), device, sync)
+    dist.barrier()
+    log_file = os.environ.get("NCCL_DEBUG_FILE")
+    if worker.config.device_config.device != "cuda" or not log_file:
+        return links, None, ()
+    log_path = Path(log_file)
+    if not log_path.exists():
+        return links, None, ()
+    text = log_path.read_text(errors="replace")
+    if log_dir is None:
+        shutil.rmtree(log_path.parent, ignore_errors=True)
+    channels = parse_nccl_channels(text)
+    links = tuple(
+        dataclasses.replace(
+            link,
+            transport=weakest(
+                c.transport for c in channels if {c.src, c.dst} == {0, link.dst_rank}
+            ),
         )
-        lines = tuple(
-            line for line in text.splitlines() if " via " in line or "Using network" in line
-        )
-    return RankResult(
-        rank=job.rank,
-        node=socket.gethostname(),
-        pid=os.getpid(),
-        sizes=tuple(sizes),
-        links=links,
-        wrong_sizes=tuple(wrong),
-        transport=transport,
-        nccl_lines=lines[:64],
+        for link in links
     )
+    lines = tuple(line for line in text.splitlines() if " via " in line or "Using network" in line)
+    return links, parse_nccl_transport(text), lines[:64]
 
 
 def _sum_is_exact(torch, dist, size: int, rank: int, world: int, device) -> bool:
@@ -228,7 +209,98 @@ def _links(torch, dist, rank: int, world: int, device, sync) -> tuple[LinkResult
     return tuple(links)
 
 
-# -- local driver: one process per rank -----------------------------------------------------------
+# -- the driver: the steps in order, on workers an executor started ------------------------------
+
+
+def run_check(
+    start: Callable[[float], Any],
+    backend: str,
+    nodes: Sequence[str],
+    master: str,
+    timeout_s: float,
+    *,
+    sizes: Sequence[int] = SIZES,
+    log_dir: str | None = None,
+) -> CollectiveReport:
+    """The check on the bare workers `start(timeout_s)` returns (an Executor, rank i on
+    `nodes[i]`); every worker is stopped at the end, however it ends."""
+    world = len(nodes)
+    deadline = time.monotonic() + timeout_s
+
+    def failed(exc: Exception, stage: str | None, next_stage: str) -> CollectiveReport:
+        if isinstance(exc, WorkerTimeoutError):
+            stages = [stage if r in exc.pending_ranks else next_stage for r in range(world)]
+            return failure_report(backend, nodes, stages, master, timeout_s=timeout_s)
+        stages = [stage] * world
+        return failure_report(backend, nodes, stages, master, rank_error=(exc.rank, exc.reason))
+
+    try:
+        executor = start(timeout_s)
+    except (WorkerError, WorkerTimeoutError) as exc:
+        return failed(exc, None, "rendezvous")
+    steps = (  # (stage, the step, its arguments), in STAGES order
+        ("rendezvous", join, (log_dir,)),
+        ("warm-up", warm_up, (tuple(sizes),)),
+        ("all-reduce", time_all_reduce, (tuple(sizes),)),
+        ("links", time_links, (log_dir,)),
+    )
+    try:
+        replies: list[list] = []
+        for i, (stage, step, args) in enumerate(steps):
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                replies.append(executor.collective_rpc(step, args, timeout=remaining))
+            except (WorkerError, WorkerTimeoutError) as exc:
+                next_stage = steps[i + 1][0] if i + 1 < len(steps) else "done"
+                return failed(exc, stage, next_stage)
+    finally:
+        executor.shutdown()
+    results = [
+        RankResult(
+            rank=rank,
+            node=node,
+            pid=pid,
+            sizes=timed[0],
+            links=linked[0],
+            wrong_sizes=timed[1],
+            transport=linked[1],
+            nccl_lines=linked[2],
+        )
+        for rank, ((node, pid), _, timed, linked) in enumerate(zip(*replies, strict=True))
+    ]
+    return merge_results(backend, nodes, results)
+
+
+def check_config(world_size: int, backend: str, executor_backend: str, placement_group=None):
+    """The EngineConfig of a world of bare workers: no model; Gloo on the CPU, NCCL on CUDA.
+    One pipeline stage per rank, so ranks may sit on different nodes (tensor-parallel groups
+    may not)."""
+    from llmctl.engine.config import (
+        CacheConfig,
+        DeviceConfig,
+        EngineConfig,
+        ParallelConfig,
+        SchedulerConfig,
+    )
+
+    return EngineConfig(
+        model_config=None,
+        cache_config=CacheConfig(),
+        scheduler_config=SchedulerConfig(),
+        parallel_config=ParallelConfig(
+            pipeline_parallel_size=world_size,
+            distributed_executor_backend=executor_backend,
+            placement_group=placement_group,
+        ),
+        device_config=DeviceConfig("cuda" if backend == "nccl" else "cpu"),
+    )
+
+
+def start_workers(config, timeout_s: float):
+    """The executor its config names (mp or Ray) with bare workers started within `timeout_s`."""
+    from llmctl.engine.executor.base import Executor
+
+    return Executor.get_class(config)(config, start_timeout_s=timeout_s)
 
 
 def run_local(
@@ -237,74 +309,25 @@ def run_local(
     timeout_s: float = 60.0,
     *,
     sizes: Sequence[int] = SIZES,
-    start_ranks: Iterable[int] | None = None,
 ) -> CollectiveReport:
-    """The check with `world_size` processes on this machine (127.0.0.1).
-
-    `timeout_s` bounds the whole run, process start-up included; at the deadline every rank is
-    killed and the report names the ranks that were behind. `start_ranks` (for tests) starts
-    only those ranks: the others never join.
-    """
+    """The check with `world_size` worker processes on this machine (the mp executor)."""
     _validate(world_size, backend, timeout_s)
     if backend == "nccl":
         _need_cuda(world_size)
-    master = "127.0.0.1"
-    init_method = f"tcp://{master}:{free_port()}"
-    started = set(range(world_size) if start_ranks is None else start_ranks)
-    host = socket.gethostname()
-    nodes = [host] * world_size
-    threads = max(1, len(os.sched_getaffinity(0)) // world_size)
-    deadline = time.monotonic() + timeout_s
-    processes: dict[int, subprocess.Popen] = {}
-    conns: dict[int, Connection] = {}
-    sentinels: dict[int, int] = {}
-    stages: list[str | None] = [None] * world_size
-    results: dict[int, RankResult] = {}
+    config = check_config(world_size, backend, "mp")
+    nodes = [socket.gethostname()] * world_size
     log_dir = tempfile.mkdtemp(prefix="llmctl-nccl-") if backend == "nccl" else None
     try:
-        for rank in sorted(started):
-            parent_end, child_end = socket.socketpair()
-            processes[rank] = subprocess.Popen(
-                [sys.executable, "-m", __name__, "--fd", str(child_end.fileno())],
-                pass_fds=[child_end.fileno()],
-                stdin=subprocess.DEVNULL,
-            )
-            child_end.close()
-            sentinels[rank] = os.pidfd_open(processes[rank].pid)
-            conns[rank] = Connection(parent_end.detach())
-            job = RankJob(
-                rank=rank,
-                world_size=world_size,
-                init_method=init_method,
-                backend=backend,
-                timeout_s=timeout_s,
-                local_rank=rank,
-                sizes=tuple(sizes),
-                log_dir=log_dir,
-                threads=threads,
-            )
-            conns[rank].send(("job", job))
-        while len(results) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return failure_report(backend, nodes, stages, master, timeout_s=timeout_s)
-            waiting = [r for r in started if r not in results]
-            ready = wait(
-                [conns[r] for r in waiting] + [sentinels[r] for r in waiting],
-                timeout=min(remaining, POLL_S),
-            )
-            for rank in waiting:
-                if conns[rank] in ready or sentinels[rank] in ready:
-                    failure = _drain(rank, conns[rank], stages, results)
-                    if failure is None and sentinels[rank] in ready and rank not in results:
-                        failure = _exit_reason(processes[rank])
-                    if failure is not None:
-                        return failure_report(
-                            backend, nodes, stages, master, rank_error=(rank, failure)
-                        )
-        return merge_results(backend, nodes, list(results.values()))
+        return run_check(
+            functools.partial(start_workers, config),
+            backend,
+            nodes,
+            "127.0.0.1",
+            timeout_s,
+            sizes=sizes,
+            log_dir=log_dir,
+        )
     finally:
-        _stop(processes.values(), conns.values(), sentinels.values())
         if log_dir is not None:
             shutil.rmtree(log_dir, ignore_errors=True)
 
@@ -337,76 +360,3 @@ def _need_cuda(world_size: int) -> None:
             f"the NCCL check needs {world_size} CUDA devices on this machine; it has {count}",
             "use --backend gloo, or fewer ranks (--world-size)",
         )
-
-
-def _drain(rank: int, conn: Connection, stages: list, results: dict) -> str | None:
-    """Read every waiting message of a rank; returns why it failed, if it says so."""
-    try:
-        while conn.poll():
-            message = conn.recv()
-            if message[0] == "stage":
-                stages[rank] = message[2]
-            elif message[0] == "result":
-                results[rank] = message[2]
-            elif message[0] == "error":
-                logger.debug("rank %d raised:\n%s", rank, message[3])
-                return f"raised {message[2]}"
-    except (EOFError, OSError):
-        pass
-    return None
-
-
-def _exit_reason(process: subprocess.Popen) -> str | None:
-    """Why a rank whose sentinel fired stopped without a result; None if it has not exited."""
-    try:
-        process.wait(timeout=_KILL_GRACE_S)
-    except subprocess.TimeoutExpired:
-        return None
-    return describe_exit(process.returncode)
-
-
-def _stop(processes: Iterable[subprocess.Popen], conns: Iterable, sentinels: Iterable[int]) -> None:
-    """Terminate every rank, kill the ones that linger, reap them all: no orphan survives."""
-    processes = list(processes)
-    for process in processes:
-        if process.poll() is None:
-            process.terminate()
-    deadline = time.monotonic() + _KILL_GRACE_S
-    for process in processes:
-        try:
-            process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    for conn in conns:
-        conn.close()
-    for fd in sentinels:
-        os.close(fd)
-
-
-def _rank_main(fd: int) -> int:
-    die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    conn = Connection(fd)
-    _, job = conn.recv()
-
-    def report_stage(name: str) -> None:
-        conn.send(("stage", job.rank, name))
-
-    try:
-        result = run_rank(job, report_stage)
-    except BaseException as exc:  # report why, then exit: the driver names this rank
-        conn.send(("error", job.rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        return 1
-    conn.send(("result", job.rank, result))
-    return 0
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="llmctl all-reduce check rank (started by doctor)")
-    parser.add_argument("--fd", type=int, required=True)
-    fd = parser.parse_args().fd
-    # Run the module under its import name, so results unpickle as llmctl's classes.
-    from llmctl.cluster import collective_check
-
-    sys.exit(collective_check._rank_main(fd))

@@ -165,6 +165,8 @@ class ParallelConfig:
     pipeline_layer_partition: tuple[int, ...] | None = None
     # Rank of this process (set per worker with dataclasses.replace).
     rank: int = 0
+    # Ray: the group whose bundle i hosts rank i (as vLLM's); None: the executor makes one.
+    placement_group: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -200,7 +202,8 @@ class DeviceConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model_config: ModelConfig
+    # None: the executors start bare workers (no model), e.g. for `llmctl doctor`'s all-reduce.
+    model_config: ModelConfig | None
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig

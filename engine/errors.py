@@ -90,3 +90,26 @@ class RequestBatchError(InvalidRequestError):
 
 class EngineDeadError(LLMCtlError, RuntimeError):
     """A worker process died or the engine loop stopped; in-flight requests cannot finish."""
+
+
+class WorkerError(EngineDeadError):
+    """One worker rank died or raised; the executor stopped every worker. `rank` names it and
+    `reason` says what happened ("was killed by SIGKILL", "raised RuntimeError: ...")."""
+
+    def __init__(
+        self, message: str, hint: str | None = None, *, rank: int = -1, reason: str = ""
+    ) -> None:
+        super().__init__(message, hint)
+        self.rank = rank
+        self.reason = reason
+
+
+class WorkerTimeoutError(EngineDeadError):
+    """Workers did not answer within the time a caller gave; the executor stopped every worker.
+    `pending_ranks` are the ranks that had not answered."""
+
+    def __init__(
+        self, message: str, hint: str | None = None, *, pending_ranks: tuple[int, ...] = ()
+    ) -> None:
+        super().__init__(message, hint)
+        self.pending_ranks = pending_ranks

@@ -56,6 +56,8 @@ class HFConfigView:
 def for_workers(engine_config: EngineConfig) -> EngineConfig:
     """The engine config as worker processes receive it: its Hugging Face config as a view."""
     model_config = engine_config.model_config
+    if model_config is None:  # bare workers (no model)
+        return engine_config
     view = HFConfigView.of(model_config.hf_config)
     return dataclasses.replace(
         engine_config, model_config=dataclasses.replace(model_config, hf_config=view)

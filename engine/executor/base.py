@@ -1,7 +1,13 @@
 """The executor contract: run a method on every worker (`collective_rpc`) and collect results.
 
 Backends: `uni` (the worker in this process), `mp` (one process per rank) and `ray` (one actor per
-rank). `Executor.get_class` picks one as vLLM's documentation says: `mp` when not inside a Ray
+rank). `method` is a Worker method's name, or (as in vLLM) a function called on each worker with
+the worker first: `collective_rpc(fn, args)` runs `fn(worker, *args)` on every rank. An
+EngineConfig without a model config starts bare workers: no device, no distributed environment,
+no model; the caller runs `init_device` and what it measures through `collective_rpc` (`llmctl
+doctor`'s all-reduce check).
+
+`Executor.get_class` picks a backend as vLLM's documentation says: `mp` when not inside a Ray
 placement group and this node has a device for every rank, otherwise `ray`. Ray is imported only
 when the Ray backend is used.
 
@@ -14,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from llmctl.engine.config import EngineConfig, ParallelConfig
@@ -28,7 +35,9 @@ CPU_DEVICES_ENV = "LLMCTL_CPU_DEVICES"
 
 
 class Future(Protocol):
-    def result(self) -> Any: ...
+    def result(self, timeout: float | None = None) -> Any:
+        """One value per rank; past `timeout` seconds the workers are stopped and
+        WorkerTimeoutError names the ranks that had not answered."""
 
 
 class _OutputOf:
@@ -38,8 +47,8 @@ class _OutputOf:
         self.future = future
         self.rank = rank
 
-    def result(self) -> Any:
-        return self.future.result()[self.rank]
+    def result(self, timeout: float | None = None) -> Any:
+        return self.future.result(timeout)[self.rank]
 
 
 class Done:
@@ -48,8 +57,15 @@ class Done:
     def __init__(self, value: Any) -> None:
         self.value = value
 
-    def result(self) -> Any:
+    def result(self, timeout: float | None = None) -> Any:
         return self.value
+
+
+def run_method(worker: Any, method: str | Callable, args: tuple, kwargs: dict) -> Any:
+    """What a worker runs for a call: its method by name, or a function given the worker."""
+    if callable(method):
+        return method(worker, *args, **kwargs)
+    return getattr(worker, method)(*args, **kwargs)
 
 
 def local_device_count(device: str) -> int:
@@ -115,9 +131,14 @@ def check_local_gpus(parallel_config: ParallelConfig) -> None:
 
 
 class Executor(ABC):
-    def __init__(self, engine_config: EngineConfig, progress=None) -> None:
+    def __init__(
+        self, engine_config: EngineConfig, progress=None, *, start_timeout_s: float | None = None
+    ) -> None:
+        """`start_timeout_s` bounds the workers' start (None: the backend's own limit); past
+        it every worker is stopped and WorkerTimeoutError names the ranks not started."""
         self.engine_config = engine_config
         self.parallel_config = engine_config.parallel_config
+        self.start_timeout_s = start_timeout_s
         self.is_dead = False
         self._init_executor(progress)
 
@@ -141,15 +162,20 @@ class Executor(ABC):
 
     @abstractmethod
     def collective_rpc_async(
-        self, method: str, args: tuple = (), kwargs: dict | None = None
+        self, method: str | Callable, args: tuple = (), kwargs: dict | None = None
     ) -> Future:
         """Start `method` on every worker; the future's result is one value per rank."""
 
     def collective_rpc(
-        self, method: str, args: tuple = (), kwargs: dict | None = None
+        self,
+        method: str | Callable,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        timeout: float | None = None,
     ) -> list[Any]:
-        """Call `method` on every worker; one result per rank, in rank order."""
-        return self.collective_rpc_async(method, args, kwargs).result()
+        """Call `method` on every worker; one result per rank, in rank order. A rank that dies
+        or raises stops every worker (WorkerError names it); so does `timeout`."""
+        return self.collective_rpc_async(method, args, kwargs).result(timeout)
 
     @property
     def output_rank(self) -> int:

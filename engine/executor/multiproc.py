@@ -9,7 +9,9 @@ to every worker:
     engine -> worker   ("job", engine_config, rank, init_method, num_threads)   first, once
                        (its hf_config an HFConfigView: no transformers import in the worker)
                        ("call", call_id, method, args, kwargs)  |  ("shutdown",)
+                       (method: a Worker method's name, or a function given the worker)
     worker -> engine   ("ready", rank, pid)                      once the model is loaded
+                                                                 (bare workers: once started)
                        ("init_error", rank, exception, traceback)
                        ("result", call_id, value)  |  ("error", call_id, exception, traceback)
 
@@ -37,11 +39,19 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from llmctl.engine.errors import ConfigError, EngineDeadError, LLMCtlError
-from llmctl.engine.executor.base import Executor
+from llmctl.engine.distributed.ports import free_port
+from llmctl.engine.errors import (
+    ConfigError,
+    EngineDeadError,
+    LLMCtlError,
+    WorkerError,
+    WorkerTimeoutError,
+)
+from llmctl.engine.executor.base import Executor, run_method
 from llmctl.engine.hf_config_view import for_workers
 
 logger = logging.getLogger("llmctl")
@@ -50,12 +60,6 @@ _POLL_S = 0.5
 _READY_TIMEOUT_S = float(os.environ.get("LLMCTL_WORKER_START_TIMEOUT", "900"))
 _SHUTDOWN_GRACE_S = 5.0
 _PR_SET_PDEATHSIG = 1
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -75,15 +79,14 @@ class _PendingCall:
         self.executor = executor
         self.call_id = call_id
 
-    def result(self) -> list[Any]:
-        return self.executor._collect(self.call_id)
+    def result(self, timeout: float | None = None) -> list[Any]:
+        return self.executor._collect(self.call_id, timeout)
 
 
 class MultiprocExecutor(Executor):
     def _init_executor(self, progress) -> None:
         pc = self.parallel_config
         self.world_size = pc.world_size
-        self.max_concurrent_batches = pc.pipeline_parallel_size
         init_method = f"tcp://127.0.0.1:{free_port()}"
         threads = max(1, len(os.sched_getaffinity(0)) // self.world_size)
         self.processes: list[subprocess.Popen] = []
@@ -115,7 +118,9 @@ class MultiprocExecutor(Executor):
             self.shutdown()
             raise
         self.pids = [p.pid for p in self.processes]
-        logger.info(
+        # Bare workers (no model) are a tool's (llmctl doctor), which reports them itself.
+        log = logger.info if self.engine_config.model_config is not None else logger.debug
+        log(
             "Started %d worker processes (tp=%d, pp=%d), pids %s",
             self.world_size,
             pc.tensor_parallel_size,
@@ -125,13 +130,14 @@ class MultiprocExecutor(Executor):
 
     def _wait_ready(self, progress) -> None:
         pending = set(range(self.world_size))
-        deadline = time.monotonic() + _READY_TIMEOUT_S
+        limit = self.start_timeout_s or _READY_TIMEOUT_S
+        deadline = time.monotonic() + limit
         while pending:
             if time.monotonic() > deadline:
-                raise EngineDeadError(
-                    f"worker ranks {sorted(pending)} did not load the model within "
-                    f"{_READY_TIMEOUT_S:.0f} s",
+                raise WorkerTimeoutError(
+                    f"worker ranks {sorted(pending)} did not load the model within {limit:g} s",
                     "check the worker logs; raise LLMCTL_WORKER_START_TIMEOUT for huge models",
+                    pending_ranks=tuple(sorted(pending)),
                 )
             for rank in self._ready_or_dead(pending):
                 message = self.conns[rank].recv()
@@ -148,11 +154,11 @@ class MultiprocExecutor(Executor):
                 if progress:
                     progress(self.world_size - len(pending), self.world_size, "starting workers")
 
-    def _ready_or_dead(self, ranks: set[int]) -> list[int]:
+    def _ready_or_dead(self, ranks: set[int], poll_s: float = _POLL_S) -> list[int]:
         """Ranks among `ranks` with a message waiting; raises if one of them died."""
         conns = {self.conns[r]: r for r in ranks}
         sentinels = {self.sentinels[r]: r for r in ranks}
-        ready = wait(list(conns) + list(sentinels), timeout=_POLL_S)
+        ready = wait(list(conns) + list(sentinels), timeout=poll_s)
         with_message = [conns[c] for c in ready if c in conns]
         for obj in ready:
             if obj in sentinels and sentinels[obj] not in with_message:
@@ -160,7 +166,7 @@ class MultiprocExecutor(Executor):
         return with_message
 
     def collective_rpc_async(
-        self, method: str, args: tuple = (), kwargs: dict | None = None
+        self, method: str | Callable, args: tuple = (), kwargs: dict | None = None
     ) -> _PendingCall:
         self.check_alive()
         call_id = self._next_call_id
@@ -173,10 +179,16 @@ class MultiprocExecutor(Executor):
                 self._fail(rank)
         return _PendingCall(self, call_id)
 
-    def _collect(self, call_id: int) -> list[Any]:
+    def _collect(self, call_id: int, timeout: float | None = None) -> list[Any]:
         missing = {r for r in range(self.world_size) if call_id not in self._replies[r]}
+        deadline = None if timeout is None else time.monotonic() + timeout
         while missing:
-            for rank in self._ready_or_dead(missing):
+            poll_s = _POLL_S
+            if deadline is not None:
+                poll_s = min(poll_s, deadline - time.monotonic())
+                if poll_s <= 0:
+                    self._time_out(missing, timeout)
+            for rank in self._ready_or_dead(missing, poll_s):
                 try:
                     message = self.conns[rank].recv()
                 except (EOFError, OSError):
@@ -205,10 +217,22 @@ class MultiprocExecutor(Executor):
         what = what or describe_exit(process.returncode)
         self.is_dead = True
         self.shutdown()
-        raise EngineDeadError(
+        raise WorkerError(
             f"worker rank {rank} (pid {process.pid}) {what}; the engine stopped all workers",
             "check the machine's memory (a killed worker is often the OOM killer: dmesg), "
             "then start the engine again",
+            rank=rank,
+            reason=what,
+        )
+
+    def _time_out(self, missing: set[int], timeout: float) -> None:
+        self.is_dead = True
+        self.shutdown()
+        raise WorkerTimeoutError(
+            f"worker ranks {sorted(missing)} did not answer within {timeout:g} s; the engine "
+            "stopped all workers",
+            "check the machine's load, or allow more time",
+            pending_ranks=tuple(sorted(missing)),
         )
 
     def shutdown(self) -> None:
@@ -277,8 +301,9 @@ def _worker_main(fd: int) -> None:
     threading.Thread(target=_read_calls, args=(conn, inbox), daemon=True).start()
     try:
         worker = Worker(engine_config, rank, rank, distributed_init_method=init_method)
-        worker.init_device()
-        worker.load_model()
+        if engine_config.model_config is not None:  # else bare: the caller runs init_device
+            worker.init_device()
+            worker.load_model()
     except BaseException as exc:  # report why, then exit: the engine raises it
         conn.send(("init_error", rank, _picklable(exc), traceback.format_exc()))
         return
@@ -292,7 +317,7 @@ def _worker_main(fd: int) -> None:
             break
         _, call_id, method, args, kwargs = message
         try:
-            reply = ("result", call_id, getattr(worker, method)(*args, **kwargs))
+            reply = ("result", call_id, run_method(worker, method, args, kwargs))
         except BaseException as exc:
             reply = ("error", call_id, _picklable(exc), traceback.format_exc())
         conn.send(reply)

@@ -3,7 +3,9 @@
 Ranks follow the mesh of `ranks.reshape(pp, tp)`: a tensor-parallel group is a row and must sit on
 one node; pipeline stages may span nodes. Bundles ask for a "GPU" each when the cluster has GPUs
 for every rank (real ones, or logical ones declared with `ray start --num-gpus N` on CPU-only
-nodes), otherwise for a "CPU". Actors keep their node's own environment (VLLM_HOST_IP, NCCL and
+nodes), otherwise for a "CPU". A caller may give its own group (`ParallelConfig.placement_group`,
+as in vLLM): rank i's actor then takes the CPUs and GPUs of bundle i, and the group stays the
+caller's. Actors keep their node's own environment (VLLM_HOST_IP, NCCL and
 Gloo interface variables): nothing of the driver's environment is copied to them.
 
 This module is imported only when the Ray backend is chosen; Ray itself is imported here.
@@ -13,13 +15,15 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
+import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from llmctl.engine.distributed import ranks
-from llmctl.engine.errors import ConfigError, EngineDeadError, LLMCtlError
-from llmctl.engine.executor.base import Executor
+from llmctl.engine.distributed.ports import free_port
+from llmctl.engine.errors import ConfigError, LLMCtlError, WorkerError, WorkerTimeoutError
+from llmctl.engine.executor.base import Executor, run_method
 from llmctl.engine.hf_config_view import for_workers
 
 logger = logging.getLogger("llmctl")
@@ -40,9 +44,7 @@ class RayWorker:
         return ray.util.get_node_ip_address()
 
     def free_port(self) -> int:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return free_port("")  # the master's port: other nodes connect to it
 
     def environment(self, names: list[str]) -> dict[str, str | None]:
         return {name: os.environ.get(name) for name in names}
@@ -54,12 +56,13 @@ class RayWorker:
 
         torch.set_num_threads(threads)
         self.worker = Worker(engine_config, rank, local_rank, distributed_init_method=init_method)
-        self.worker.init_device()
-        self.worker.load_model()
+        if engine_config.model_config is not None:  # else bare: the caller runs init_device
+            self.worker.init_device()
+            self.worker.load_model()
         return os.getpid()
 
-    def execute_method(self, method: str, args: tuple, kwargs: dict) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
+    def execute_method(self, method: str | Callable, args: tuple, kwargs: dict) -> Any:
+        return run_method(self.worker, method, args, kwargs)
 
 
 class _RayCall:
@@ -67,8 +70,8 @@ class _RayCall:
         self.executor = executor
         self.refs = refs
 
-    def result(self) -> list[Any]:
-        return self.executor._get(self.refs)
+    def result(self, timeout: float | None = None) -> list[Any]:
+        return self.executor._get(self.refs, timeout=timeout)
 
 
 class RayExecutor(Executor):
@@ -79,12 +82,13 @@ class RayExecutor(Executor):
 
         pc = self.parallel_config
         self.world_size = pc.world_size
-        self.max_concurrent_batches = pc.pipeline_parallel_size
         self._started_ray = False
         if not ray.is_initialized():
             self._started_ray = _connect_or_start_ray(self.world_size)
         resource = self._bundle_resource(ray)
-        current = ray.util.get_current_placement_group()
+        current = pc.placement_group
+        if current is None:
+            current = ray.util.get_current_placement_group()
         if current is not None:
             pg, self._own_pg = current, False
         else:
@@ -106,9 +110,15 @@ class RayExecutor(Executor):
                 )
             actor_class = ray.remote(RayWorker)
             options = {"num_cpus": 1.0} if resource == "CPU" else {"num_gpus": 1.0, "num_cpus": 0}
+            per_rank = [options] * self.world_size
+            if pc.placement_group is not None:
+                per_rank = [
+                    {"num_cpus": b.get("CPU", 0), "num_gpus": b.get("GPU", 0)}
+                    for b in pg.bundle_specs
+                ]
             actors = [
                 actor_class.options(
-                    **options,
+                    **per_rank[i],
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=i
                     ),
@@ -167,12 +177,14 @@ class RayExecutor(Executor):
             )
             for rank, actor in enumerate(self.actors)
         ]
-        self.pids = self._get(refs, progress=progress, starting=True)
+        self.pids = self._get(refs, progress=progress, starting=True, timeout=self.start_timeout_s)
+        # Bare workers (no model) are a tool's (llmctl doctor), which reports them itself.
+        log = logger.info if self.engine_config.model_config is not None else logger.debug
         for rank, (ip, pid) in enumerate(zip(self.node_ips, self.pids, strict=True)):
-            logger.info("Ray worker rank %d on node %s, pid %d", rank, ip, pid)
+            log("Ray worker rank %d on node %s, pid %d", rank, ip, pid)
 
     def collective_rpc_async(
-        self, method: str, args: tuple = (), kwargs: dict | None = None
+        self, method: str | Callable, args: tuple = (), kwargs: dict | None = None
     ) -> _RayCall:
         import ray
 
@@ -182,17 +194,33 @@ class RayExecutor(Executor):
         refs = [a.execute_method.remote(method, args_ref, kwargs_ref) for a in self.actors]
         return _RayCall(self, refs)
 
-    def _get(self, refs: list, progress=None, starting: bool = False) -> list[Any]:
+    def _get(
+        self, refs: list, progress=None, starting: bool = False, timeout: float | None = None
+    ) -> list[Any]:
         """Wait for every rank, failing at the first that dies or raises (no hang on the
-        others, which may be blocked in a collective with the dead one)."""
+        others, which may be blocked in a collective with the dead one), or at `timeout`."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
         index = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
         results: dict[int, Any] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL_S)
+            poll_s = _POLL_S
+            if deadline is not None:
+                poll_s = min(poll_s, deadline - time.monotonic())
+                if poll_s <= 0:
+                    self.is_dead = True
+                    self.shutdown()
+                    missing = tuple(sorted(index[ref] for ref in pending))
+                    raise WorkerTimeoutError(
+                        f"Ray worker ranks {list(missing)} did not answer within {timeout:g} s; "
+                        "the engine stopped all workers",
+                        "check `ray status` and the nodes' load, or allow more time",
+                        pending_ranks=missing,
+                    )
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
             for ref in ready:
                 rank = index[ref]
                 try:
@@ -218,9 +246,11 @@ class RayExecutor(Executor):
         self.is_dead = True
         node = self.node_ips[rank] if rank < len(getattr(self, "node_ips", [])) else "?"
         self.shutdown()
-        raise EngineDeadError(
+        raise WorkerError(
             f"Ray worker rank {rank} on node {node} {what}; the engine stopped all workers",
             "check that node (memory, `ray status`), then start the engine again",
+            rank=rank,
+            reason=what,
         )
 
     def shutdown(self) -> None:
@@ -252,7 +282,7 @@ def _connect_or_start_ray(world_size: int) -> bool:
 
 def stop_actors(actors: list, pg, started_ray: bool) -> None:
     """Kill the actors, remove the placement group, and disconnect when this process started or
-    joined Ray for them; each step tolerates what is already gone. Also `llmctl doctor`'s."""
+    joined Ray for them; each step tolerates what is already gone."""
     try:
         import ray
         from ray.util.placement_group import remove_placement_group

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from llmctl.engine.executor.base import Done, Executor
+from collections.abc import Callable
+
+from llmctl.engine.executor.base import Done, Executor, run_method
 from llmctl.engine.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
     def _init_executor(self, progress) -> None:
         self.worker = Worker(self.engine_config, rank=0, local_rank=0)
+        if self.engine_config.model_config is None:
+            return  # a bare worker: the caller runs init_device
         try:
             self.worker.init_device()
             self.worker.load_model(progress)
@@ -17,9 +21,9 @@ class UniProcExecutor(Executor):
             raise
 
     def collective_rpc_async(
-        self, method: str, args: tuple = (), kwargs: dict | None = None
+        self, method: str | Callable, args: tuple = (), kwargs: dict | None = None
     ) -> Done:
-        return Done([getattr(self.worker, method)(*args, **(kwargs or {}))])
+        return Done([run_method(self.worker, method, args, kwargs or {})])
 
     def shutdown(self) -> None:
         self.worker.shutdown()

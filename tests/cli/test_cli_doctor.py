@@ -75,3 +75,12 @@ def test_cli_json_errors_stay_json(doctor):
     payload = json.loads(result.stdout)
     assert payload["ok"] is False and "CUDA devices" in payload["error"]
     assert payload["hint"] == "use --backend gloo, or fewer ranks (--world-size)"
+
+
+def test_cli_nccl_out_of_time_names_the_ranks_and_the_timeout(doctor):
+    # No worker imports torch within 0.1 s: the check ends at its deadline, naming every rank.
+    result = doctor("nccl", "--backend", "gloo", "--world-size", "2", "--timeout", "0.1")
+    assert result.exit_code == 1
+    assert "not started" in result.stdout
+    assert "error: the gloo all-reduce check timed out after 0.1 s: all ranks 0, 1" in result.stderr
+    assert "raise --timeout" in result.stderr

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,13 +14,9 @@ import httpx
 import pytest
 from support import live_pids
 
+from llmctl.engine.distributed.ports import free_port
+
 LLMCTL = str(Path(sys.executable).with_name("llmctl"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def session_pids(session: int) -> set[int]:

@@ -397,6 +397,8 @@ def test_killed_worker_fails_requests_and_health(server_factory, tiny):
     os.kill(workers[1], signal.SIGKILL)
     for t in threads:
         t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)  # every stream ended, none hangs
+    # Each ended in an error before its 240 tokens: the dead worker was noticed mid-stream.
     assert len(outcomes) == 3 and all(o.startswith("error") for o in outcomes), outcomes
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 503

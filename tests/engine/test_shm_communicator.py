@@ -4,7 +4,6 @@ and the fallback to Gloo for tensors larger than a slot."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -12,13 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from llmctl.engine.distributed.parallel_state import GroupCoordinator
+from llmctl.engine.distributed.ports import free_port
 from llmctl.engine.distributed.shm_communicator import ShmCommunicator
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, results: dict) -> None:
@@ -53,7 +47,7 @@ def _worker(rank: int, world: int, port: int, results: dict) -> None:
 def test_shared_memory_collectives(world):
     manager = mp.Manager()
     results = manager.dict()
-    mp.spawn(_worker, args=(world, _free_port(), results), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), results), nprocs=world, join=True)
     for step in range(50):
         expected = sum(
             torch.randn(7, 33, generator=torch.Generator().manual_seed(1000 * step + r))
