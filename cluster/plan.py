@@ -41,11 +41,13 @@ from llmctl.engine.distributed.partition import layer_partition, valid_tp_sizes
 from llmctl.engine.errors import ConfigError
 from llmctl.engine.memory_profile import (
     CUDA_CONTEXT_BYTES,
+    DEFAULT_CPU_KV_CACHE_SPACE_GIB,
     GIB,
     NCCL_BYTES,
     SAMPLER_BYTES_PER_LOGIT,
     MemoryProfile,
     check_gpu_memory_utilization,
+    cpu_num_gpu_blocks,
     estimate_activation_bytes,
     estimate_non_torch_bytes,
     profile_request_lengths,
@@ -294,23 +296,23 @@ def _ckpt(dtype: str) -> str | None:
 
 
 def _rank_memory(ctx: _Ctx, tp: int, pp: int, parts: list[int]) -> list[RankMemory]:
-    spec, opts = ctx.spec, ctx.options
+    shape, opts = ctx.spec.shape, ctx.options
     out = []
     starts = [sum(parts[:i]) for i in range(pp)]
     for pp_rank, row in enumerate(rank_mesh.reshape(pp, tp)):
         layers = parts[pp_rank]
         first, last = pp_rank == 0, pp_rank == pp - 1
         for tp_rank, rank in enumerate(row):
-            params = layers * spec.layer_params(tp_rank, tp)
-            if first:
-                params += spec.embedding_params(tp_rank, tp)
-            if last:
-                params += spec.head_params(tp_rank, tp, with_embedding=first)
+            params = shape.rank_params(layers, tp_rank, tp, is_first=first, is_last=last)
             weights = params * ctx.dtype_bytes
-            block = opts.block_size * spec.kv_bytes_per_token(layers, tp_rank, tp, ctx.kv_bytes)
+            block = shape.kv_cache_bytes_per_block(
+                layers, tp_rank, tp, ctx.kv_bytes, opts.block_size
+            )
             if opts.device == "cpu":
+                # The engine's own arithmetic: the KV budget over this rank's block bytes.
                 activation = non_torch = 0
-                kv = int((opts.kv_cache_space_gib or 4.0) * GIB)
+                num_blocks = cpu_num_gpu_blocks(opts.kv_cache_space_gib, block)
+                kv = int((opts.kv_cache_space_gib or DEFAULT_CPU_KV_CACHE_SPACE_GIB) * GIB)
             else:
                 activation = _activation_bytes(ctx, tp_rank, tp, last)
                 non_torch = estimate_non_torch_bytes(tp * pp)
@@ -321,6 +323,7 @@ def _rank_memory(ctx: _Ctx, tp: int, pp: int, parts: list[int]) -> list[RankMemo
                     non_torch_bytes=non_torch,
                 )
                 kv = max(profile.kv_cache_bytes(opts.gpu_memory_utilization), 0)
+                num_blocks = kv // block if block else 0
             out.append(
                 RankMemory(
                     rank=rank,
@@ -333,7 +336,7 @@ def _rank_memory(ctx: _Ctx, tp: int, pp: int, parts: list[int]) -> list[RankMemo
                     non_torch_bytes=non_torch,
                     kv_bytes=kv,
                     kv_block_bytes=block,
-                    num_blocks=kv // block if block else 0,
+                    num_blocks=num_blocks,
                 )
             )
     return out
@@ -347,20 +350,18 @@ def _activation_bytes(ctx: _Ctx, tp_rank: int, tp: int, is_last_stage: bool) -> 
     """This rank's peak activations in the engine's profile step (see
     estimate_activation_bytes). Mixtral's experts are counted as one dense MLP: the engine has no
     MoE layer, so the plan only sizes its weights."""
-    from llmctl.engine.distributed.partition import head_shards, split_evenly
-
-    spec = ctx.spec
-    shard = head_shards(spec.num_heads, spec.num_kv_heads, tp)[tp_rank]
+    shape = ctx.spec.shape
+    shard = shape.head_shard(tp_rank, tp)
     return estimate_activation_bytes(
         num_tokens=ctx.num_tokens,
         num_sampled=ctx.num_sampled,
-        hidden_size=spec.hidden_size,
-        qkv_size=(shard.num_q_heads + 2 * shard.num_kv_heads) * spec.head_dim,
-        intermediate_size=split_evenly(spec.intermediate_size, tp)[tp_rank],
-        vocab_shard=split_evenly(spec.vocab_size, tp)[tp_rank],
-        vocab_size=spec.vocab_size,
+        hidden_size=shape.hidden_size,
+        qkv_size=(shard.num_q_heads + 2 * shard.num_kv_heads) * shape.head_dim,
+        intermediate_size=shape.intermediate_shard(tp_rank, tp),
+        vocab_shard=shape.vocab_shard(tp_rank, tp),
+        vocab_size=shape.vocab_size,
         dtype_bytes=ctx.dtype_bytes,
-        gated_mlp=spec.family == "llama",
+        gated_mlp=shape.family == "llama",
         is_last_stage=is_last_stage,
         samples=is_last_stage and tp_rank == 0,
     )
@@ -407,7 +408,7 @@ def _balanced_partition(ctx: _Ctx, tp: int, pp: int) -> list[int] | None:
     """
     if ctx.options.device == "cpu":
         return None  # the KV budget is per rank, independent of the weights
-    spec, opts = ctx.spec, ctx.options
+    spec, shape, opts = ctx.spec, ctx.spec.shape, ctx.options
     usable = int(_gpu_bytes(ctx) * opts.gpu_memory_utilization)
     non_torch = estimate_non_torch_bytes(tp * pp)
     stages = []  # per stage: [(room, layer_bytes, block_bytes_per_layer) per tp rank]
@@ -415,12 +416,11 @@ def _balanced_partition(ctx: _Ctx, tp: int, pp: int) -> list[int] | None:
         first, last = stage == 0, stage == pp - 1
         per_rank = []
         for t in range(tp):
-            fixed = spec.embedding_params(t, tp) if first else 0
-            fixed += spec.head_params(t, tp, with_embedding=first) if last else 0
+            fixed = shape.rank_params(0, t, tp, is_first=first, is_last=last)
             room = usable - _activation_bytes(ctx, t, tp, last) - non_torch
             room -= fixed * ctx.dtype_bytes
-            layer_bytes = spec.layer_params(t, tp) * ctx.dtype_bytes
-            block = opts.block_size * spec.kv_bytes_per_token(1, t, tp, ctx.kv_bytes)
+            layer_bytes = shape.layer_params(t, tp) * ctx.dtype_bytes
+            block = shape.kv_cache_bytes_per_block(1, t, tp, ctx.kv_bytes, opts.block_size)
             per_rank.append((room, layer_bytes, block))
         stages.append(per_rank)
 
@@ -665,7 +665,7 @@ def _too_big(ctx: _Ctx, tried: list[_Eval], what: str) -> PlanError:
     spec, opts = ctx.spec, ctx.options
     need_tokens = ctx.max_model_len * opts.min_concurrency
     weights = spec.total_params() * ctx.dtype_bytes
-    kv = need_tokens * spec.kv_bytes_per_token(spec.num_layers, 0, 1, ctx.kv_bytes)
+    kv = need_tokens * spec.shape.kv_bytes_per_token(spec.num_layers, 0, 1, ctx.kv_bytes)
     if opts.device == "cpu":
         best = max(tried, key=lambda e: e.blocks) if tried else None
         held = best.blocks * opts.block_size if best else 0
