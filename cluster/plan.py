@@ -464,6 +464,36 @@ def _even_tp(spec: ModelSpec, tp: int) -> bool:
     return spec.num_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
 
 
+def _uneven_tp(spec: ModelSpec, tp: int) -> bool:
+    """A tp our engine runs (whole KV-head groups per rank, as evenly as possible) but vLLM,
+    which needs tp to divide the heads, does not."""
+    return not _even_tp(spec, tp) and tp in valid_tp_sizes(spec.num_heads, spec.num_kv_heads)
+
+
+def _llmctl_only(tp: int) -> str:
+    return f"{_layout(tp, 1)} (llmctl only)"
+
+
+def _uneven_split(spec: ModelSpec, tp: int) -> str:
+    """How the uneven ranks share the heads: "KV heads 3,3,2 (query heads 12,12,8) per rank"."""
+    shards = spec.shape.tensor_parallel_heads(tp)
+    kv = ",".join(str(s.num_kv_heads) for s in shards)
+    q = ",".join(str(s.num_q_heads) for s in shards)
+    return (
+        f"uneven tensor parallel: KV heads {kv} (query heads {q}) per rank, whole KV-head groups "
+        f"on each; vLLM cannot run it, since tp={tp} does not divide {spec.num_heads} heads "
+        f"({spec.num_kv_heads} KV)"
+    )
+
+
+def _uneven_offer(ctx: _Ctx, spec: ModelSpec, tp: int, evaluation: _Eval, flag: bool) -> tuple:
+    held = evaluation.blocks * ctx.options.block_size
+    offer = f"{_uneven_split(spec, tp)}; holds {held:,} KV tokens"
+    if flag:
+        offer += "; --allow-uneven-tp lets the planner choose it"
+    return _llmctl_only(tp), offer
+
+
 def _gib(n: float, digits: int = 1) -> str:
     return f"{n / GIB:.{digits}f} GiB"
 
@@ -484,6 +514,8 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
             )
         chosen = _evaluate(ctx, tp, pp, options.pipeline_layer_partition)
         reasons = [f"{_layout(tp, pp)} as asked"]
+        if _uneven_tp(spec, tp):
+            reasons.append(f"llmctl only: {_uneven_split(spec, tp)}")
         if not chosen.fits(ctx):
             raise _too_big(ctx, [chosen], f"the asked layout {_layout(tp, pp)}")
         return _finish(ctx, chosen, reasons, rejected, alternatives)
@@ -517,6 +549,9 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
         reasons = [f"the model fits one GPU with {want}: no distributed inference needed"]
         if gpus > 1 and allowed(gpus):
             alternatives.append(_full_width(ctx, chosen, gpus))
+        elif gpus > 1 and _uneven_tp(spec, gpus):
+            layout, offer = _full_width(ctx, chosen, gpus)
+            alternatives.append((_llmctl_only(gpus), f"{offer}; {_uneven_split(spec, gpus)}"))
         return _finish(ctx, chosen, reasons, rejected, alternatives)
 
     # 2. One node.
@@ -534,9 +569,12 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
         else:
             for tp in range(2, gpus + 1):
                 if not allowed(tp):
-                    if tp in valid_tp_sizes(spec.num_heads, spec.num_kv_heads):
+                    if _uneven_tp(spec, tp):
                         uneven = _evaluate(ctx, tp, 1)
                         if uneven.fits(ctx):
+                            # What our engine can do and vLLM cannot, offered next to the
+                            # vLLM-compatible layout chosen below.
+                            alternatives.append(_uneven_offer(ctx, spec, tp, uneven, True))
                             chosen = attempt(1, tp)
                             if chosen is not None:
                                 reasons = [
@@ -546,6 +584,7 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
                                     "splits layers unevenly (--allow-uneven-tp would use tp)",
                                 ]
                                 return _finish(ctx, chosen, reasons, rejected, alternatives)
+                            continue
                     rejected.append(
                         (_layout(tp, 1), f"tp={tp} does not divide {spec.num_heads} heads")
                     )
@@ -557,8 +596,14 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
                         f"GPUs with {want}",
                         f"tp={tp} is the smallest tensor-parallel size that fits",
                     ]
+                    if _uneven_tp(spec, tp):
+                        reasons.append(f"llmctl only: {_uneven_split(spec, tp)}")
                     if tp < gpus and allowed(gpus):
                         alternatives.append(_full_width(ctx, chosen, gpus))
+                    elif tp < gpus and _uneven_tp(spec, gpus):
+                        layout, offer = _full_width(ctx, chosen, gpus)
+                        offer = f"{offer}; {_uneven_split(spec, gpus)}"
+                        alternatives.append((_llmctl_only(gpus), offer))
                     return _finish(ctx, chosen, reasons, rejected, alternatives)
 
     # 3. Across nodes: tp = GPUs per node, pp = nodes used.

@@ -254,8 +254,12 @@ class ModelShape:
 
     # -- partitions ----------------------------------------------------------------------------
 
+    def tensor_parallel_heads(self, tp: int) -> list[HeadShard]:
+        """The attention heads of each tensor-parallel rank (as QKVParallelLinear splits them)."""
+        return head_shards(self.num_attention_heads, self.num_kv_heads, tp)
+
     def head_shard(self, tp_rank: int, tp: int) -> HeadShard:
-        return head_shards(self.num_attention_heads, self.num_kv_heads, tp)[tp_rank]
+        return self.tensor_parallel_heads(tp)[tp_rank]
 
     def intermediate_shard(self, tp_rank: int, tp: int) -> int:
         return column_shards(self.intermediate_size, tp, "MLP features")[tp_rank]
