@@ -3,12 +3,13 @@
 Pure: a ModelSpec and an Inventory in, a Plan out (no SSH, no torch, no mutation).
 
 Memory per GPU is sized by the engine's own arithmetic (engine/memory_profile.py), on estimates
-of what the engine measures: the weights each rank really holds (ModelSpec counts the engine's
+of what the engine measures: the weights each rank really holds (ModelShape counts the engine's
 shards: its layers, the embedding on the first stage, the final norm and LM head on the last), the
 peak activations of the profile step at max_num_batched_tokens, and the memory outside torch (the
 CUDA context, NCCL); the rest of gpu_memory_utilization x memory is KV cache. The KV cache has as
 many blocks as the rank with the fewest can hold, as the engine does. On the CPU the KV cache is
-kv_cache_space_gib exactly, as the engine allocates it.
+kv_cache_space_gib exactly, as the engine allocates it, so the block count is the engine's own
+(`cpu_num_gpu_blocks` over `ModelShape.kv_cache_bytes_per_block`).
 
 The rules, from vLLM's distributed-serving guide, then better:
   1. The model fits one GPU with room for min_concurrency requests of max_model_len: tp=1.
@@ -16,7 +17,9 @@ The rules, from vLLM's distributed-serving guide, then better:
      heads, unless uneven TP is allowed); the node's full width is offered for throughput.
      Without NVLink (PCIe), pipeline stages inside the node instead: activations cross the link
      once per stage, not twice per layer.
-  3. If only a tp that does not divide the heads would fit: tp=1, pp = that many GPUs.
+  3. If only a tp that does not divide the heads would fit: tp=1, pp = that many GPUs. The
+     uneven tp (whole KV-head groups per rank, which our engine runs and vLLM cannot) is offered
+     next to it as "llmctl only", and chosen with --allow-uneven-tp.
   4. Else across nodes: tp = GPUs per node, pp = the fewest nodes that fit.
 Pipeline stages get an uneven layer split when it holds more KV cache (the first and last stages
 carry the embedding and LM head), printed as --pipeline-layer-partition.

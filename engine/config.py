@@ -48,7 +48,8 @@ def normalize_dtype(dtype: str) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model to run: where it is, its Hugging Face config, and the dtype and length to use."""
+    """The model to run: where it is, its Hugging Face config and the ModelShape read from it
+    (what the engine's sizes come from), and the dtype and length to use."""
 
     model: str  # what the user named (a path, or "" for the bundled default)
     path: str  # local directory holding config.json and the weights

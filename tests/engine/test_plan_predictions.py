@@ -1,5 +1,6 @@
 """The planner against independent counts: catalog weights against transformers' own models (on
-the meta device), and predicted KV capacity against what the engine then logs."""
+the meta device), and, exactly, the KV block count and each rank's weights against a real engine
+on every layout the engine tests run."""
 
 from __future__ import annotations
 
