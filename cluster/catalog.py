@@ -42,7 +42,7 @@ _MODELS = [
            dtype="float16"),
     _llama("Mistral-7B", architecture="MistralForCausalLM", num_layers=32, hidden_size=4096,
            num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336, vocab_size=32000,
-           max_position_embeddings=32768),
+           max_position_embeddings=32768, sliding_window=4096),
     _llama("Mixtral-8x7B", architecture="MixtralForCausalLM", num_layers=32, hidden_size=4096,
            num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336, vocab_size=32000,
            max_position_embeddings=32768, num_experts=8),

@@ -16,6 +16,7 @@ from llmctl.cluster.model_spec import ModelSpec, load_model_spec
 from llmctl.cluster.plan import PlanOptions, make_plan
 from llmctl.engine import LLM
 from llmctl.engine.config import parse_layer_partition
+from llmctl.engine.model_shape import ModelShape
 
 
 def _hf_config(spec: ModelSpec):
@@ -147,3 +148,11 @@ def test_gguf_file_is_read_like_its_catalog_entry():
     assert (spec.num_layers, spec.num_heads, spec.num_kv_heads) == (30, 9, 3)
     assert spec.tie_word_embeddings and spec.vocab_size == 49152
     assert spec.total_params() == catalog.total_params()
+
+
+@pytest.mark.parametrize("name", list(CATALOG))
+def test_transformers_configs_give_the_catalog_shape(name):
+    """ModelShape.from_hf_config reads transformers' config classes (attribute maps, defaults)
+    as the catalog types them in."""
+    spec = CATALOG[name]
+    assert ModelShape.from_hf_config(_hf_config(spec)) == spec.shape
