@@ -473,8 +473,8 @@ def _uneven_tp(spec: ModelSpec, tp: int) -> bool:
     return not _even_tp(spec, tp) and tp in valid_tp_sizes(spec.num_heads, spec.num_kv_heads)
 
 
-def _llmctl_only(tp: int) -> str:
-    return f"{_layout(tp, 1)} (llmctl only)"
+def _llmctl_only(tp: int, pp: int = 1) -> str:
+    return f"{_layout(tp, pp)} (llmctl only)"
 
 
 def _uneven_split(spec: ModelSpec, tp: int) -> str:
@@ -588,6 +588,10 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
                                 ]
                                 return _finish(ctx, chosen, reasons, rejected, alternatives)
                             continue
+                        held = uneven.blocks * options.block_size
+                        why = f"uneven tensor parallel holds {held:,} KV tokens, needs {need:,}"
+                        rejected.append((_llmctl_only(tp), why))
+                        continue
                     rejected.append(
                         (_layout(tp, 1), f"tp={tp} does not divide {spec.num_heads} heads")
                     )
@@ -620,6 +624,14 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
                 + ("" if tp == gpus else f", the largest size <= {gpus} that divides the heads")
                 + f"), pipeline parallel across the {n} nodes (pp={n})",
             ]
+            if tp < gpus and _uneven_tp(spec, gpus):
+                uneven = _evaluate(ctx, gpus, n)
+                if uneven.fits(ctx):
+                    ratio = uneven.blocks / max(chosen.blocks, 1)
+                    offer = f"every GPU of the {n} nodes: {ratio:.1f}x the KV cache"
+                    alternatives.append(
+                        (_llmctl_only(gpus, n), f"{offer}; {_uneven_split(spec, gpus)}")
+                    )
             return _finish(ctx, chosen, reasons, rejected, alternatives)
     raise _too_big(ctx, tried, f"{nodes} node(s) x {gpus} GPU(s) of {ctx.gpu_gib:g} GiB")
 

@@ -179,3 +179,15 @@ def test_a_forced_uneven_tp_says_it_is_llmctl_only():
         CATALOG["Llama-3.1-8B"], inventory_from_flags(1, 8, 80), PlanOptions(tensor_parallel_size=4)
     )
     assert not any("llmctl only" in r for r in even.reasons)
+
+
+def test_across_nodes_the_uneven_full_width_is_offered_too():
+    # Llama-3.1-70B (64 heads, 8 KV heads) on 2 nodes of 3 x 40 GB: vLLM's choice is tp=2 x pp=2.
+    plan = make_plan(CATALOG["Llama-3.1-70B"], inventory_from_flags(2, 3, 40), SHORT)
+    assert (plan.tensor_parallel_size, plan.pipeline_parallel_size) == (2, 2)
+    offer = dict(plan.alternatives)["tp=3, pp=2 (llmctl only)"]
+    assert offer.startswith("every GPU of the 2 nodes:")
+    assert "KV heads 3,3,2 (query heads 24,24,16) per rank" in offer
+    # One node's tp=3 is too small, and says so as the uneven layout it is.
+    why = dict(plan.rejected)["tp=3, pp=1 (llmctl only)"]
+    assert why.startswith("uneven tensor parallel holds") and why.endswith("needs 4,096")
