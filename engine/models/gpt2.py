@@ -74,10 +74,9 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, config: Any, shard: PipelineShard):
+    def __init__(self, config: Any, shape: ModelShape, shard: PipelineShard):
         super().__init__()
         self.shard = shard
-        shape = ModelShape.from_hf_config(config, "GPT2LMHeadModel")
         if shard.is_first:
             self.wte = VocabParallelEmbedding(config.vocab_size, config.n_embd)
             self.wpe = nn.Embedding(config.n_positions, config.n_embd)
@@ -100,11 +99,11 @@ class GPT2Model(nn.Module):
 class GPT2LMHeadModel(nn.Module):
     stacked_params = [("c_attn", "c_attn", "qkv")]
 
-    def __init__(self, config: Any, shard: PipelineShard):
+    def __init__(self, config: Any, shape: ModelShape, shard: PipelineShard):
         super().__init__()
         self.config = config
         self.shard = shard
-        self.transformer = GPT2Model(config, shard)
+        self.transformer = GPT2Model(config, shape, shard)
         if shard.is_last:
             self.lm_head = ParallelLMHead(config.vocab_size, config.n_embd)
             if shard.is_first:

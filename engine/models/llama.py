@@ -141,12 +141,12 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "up_proj", 1),
     ]
 
-    def __init__(self, config: Any, shard: PipelineShard):
+    def __init__(self, config: Any, shape: ModelShape, shard: PipelineShard):
         super().__init__()
         self.config = config
         self.shard = shard
         # Sizes and biases (Qwen2's QKV bias, attention_bias, mlp_bias) from the model's shape.
-        self.shape = shape = ModelShape.from_hf_config(config, type(self).__name__)
+        self.shape = shape
         self.model = LlamaModel(config, shape, shard)
         if shard.is_last:
             self.lm_head = ParallelLMHead(shape.vocab_size, shape.hidden_size)

@@ -80,10 +80,9 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTDecoder(nn.Module):
-    def __init__(self, config: Any, shard: PipelineShard):
+    def __init__(self, config: Any, shape: ModelShape, shard: PipelineShard):
         super().__init__()
         self.shard = shard
-        shape = ModelShape.from_hf_config(config, "OPTForCausalLM")
         hidden, proj_dim = shape.hidden_size, shape.embedding_width
         if shard.is_first:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, proj_dim)
@@ -128,9 +127,9 @@ class OPTDecoder(nn.Module):
 
 
 class OPTModel(nn.Module):
-    def __init__(self, config: Any, shard: PipelineShard):
+    def __init__(self, config: Any, shape: ModelShape, shard: PipelineShard):
         super().__init__()
-        self.decoder = OPTDecoder(config, shard)
+        self.decoder = OPTDecoder(config, shape, shard)
 
 
 class OPTForCausalLM(nn.Module):
@@ -140,11 +139,11 @@ class OPTForCausalLM(nn.Module):
         ("qkv_proj", "v_proj", "v"),
     ]
 
-    def __init__(self, config: Any, shard: PipelineShard):
+    def __init__(self, config: Any, shape: ModelShape, shard: PipelineShard):
         super().__init__()
         self.config = config
         self.shard = shard
-        self.model = OPTModel(config, shard)
+        self.model = OPTModel(config, shape, shard)
         if shard.is_last:
             self.lm_head = ParallelLMHead(config.vocab_size, config.word_embed_proj_dim)
             if shard.is_first:
