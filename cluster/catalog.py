@@ -6,12 +6,19 @@ Values from each model's config.json on the Hugging Face hub.
 from __future__ import annotations
 
 from llmctl.cluster.model_spec import ModelSpec
+from llmctl.engine.model_shape import ModelShape
+
+
+def _model(name: str, architecture: str, dtype: str, **shape) -> ModelSpec:
+    """A catalog entry: its name, its checkpoint's dtype and its ModelShape."""
+    shape["num_attention_heads"] = shape.pop("num_heads")
+    return ModelSpec(name=name, shape=ModelShape(architecture=architecture, **shape), dtype=dtype)
 
 
 def _llama(name: str, **kw) -> ModelSpec:
     values = dict(architecture="LlamaForCausalLM", tie_word_embeddings=False, dtype="bfloat16")
     values.update(kw)
-    return ModelSpec(name=name, **values)
+    return _model(name, **values)
 
 
 _MODELS = [
@@ -35,7 +42,7 @@ _MODELS = [
            dtype="float16"),
     _llama("Mistral-7B", architecture="MistralForCausalLM", num_layers=32, hidden_size=4096,
            num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336, vocab_size=32000,
-           max_position_embeddings=32768),
+           max_position_embeddings=32768, sliding_window=4096),
     _llama("Mixtral-8x7B", architecture="MixtralForCausalLM", num_layers=32, hidden_size=4096,
            num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336, vocab_size=32000,
            max_position_embeddings=32768, num_experts=8),
@@ -45,13 +52,14 @@ _MODELS = [
     _llama("Qwen2.5-72B", architecture="Qwen2ForCausalLM", num_layers=80, hidden_size=8192,
            num_heads=64, num_kv_heads=8, head_dim=128, intermediate_size=29568,
            vocab_size=152064, max_position_embeddings=32768, qkv_bias=True),
-    ModelSpec("OPT-13B", "OPTForCausalLM", num_layers=40, hidden_size=5120, num_heads=40,
-              num_kv_heads=40, head_dim=128, intermediate_size=20480, vocab_size=50272,
-              max_position_embeddings=2048, tie_word_embeddings=True, dtype="float16",
-              word_embed_proj_dim=5120),
-    ModelSpec("GPT-2", "GPT2LMHeadModel", num_layers=12, hidden_size=768, num_heads=12,
-              num_kv_heads=12, head_dim=64, intermediate_size=3072, vocab_size=50257,
-              max_position_embeddings=1024, tie_word_embeddings=True, dtype="float32"),
+    _model("OPT-13B", "OPTForCausalLM", num_layers=40, hidden_size=5120, num_heads=40,
+           num_kv_heads=40, head_dim=128, intermediate_size=20480, vocab_size=50272,
+           max_position_embeddings=2048, tie_word_embeddings=True, dtype="float16",
+           word_embed_proj_dim=5120, qkv_bias=True, o_bias=True, mlp_bias=True),
+    _model("GPT-2", "GPT2LMHeadModel", num_layers=12, hidden_size=768, num_heads=12,
+           num_kv_heads=12, head_dim=64, intermediate_size=3072, vocab_size=50257,
+           max_position_embeddings=1024, tie_word_embeddings=True, dtype="float32",
+           qkv_bias=True, o_bias=True, mlp_bias=True),
     _llama("SmolLM2-135M-Instruct", num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3,
            head_dim=64, intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192,
            tie_word_embeddings=True),

@@ -3,12 +3,13 @@
 Pure: a ModelSpec and an Inventory in, a Plan out (no SSH, no torch, no mutation).
 
 Memory per GPU is sized by the engine's own arithmetic (engine/memory_profile.py), on estimates
-of what the engine measures: the weights each rank really holds (ModelSpec counts the engine's
+of what the engine measures: the weights each rank really holds (ModelShape counts the engine's
 shards: its layers, the embedding on the first stage, the final norm and LM head on the last), the
 peak activations of the profile step at max_num_batched_tokens, and the memory outside torch (the
 CUDA context, NCCL); the rest of gpu_memory_utilization x memory is KV cache. The KV cache has as
 many blocks as the rank with the fewest can hold, as the engine does. On the CPU the KV cache is
-kv_cache_space_gib exactly, as the engine allocates it.
+kv_cache_space_gib exactly, as the engine allocates it, so the block count is the engine's own
+(`cpu_num_gpu_blocks` over `ModelShape.kv_cache_bytes_per_block`).
 
 The rules, from vLLM's distributed-serving guide, then better:
   1. The model fits one GPU with room for min_concurrency requests of max_model_len: tp=1.
@@ -16,7 +17,9 @@ The rules, from vLLM's distributed-serving guide, then better:
      heads, unless uneven TP is allowed); the node's full width is offered for throughput.
      Without NVLink (PCIe), pipeline stages inside the node instead: activations cross the link
      once per stage, not twice per layer.
-  3. If only a tp that does not divide the heads would fit: tp=1, pp = that many GPUs.
+  3. If only a tp that does not divide the heads would fit: tp=1, pp = that many GPUs. The
+     uneven tp (whole KV-head groups per rank, which our engine runs and vLLM cannot) is offered
+     next to it as "llmctl only", and chosen with --allow-uneven-tp.
   4. Else across nodes: tp = GPUs per node, pp = the fewest nodes that fit.
 Pipeline stages get an uneven layer split when it holds more KV cache (the first and last stages
 carry the embedding and LM head), printed as --pipeline-layer-partition.
@@ -31,7 +34,6 @@ from llmctl.cluster.errors import PlanError
 from llmctl.cluster.inventory import Inventory
 from llmctl.cluster.model_spec import ModelSpec
 from llmctl.engine.config import (
-    DEFAULT_CPU_KV_CACHE_SPACE_GIB,
     DTYPE_BYTES,
     SchedulerConfig,
     normalize_dtype,
@@ -43,11 +45,13 @@ from llmctl.engine.engine_args import engine_args_to_argv, engine_default
 from llmctl.engine.errors import ConfigError
 from llmctl.engine.memory_profile import (
     CUDA_CONTEXT_BYTES,
+    DEFAULT_CPU_KV_CACHE_SPACE_GIB,
     GIB,
     NCCL_BYTES,
     SAMPLER_BYTES_PER_LOGIT,
     MemoryProfile,
     check_gpu_memory_utilization,
+    cpu_num_gpu_blocks,
     estimate_activation_bytes,
     estimate_non_torch_bytes,
     profile_request_lengths,
@@ -298,22 +302,22 @@ def _ckpt(dtype: str) -> str | None:
 
 
 def _rank_memory(ctx: _Ctx, tp: int, pp: int, parts: list[int]) -> list[RankMemory]:
-    spec, opts = ctx.spec, ctx.options
+    shape, opts = ctx.spec.shape, ctx.options
     out = []
     starts = [sum(parts[:i]) for i in range(pp)]
     for pp_rank, row in enumerate(rank_mesh.reshape(pp, tp)):
         layers = parts[pp_rank]
         first, last = pp_rank == 0, pp_rank == pp - 1
         for tp_rank, rank in enumerate(row):
-            params = layers * spec.layer_params(tp_rank, tp)
-            if first:
-                params += spec.embedding_params(tp_rank, tp)
-            if last:
-                params += spec.head_params(tp_rank, tp, with_embedding=first)
+            params = shape.rank_params(layers, tp_rank, tp, is_first=first, is_last=last)
             weights = params * ctx.dtype_bytes
-            block = opts.block_size * spec.kv_bytes_per_token(layers, tp_rank, tp, ctx.kv_bytes)
+            block = shape.kv_cache_bytes_per_block(
+                layers, tp_rank, tp, ctx.kv_bytes, opts.block_size
+            )
             if opts.device == "cpu":
+                # The engine's own arithmetic: the KV budget over this rank's block bytes.
                 activation = non_torch = 0
+                num_blocks = cpu_num_gpu_blocks(opts.kv_cache_space_gib, block)
                 kv = int((opts.kv_cache_space_gib or DEFAULT_CPU_KV_CACHE_SPACE_GIB) * GIB)
             else:
                 activation = _activation_bytes(ctx, tp_rank, tp, last)
@@ -325,6 +329,7 @@ def _rank_memory(ctx: _Ctx, tp: int, pp: int, parts: list[int]) -> list[RankMemo
                     non_torch_bytes=non_torch,
                 )
                 kv = max(profile.kv_cache_bytes(opts.gpu_memory_utilization), 0)
+                num_blocks = kv // block if block else 0
             out.append(
                 RankMemory(
                     rank=rank,
@@ -337,7 +342,7 @@ def _rank_memory(ctx: _Ctx, tp: int, pp: int, parts: list[int]) -> list[RankMemo
                     non_torch_bytes=non_torch,
                     kv_bytes=kv,
                     kv_block_bytes=block,
-                    num_blocks=kv // block if block else 0,
+                    num_blocks=num_blocks,
                 )
             )
     return out
@@ -351,20 +356,18 @@ def _activation_bytes(ctx: _Ctx, tp_rank: int, tp: int, is_last_stage: bool) -> 
     """This rank's peak activations in the engine's profile step (see
     estimate_activation_bytes). Mixtral's experts are counted as one dense MLP: the engine has no
     MoE layer, so the plan only sizes its weights."""
-    from llmctl.engine.distributed.partition import head_shards, split_evenly
-
-    spec = ctx.spec
-    shard = head_shards(spec.num_heads, spec.num_kv_heads, tp)[tp_rank]
+    shape = ctx.spec.shape
+    shard = shape.head_shard(tp_rank, tp)
     return estimate_activation_bytes(
         num_tokens=ctx.num_tokens,
         num_sampled=ctx.num_sampled,
-        hidden_size=spec.hidden_size,
-        qkv_size=(shard.num_q_heads + 2 * shard.num_kv_heads) * spec.head_dim,
-        intermediate_size=split_evenly(spec.intermediate_size, tp)[tp_rank],
-        vocab_shard=split_evenly(spec.vocab_size, tp)[tp_rank],
-        vocab_size=spec.vocab_size,
+        hidden_size=shape.hidden_size,
+        qkv_size=(shard.num_q_heads + 2 * shard.num_kv_heads) * shape.head_dim,
+        intermediate_size=shape.intermediate_shard(tp_rank, tp),
+        vocab_shard=shape.vocab_shard(tp_rank, tp),
+        vocab_size=shape.vocab_size,
         dtype_bytes=ctx.dtype_bytes,
-        gated_mlp=spec.family == "llama",
+        gated_mlp=shape.family == "llama",
         is_last_stage=is_last_stage,
         samples=is_last_stage and tp_rank == 0,
     )
@@ -411,7 +414,7 @@ def _balanced_partition(ctx: _Ctx, tp: int, pp: int) -> list[int] | None:
     """
     if ctx.options.device == "cpu":
         return None  # the KV budget is per rank, independent of the weights
-    spec, opts = ctx.spec, ctx.options
+    spec, shape, opts = ctx.spec, ctx.spec.shape, ctx.options
     usable = int(_gpu_bytes(ctx) * opts.gpu_memory_utilization)
     non_torch = estimate_non_torch_bytes(tp * pp)
     stages = []  # per stage: [(room, layer_bytes, block_bytes_per_layer) per tp rank]
@@ -419,12 +422,11 @@ def _balanced_partition(ctx: _Ctx, tp: int, pp: int) -> list[int] | None:
         first, last = stage == 0, stage == pp - 1
         per_rank = []
         for t in range(tp):
-            fixed = spec.embedding_params(t, tp) if first else 0
-            fixed += spec.head_params(t, tp, with_embedding=first) if last else 0
+            fixed = shape.rank_params(0, t, tp, is_first=first, is_last=last)
             room = usable - _activation_bytes(ctx, t, tp, last) - non_torch
             room -= fixed * ctx.dtype_bytes
-            layer_bytes = spec.layer_params(t, tp) * ctx.dtype_bytes
-            block = opts.block_size * spec.kv_bytes_per_token(1, t, tp, ctx.kv_bytes)
+            layer_bytes = shape.layer_params(t, tp) * ctx.dtype_bytes
+            block = shape.kv_cache_bytes_per_block(1, t, tp, ctx.kv_bytes, opts.block_size)
             per_rank.append((room, layer_bytes, block))
         stages.append(per_rank)
 
@@ -468,6 +470,36 @@ def _even_tp(spec: ModelSpec, tp: int) -> bool:
     return spec.num_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
 
 
+def _uneven_tp(spec: ModelSpec, tp: int) -> bool:
+    """A tp our engine runs (whole KV-head groups per rank, as evenly as possible) but vLLM,
+    which needs tp to divide the heads, does not."""
+    return not _even_tp(spec, tp) and tp in valid_tp_sizes(spec.num_heads, spec.num_kv_heads)
+
+
+def _llmctl_only(tp: int, pp: int = 1) -> str:
+    return f"{_layout(tp, pp)} (llmctl only)"
+
+
+def _uneven_split(spec: ModelSpec, tp: int) -> str:
+    """How the uneven ranks share the heads: "KV heads 3,3,2 (query heads 12,12,8) per rank"."""
+    shards = spec.shape.tensor_parallel_heads(tp)
+    kv = ",".join(str(s.num_kv_heads) for s in shards)
+    q = ",".join(str(s.num_q_heads) for s in shards)
+    return (
+        f"uneven tensor parallel: KV heads {kv} (query heads {q}) per rank, whole KV-head groups "
+        f"on each; vLLM cannot run it, since tp={tp} does not divide {spec.num_heads} heads "
+        f"({spec.num_kv_heads} KV)"
+    )
+
+
+def _uneven_offer(ctx: _Ctx, spec: ModelSpec, tp: int, evaluation: _Eval, flag: bool) -> tuple:
+    held = evaluation.blocks * ctx.options.block_size
+    offer = f"{_uneven_split(spec, tp)}; holds {held:,} KV tokens"
+    if flag:
+        offer += "; --allow-uneven-tp lets the planner choose it"
+    return _llmctl_only(tp), offer
+
+
 def _gib(n: float, digits: int = 1) -> str:
     return f"{n / GIB:.{digits}f} GiB"
 
@@ -488,6 +520,8 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
             )
         chosen = _evaluate(ctx, tp, pp, options.pipeline_layer_partition)
         reasons = [f"{_layout(tp, pp)} as asked"]
+        if _uneven_tp(spec, tp):
+            reasons.append(f"llmctl only: {_uneven_split(spec, tp)}")
         if not chosen.fits(ctx):
             raise _too_big(ctx, [chosen], f"the asked layout {_layout(tp, pp)}")
         return _finish(ctx, chosen, reasons, rejected, alternatives)
@@ -521,6 +555,9 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
         reasons = [f"the model fits one GPU with {want}: no distributed inference needed"]
         if gpus > 1 and allowed(gpus):
             alternatives.append(_full_width(ctx, chosen, gpus))
+        elif gpus > 1 and _uneven_tp(spec, gpus):
+            layout, offer = _full_width(ctx, chosen, gpus)
+            alternatives.append((_llmctl_only(gpus), f"{offer}; {_uneven_split(spec, gpus)}"))
         return _finish(ctx, chosen, reasons, rejected, alternatives)
 
     # 2. One node.
@@ -538,9 +575,12 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
         else:
             for tp in range(2, gpus + 1):
                 if not allowed(tp):
-                    if tp in valid_tp_sizes(spec.num_heads, spec.num_kv_heads):
+                    if _uneven_tp(spec, tp):
                         uneven = _evaluate(ctx, tp, 1)
                         if uneven.fits(ctx):
+                            # What our engine can do and vLLM cannot, offered next to the
+                            # vLLM-compatible layout chosen below.
+                            alternatives.append(_uneven_offer(ctx, spec, tp, uneven, True))
                             chosen = attempt(1, tp)
                             if chosen is not None:
                                 reasons = [
@@ -550,6 +590,11 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
                                     "splits layers unevenly (--allow-uneven-tp would use tp)",
                                 ]
                                 return _finish(ctx, chosen, reasons, rejected, alternatives)
+                            continue
+                        held = uneven.blocks * options.block_size
+                        why = f"uneven tensor parallel holds {held:,} KV tokens, needs {need:,}"
+                        rejected.append((_llmctl_only(tp), why))
+                        continue
                     rejected.append(
                         (_layout(tp, 1), f"tp={tp} does not divide {spec.num_heads} heads")
                     )
@@ -561,8 +606,14 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
                         f"GPUs with {want}",
                         f"tp={tp} is the smallest tensor-parallel size that fits",
                     ]
+                    if _uneven_tp(spec, tp):
+                        reasons.append(f"llmctl only: {_uneven_split(spec, tp)}")
                     if tp < gpus and allowed(gpus):
                         alternatives.append(_full_width(ctx, chosen, gpus))
+                    elif tp < gpus and _uneven_tp(spec, gpus):
+                        layout, offer = _full_width(ctx, chosen, gpus)
+                        offer = f"{offer}; {_uneven_split(spec, gpus)}"
+                        alternatives.append((_llmctl_only(gpus), offer))
                     return _finish(ctx, chosen, reasons, rejected, alternatives)
 
     # 3. Across nodes: tp = GPUs per node, pp = nodes used.
@@ -576,6 +627,14 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
                 + ("" if tp == gpus else f", the largest size <= {gpus} that divides the heads")
                 + f"), pipeline parallel across the {n} nodes (pp={n})",
             ]
+            if tp < gpus and _uneven_tp(spec, gpus):
+                uneven = _evaluate(ctx, gpus, n)
+                if uneven.fits(ctx):
+                    ratio = uneven.blocks / max(chosen.blocks, 1)
+                    offer = f"every GPU of the {n} nodes: {ratio:.1f}x the KV cache"
+                    alternatives.append(
+                        (_llmctl_only(gpus, n), f"{offer}; {_uneven_split(spec, gpus)}")
+                    )
             return _finish(ctx, chosen, reasons, rejected, alternatives)
     raise _too_big(ctx, tried, f"{nodes} node(s) x {gpus} GPU(s) of {ctx.gpu_gib:g} GiB")
 
@@ -672,7 +731,7 @@ def _too_big(ctx: _Ctx, tried: list[_Eval], what: str) -> PlanError:
     spec, opts = ctx.spec, ctx.options
     need_tokens = ctx.max_model_len * opts.min_concurrency
     weights = spec.total_params() * ctx.dtype_bytes
-    kv = need_tokens * spec.kv_bytes_per_token(spec.num_layers, 0, 1, ctx.kv_bytes)
+    kv = need_tokens * spec.shape.kv_bytes_per_token(spec.num_layers, 0, 1, ctx.kv_bytes)
     if opts.device == "cpu":
         best = max(tried, key=lambda e: e.blocks) if tried else None
         held = best.blocks * opts.block_size if best else 0

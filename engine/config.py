@@ -13,6 +13,7 @@ from typing import Any
 
 from llmctl.engine.errors import ConfigError, KVCacheTooSmallError
 from llmctl.engine.memory_profile import check_gpu_memory_utilization
+from llmctl.engine.model_shape import ModelShape
 
 # Names accepted for --dtype, and what they mean.
 _DTYPE_ALIASES = {
@@ -27,7 +28,6 @@ _DTYPE_ALIASES = {
     "fp16": "float16",
 }
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-DEFAULT_CPU_KV_CACHE_SPACE_GIB = 4.0  # as vLLM's VLLM_CPU_KVCACHE_SPACE
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 DEVICES = ("auto", "cpu", "cuda")
@@ -45,7 +45,8 @@ def normalize_dtype(dtype: str) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model to run: where it is, its Hugging Face config, and the dtype and length to use."""
+    """The model to run: where it is, its Hugging Face config and the ModelShape read from it
+    (what the engine's sizes come from), and the dtype and length to use."""
 
     model: str  # what the user named (a path, or "" for the bundled default)
     path: str  # local directory holding config.json and the weights
@@ -58,8 +59,12 @@ class ModelConfig:
     seed: int = 0
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs have no text
     enforce_eager: bool = False  # CUDA: no CUDA graphs, every step runs eagerly (as vLLM's flag)
+    shape: ModelShape | None = None  # None: read from hf_config
 
     def __post_init__(self) -> None:
+        if self.shape is None:
+            arch = self.architecture or None
+            object.__setattr__(self, "shape", ModelShape.from_hf_config(self.hf_config, arch))
         if self.dtype not in DTYPE_BYTES:
             raise ConfigError(f"dtype must be resolved, got {self.dtype!r}")
         if self.max_model_len < 1:
@@ -70,28 +75,23 @@ class ModelConfig:
 
     @property
     def num_layers(self) -> int:
-        cfg = self.hf_config
-        return getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
+        return self.shape.num_layers
 
     @property
     def num_attention_heads(self) -> int:
-        cfg = self.hf_config
-        return getattr(cfg, "num_attention_heads", None) or cfg.n_head
+        return self.shape.num_attention_heads
 
     @property
     def num_kv_heads(self) -> int:
-        return getattr(self.hf_config, "num_key_value_heads", None) or self.num_attention_heads
+        return self.shape.num_kv_heads
 
     @property
     def hidden_size(self) -> int:
-        cfg = self.hf_config
-        return getattr(cfg, "hidden_size", None) or cfg.n_embd
+        return self.shape.hidden_size
 
     @property
     def head_dim(self) -> int:
-        return getattr(self.hf_config, "head_dim", None) or (
-            self.hidden_size // self.num_attention_heads
-        )
+        return self.shape.head_dim
 
     @property
     def dtype_bytes(self) -> int:
@@ -239,23 +239,12 @@ def parse_layer_partition(
     return parts
 
 
-def check_layout(hf_config: Any, tp: int, pp: int, explicit: tuple[int, ...] | None) -> None:
+def check_layout(shape: ModelShape, tp: int, pp: int, explicit: tuple[int, ...] | None) -> None:
     """Refuse a TP x PP layout the model cannot take, before any worker starts."""
-    from llmctl.engine.distributed.partition import column_shards, head_shards, layer_partition
+    from llmctl.engine.distributed.partition import layer_partition
 
-    heads = getattr(hf_config, "num_attention_heads", None) or hf_config.n_head
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_shards(heads, kv_heads, tp)
-    intermediate = (
-        getattr(hf_config, "intermediate_size", None)
-        or getattr(hf_config, "ffn_dim", None)
-        or getattr(hf_config, "n_inner", None)
-        or 4 * (getattr(hf_config, "n_embd", None) or hf_config.hidden_size)
-    )
-    column_shards(intermediate, tp, "MLP features")
-    column_shards(hf_config.vocab_size, tp, "vocabulary entries")
-    layers = getattr(hf_config, "num_hidden_layers", None) or hf_config.n_layer
-    layer_partition(layers, pp, explicit)
+    shape.check_tensor_parallel(tp)
+    layer_partition(shape.num_layers, pp, explicit)
 
 
 def checkpoint_dtype(hf_config: Any) -> str | None:
@@ -268,16 +257,8 @@ def checkpoint_dtype(hf_config: Any) -> str | None:
         return None
 
 
-def _derived_max_model_len(hf_config: Any) -> int:
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = getattr(hf_config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 2048
-
-
-def resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
-    derived = _derived_max_model_len(hf_config)
+def resolve_max_model_len(shape: ModelShape, requested: int | None) -> int:
+    derived = shape.max_position_embeddings
     if requested is None:
         return derived
     if requested < 1:

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmctl.engine.config import (
-    DEFAULT_CPU_KV_CACHE_SPACE_GIB,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEVICES,
     CacheConfig,
@@ -37,6 +36,8 @@ from llmctl.engine.config import (
     resolve_max_num_batched_tokens,
 )
 from llmctl.engine.errors import ConfigError
+from llmctl.engine.memory_profile import DEFAULT_CPU_KV_CACHE_SPACE_GIB
+from llmctl.engine.model_shape import ModelShape
 
 # Help panels, and the commands an option can belong to.
 ENGINE = "Engine"
@@ -223,19 +224,19 @@ class EngineArgs:
         hf_config = source.load_hf_config()
         architecture = source.architecture(hf_config)
         check_architecture(architecture)
+        shape = ModelShape.from_hf_config(hf_config, architecture)
         layer_partition = parse_layer_partition(
             self.pipeline_layer_partition or os.environ.get("LLMCTL_PP_LAYER_PARTITION")
         )
-        check_layout(
-            hf_config, self.tensor_parallel_size, self.pipeline_parallel_size, layer_partition
-        )
+        check_layout(shape, self.tensor_parallel_size, self.pipeline_parallel_size, layer_partition)
         resolved_dtype = platform.resolve_dtype(dtype, device, checkpoint_dtype(hf_config))
-        max_model_len = resolve_max_model_len(hf_config, self.max_model_len)
+        max_model_len = resolve_max_model_len(shape, self.max_model_len)
         model_config = ModelConfig(
             model=self.model or "",
             path=source.path,
             hf_config=hf_config,
             architecture=architecture,
+            shape=shape,
             dtype=resolved_dtype,
             max_model_len=max_model_len,
             tokenizer=self.tokenizer or source.path,

@@ -60,7 +60,7 @@ class LLMEngine:
         # skip_tokenizer_init: no tokenizer; prompts are token ids and outputs carry no text.
         self.tokenizer = None if mc.skip_tokenizer_init else get_tokenizer(mc.tokenizer)
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc.path)
-        self.vocab_size = mc.hf_config.vocab_size
+        self.vocab_size = mc.shape.vocab_size
         self.executor = Executor.get_class(engine_config)(engine_config, progress)
         try:
             self.num_blocks = self.executor.determine_num_available_blocks()

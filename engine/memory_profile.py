@@ -1,4 +1,8 @@
-"""GPU memory for the KV cache, sized as vLLM does it: the engine measures, `llmctl plan` estimates.
+"""Memory for the KV cache, sized as vLLM does it: the engine measures, `llmctl plan` estimates.
+
+On the CPU the KV cache of each rank is kv_cache_space_gib exactly (`cpu_num_gpu_blocks`); the
+worker divides it by the bytes per block of the attention layers it built, the planner by
+`ModelShape.kv_cache_bytes_per_block`, and both take the rank with the fewest blocks.
 
 After loading its weights, each CUDA worker empties torch's cache, resets the peak counter and runs
 one profile step: a forward of max_num_batched_tokens tokens split over dummy requests
@@ -23,6 +27,7 @@ from llmctl.engine.errors import ConfigError, DeviceMemoryError
 
 MIB = 1 << 20
 GIB = 1 << 30
+DEFAULT_CPU_KV_CACHE_SPACE_GIB = 4.0  # as vLLM's VLLM_CPU_KVCACHE_SPACE
 
 # Non-torch memory, for the planner. One process on one GPU: the CUDA context with its loaded
 # modules (torch's, cuBLAS's, Triton's kernels), 0.4-0.6 GiB on an H100 with CUDA 12's lazy
@@ -105,6 +110,13 @@ def num_gpu_blocks(profile: MemoryProfile, gpu_memory_utilization: float, block_
             "model over more GPUs with -tp/-pp",
         )
     return budget // block_bytes
+
+
+def cpu_num_gpu_blocks(kv_cache_space_gib: float | None, block_bytes: int) -> int:
+    """KV cache blocks of one CPU rank: kv_cache_space_gib (None: the default) over the bytes of
+    one block on that rank. The engine's count is the smallest over its ranks."""
+    space = kv_cache_space_gib or DEFAULT_CPU_KV_CACHE_SPACE_GIB
+    return int(space * GIB) // block_bytes
 
 
 def estimate_activation_bytes(

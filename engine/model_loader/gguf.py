@@ -18,15 +18,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from llmctl.engine.errors import ModelLoadError, UnsupportedArchitectureError
+from llmctl.engine.errors import ConfigError, ModelLoadError, UnsupportedArchitectureError
+from llmctl.engine.model_shape import GGUF_ARCHITECTURES, GGUF_TOKENS, ModelShape
 
-# GGUF architecture -> Hugging Face architecture class name.
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "gpt2": "GPT2LMHeadModel",
-}
 # llama.cpp permutes the rows of q and k for these architectures; undo it.
 _PERMUTED_QK = ("llama", "mistral")
 _SHARD_BYTES = 2 << 30
@@ -72,6 +66,41 @@ def ensure_converted(gguf_path: Path, progress: ProgressFn | None = None) -> Pat
     return target
 
 
+def gguf_metadata(reader) -> dict:
+    """A GGUFReader's key-value metadata as plain values; arrays (the tokenizer's vocabulary)
+    by their length, since decoding them value by value takes seconds."""
+    metadata = {}
+    for key, field in reader.fields.items():
+        if key == GGUF_TOKENS or (len(field.types) > 1 and key.startswith("tokenizer.")):
+            metadata[key] = len(field.data)
+            continue
+        try:
+            metadata[key] = field.contents()
+        except Exception:  # noqa: BLE001 - a field the reader cannot decode is left out
+            continue
+    return metadata
+
+
+def gguf_shape(reader) -> ModelShape:
+    """The model's shape from a GGUFReader, through ModelShape's one table of GGUF keys."""
+    return ModelShape.from_gguf_metadata(
+        gguf_metadata(reader), tuple(t.name for t in reader.tensors)
+    )
+
+
+def read_gguf_shape(path: Path) -> ModelShape:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # the gguf package raises bare ValueError/KeyError on bad files
+        raise ModelLoadError(
+            f"{path} is not a readable GGUF file ({exc})",
+            "check that the download finished, or name another model",
+        ) from exc
+    return gguf_shape(reader)
+
+
 def _convert(gguf_path: Path, out: Path, progress: ProgressFn | None) -> None:
     import gguf
     import numpy as np
@@ -93,10 +122,17 @@ def _convert(gguf_path: Path, out: Path, progress: ProgressFn | None) -> None:
             f"GGUF architecture {arch!r} is not supported",
             f"llmctl reads GGUF files of {', '.join(sorted(GGUF_ARCHITECTURES))}",
         )
+    try:
+        shape = gguf_shape(reader)
+    except ConfigError as exc:
+        raise ModelLoadError(f"{gguf_path}: {exc.message}", exc.hint) from exc
     parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=False)
     config_dict = dict(parsed["config"])
     model_type = config_dict.pop("model_type", arch)
     config_dict.pop("_model_name_or_path", None)
+    # The sizes come from ModelShape's GGUF table (the planner reads the same); transformers'
+    # mapping supplies the rest (rope, norm epsilon, special tokens).
+    config_dict.update(shape.hf_config_values())
     config = AutoConfig.for_model(model_type, **config_dict)
     config.architectures = [GGUF_ARCHITECTURES.get(model_type, GGUF_ARCHITECTURES[arch])]
     config.dtype = "float32"
@@ -111,8 +147,7 @@ def _convert(gguf_path: Path, out: Path, progress: ProgressFn | None) -> None:
     else:
         tokenizer.save_pretrained(out)
 
-    num_heads = config.num_attention_heads if arch != "gpt2" else config.n_head
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    num_heads, num_kv_heads = shape.num_attention_heads, shape.num_kv_heads
     shard: dict[str, torch.Tensor] = {}
     shard_bytes = 0
     weight_map: dict[str, str] = {}

@@ -48,7 +48,7 @@ def load_model(
 ) -> nn.Module:
     model_class = get_model_class(model_config.architecture)
     with torch.device(device), _default_dtype(torch_dtype(model_config.dtype)):
-        model = model_class(model_config.hf_config, shard)
+        model = model_class(model_config.hf_config, model_config.shape, shard)
     path = local_weights_path(model_config)
     weights = iterate_weights(path)
     if progress is not None:

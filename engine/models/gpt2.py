@@ -19,16 +19,16 @@ from llmctl.engine.layers.attention import Attention
 from llmctl.engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from llmctl.engine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from llmctl.engine.model_loader.weights import CheckpointTensor
+from llmctl.engine.model_shape import ModelShape
 from llmctl.engine.models.utils import IntermediateTensors, load_weights, make_layers
 
 _CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int):
+    def __init__(self, config: Any, shape: ModelShape, layer_idx: int):
         super().__init__()
-        hidden, heads = config.n_embd, config.n_head
-        head_dim = hidden // heads
+        hidden, heads, head_dim = shape.hidden_size, shape.num_attention_heads, shape.head_dim
         self.c_attn = QKVParallelLinear(hidden, head_dim, heads, heads, bias=True)
         shards = head_shards(heads, heads, get_tp_group().world_size)
         self.c_proj = RowParallelLinear(
@@ -46,9 +46,9 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, shape: ModelShape):
         super().__init__()
-        inner = config.n_inner or 4 * config.n_embd
+        inner = shape.intermediate_size
         self.c_fc = ColumnParallelLinear(config.n_embd, inner, bias=True)
         self.c_proj = RowParallelLinear(
             inner, config.n_embd, bias=True, input_shards=self.c_fc.output_shards
@@ -60,13 +60,13 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, config: Any, layer_idx: int):
+    def __init__(self, config: Any, shape: ModelShape, layer_idx: int):
         super().__init__()
         eps = config.layer_norm_epsilon
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=eps)
-        self.attn = GPT2Attention(config, layer_idx)
+        self.attn = GPT2Attention(config, shape, layer_idx)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=eps)
-        self.mlp = GPT2MLP(config)
+        self.mlp = GPT2MLP(config, shape)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = hidden_states + self.attn(self.ln_1(hidden_states))
@@ -74,13 +74,13 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, config: Any, shard: PipelineShard):
+    def __init__(self, config: Any, shape: ModelShape, shard: PipelineShard):
         super().__init__()
         self.shard = shard
         if shard.is_first:
             self.wte = VocabParallelEmbedding(config.vocab_size, config.n_embd)
             self.wpe = nn.Embedding(config.n_positions, config.n_embd)
-        self.h = make_layers(config.n_layer, shard, lambda i: GPT2Block(config, i))
+        self.h = make_layers(config.n_layer, shard, lambda i: GPT2Block(config, shape, i))
         if shard.is_last:
             self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
@@ -99,11 +99,11 @@ class GPT2Model(nn.Module):
 class GPT2LMHeadModel(nn.Module):
     stacked_params = [("c_attn", "c_attn", "qkv")]
 
-    def __init__(self, config: Any, shard: PipelineShard):
+    def __init__(self, config: Any, shape: ModelShape, shard: PipelineShard):
         super().__init__()
         self.config = config
         self.shard = shard
-        self.transformer = GPT2Model(config, shard)
+        self.transformer = GPT2Model(config, shape, shard)
         if shard.is_last:
             self.lm_head = ParallelLMHead(config.vocab_size, config.n_embd)
             if shard.is_first:

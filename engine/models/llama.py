@@ -21,6 +21,7 @@ from llmctl.engine.layers.linear import (
 from llmctl.engine.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from llmctl.engine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from llmctl.engine.model_loader.weights import CheckpointTensor
+from llmctl.engine.model_shape import ModelShape
 from llmctl.engine.models.utils import IntermediateTensors, load_weights, make_layers
 
 
@@ -40,18 +41,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool, rotary_emb: RotaryEmbedding):
+    def __init__(self, shape: ModelShape, rotary_emb: RotaryEmbedding):
         super().__init__()
-        hidden = config.hidden_size
-        num_heads = config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(config, "head_dim", None) or hidden // num_heads
-        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
+        hidden, head_dim = shape.hidden_size, shape.head_dim
+        num_heads, num_kv_heads = shape.num_attention_heads, shape.num_kv_heads
+        self.qkv_proj = QKVParallelLinear(
+            hidden, head_dim, num_heads, num_kv_heads, bias=shape.qkv_bias
+        )
         shards = head_shards(num_heads, num_kv_heads, get_tp_group().world_size)
         self.o_proj = RowParallelLinear(
             num_heads * head_dim,
             hidden,
-            bias=o_bias,
+            bias=shape.o_bias,
             input_shards=[s.num_q_heads * head_dim for s in shards],
         )
         self.rotary_emb = rotary_emb
@@ -75,14 +76,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool, rotary_emb: RotaryEmbedding):
+    def __init__(self, config: Any, shape: ModelShape, rotary_emb: RotaryEmbedding):
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, rotary_emb)
-        self.mlp = LlamaMLP(
-            config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False)
-        )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(shape, rotary_emb)
+        self.mlp = LlamaMLP(shape.hidden_size, shape.intermediate_size, shape.mlp_bias)
+        self.input_layernorm = RMSNorm(shape.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, config.rms_norm_eps)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -98,25 +97,20 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, shard: PipelineShard, qkv_bias: bool, o_bias: bool):
+    def __init__(self, config: Any, shape: ModelShape, shard: PipelineShard):
         super().__init__()
         self.shard = shard
         if shard.is_first:
-            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads
-        )
+            self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size)
         # One rotary table for all layers (not a submodule of each: its buffers are not weights).
         rotary_emb = RotaryEmbedding(
-            head_dim, config.max_position_embeddings, rope_parameters(config)
+            shape.head_dim, shape.max_position_embeddings, rope_parameters(config)
         )
         self.layers = make_layers(
-            config.num_hidden_layers,
-            shard,
-            lambda i: LlamaDecoderLayer(config, qkv_bias, o_bias, rotary_emb),
+            shape.num_layers, shard, lambda i: LlamaDecoderLayer(config, shape, rotary_emb)
         )
         if shard.is_last:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.norm = RMSNorm(shape.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -146,31 +140,30 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "gate_proj", 0),
         ("gate_up_proj", "up_proj", 1),
     ]
-    qkv_bias = False
 
-    def __init__(self, config: Any, shard: PipelineShard):
+    def __init__(self, config: Any, shape: ModelShape, shard: PipelineShard):
         super().__init__()
         self.config = config
         self.shard = shard
-        attention_bias = getattr(config, "attention_bias", False)
-        qkv_bias = self.qkv_bias or attention_bias
-        self.model = LlamaModel(config, shard, qkv_bias, attention_bias)
+        # Sizes and biases (Qwen2's QKV bias, attention_bias, mlp_bias) from the model's shape.
+        self.shape = shape
+        self.model = LlamaModel(config, shape, shard)
         if shard.is_last:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-            if getattr(config, "tie_word_embeddings", False):
+            self.lm_head = ParallelLMHead(shape.vocab_size, shape.hidden_size)
+            if shape.tie_word_embeddings:
                 if shard.is_first:
                     self.lm_head.tie_weights(self.model.embed_tokens)
-        self.hidden_size = config.hidden_size
+        self.hidden_size = shape.hidden_size
         self.intermediate_keys = (
             "hidden_states",
             "residual",
         )  # what one pipeline stage sends the next
-        self.sliding_window = _sliding_window(config)
+        self.sliding_window = shape.sliding_window
 
     @property
     def reads_tied_embedding(self) -> bool:
         """The last stage loads the LM head from the embedding tensor (tied, other stage)."""
-        return getattr(self.config, "tie_word_embeddings", False) and not self.shard.is_first
+        return self.shape.tie_word_embeddings and not self.shard.is_first
 
     def forward(self, input_ids, positions, intermediate_tensors=None):
         return self.model(input_ids, positions, intermediate_tensors)
@@ -203,13 +196,4 @@ class MistralForCausalLM(LlamaForCausalLM):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    qkv_bias = True
-
-
-def _sliding_window(config: Any) -> int | None:
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    if getattr(config, "use_sliding_window", True) is False:
-        return None
-    return int(window)
+    pass  # its QKV bias: ModelShape.qkv_bias

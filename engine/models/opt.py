@@ -21,17 +21,17 @@ from llmctl.engine.layers.linear import (
 )
 from llmctl.engine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from llmctl.engine.model_loader.weights import CheckpointTensor
+from llmctl.engine.model_shape import ModelShape
 from llmctl.engine.models.utils import IntermediateTensors, load_weights, make_layers
 
 _POSITION_OFFSET = 2  # OPT reserves the first two position embeddings
 
 
 class OPTAttention(nn.Module):
-    def __init__(self, config: Any):
+    def __init__(self, shape: ModelShape):
         super().__init__()
-        hidden, heads = config.hidden_size, config.num_attention_heads
-        head_dim = hidden // heads
-        bias = getattr(config, "enable_bias", True)
+        hidden, heads, head_dim = shape.hidden_size, shape.num_attention_heads, shape.head_dim
+        bias = shape.qkv_bias  # OPT's enable_bias
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, heads, bias=bias)
         shards = head_shards(heads, heads, get_tp_group().world_size)
         self.out_proj = RowParallelLinear(
@@ -48,17 +48,17 @@ class OPTAttention(nn.Module):
 
 
 class OPTDecoderLayer(nn.Module):
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, shape: ModelShape):
         super().__init__()
-        hidden = config.hidden_size
+        hidden, ffn_dim = shape.hidden_size, shape.intermediate_size
         affine = getattr(config, "layer_norm_elementwise_affine", True)
-        bias = getattr(config, "enable_bias", True)
+        bias = shape.mlp_bias  # OPT's enable_bias
         self.do_layer_norm_before = config.do_layer_norm_before
-        self.self_attn = OPTAttention(config)
+        self.self_attn = OPTAttention(shape)
         self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
-        self.fc1 = ColumnParallelLinear(hidden, config.ffn_dim, bias=bias)
+        self.fc1 = ColumnParallelLinear(hidden, ffn_dim, bias=bias)
         self.fc2 = RowParallelLinear(
-            config.ffn_dim, hidden, bias=bias, input_shards=self.fc1.output_shards
+            ffn_dim, hidden, bias=bias, input_shards=self.fc1.output_shards
         )
         self.activation_fn = get_act_fn(config.activation_function)
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
@@ -80,10 +80,10 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTDecoder(nn.Module):
-    def __init__(self, config: Any, shard: PipelineShard):
+    def __init__(self, config: Any, shape: ModelShape, shard: PipelineShard):
         super().__init__()
         self.shard = shard
-        hidden, proj_dim = config.hidden_size, config.word_embed_proj_dim
+        hidden, proj_dim = shape.hidden_size, shape.embedding_width
         if shard.is_first:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, proj_dim)
             self.embed_positions = nn.Embedding(
@@ -93,7 +93,7 @@ class OPTDecoder(nn.Module):
                 ReplicatedLinear(proj_dim, hidden, bias=False) if proj_dim != hidden else None
             )
         self.layers = make_layers(
-            config.num_hidden_layers, shard, lambda i: OPTDecoderLayer(config)
+            config.num_hidden_layers, shard, lambda i: OPTDecoderLayer(config, shape)
         )
         if shard.is_last:
             affine = getattr(config, "layer_norm_elementwise_affine", True)
@@ -127,9 +127,9 @@ class OPTDecoder(nn.Module):
 
 
 class OPTModel(nn.Module):
-    def __init__(self, config: Any, shard: PipelineShard):
+    def __init__(self, config: Any, shape: ModelShape, shard: PipelineShard):
         super().__init__()
-        self.decoder = OPTDecoder(config, shard)
+        self.decoder = OPTDecoder(config, shape, shard)
 
 
 class OPTForCausalLM(nn.Module):
@@ -139,11 +139,11 @@ class OPTForCausalLM(nn.Module):
         ("qkv_proj", "v_proj", "v"),
     ]
 
-    def __init__(self, config: Any, shard: PipelineShard):
+    def __init__(self, config: Any, shape: ModelShape, shard: PipelineShard):
         super().__init__()
         self.config = config
         self.shard = shard
-        self.model = OPTModel(config, shard)
+        self.model = OPTModel(config, shape, shard)
         if shard.is_last:
             self.lm_head = ParallelLMHead(config.vocab_size, config.word_embed_proj_dim)
             if shard.is_first:

@@ -48,7 +48,7 @@ class ModelRunner:
         self.block_size = engine_config.cache_config.block_size
         self.dtype = torch_dtype(mc.dtype)
         self.device = torch.device(engine_config.device_config.device)
-        self.vocab_size = mc.hf_config.vocab_size
+        self.vocab_size = mc.shape.vocab_size
         self.sliding_window: int | None = getattr(model, "sliding_window", None)
         if self.sliding_window and self.sliding_window >= mc.max_model_len:
             self.sliding_window = None  # the window never bites

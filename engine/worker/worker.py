@@ -15,11 +15,11 @@ import resource
 
 import torch
 
-from llmctl.engine.config import DEFAULT_CPU_KV_CACHE_SPACE_GIB, EngineConfig
+from llmctl.engine.config import EngineConfig
 from llmctl.engine.distributed import parallel_state, ranks
 from llmctl.engine.distributed.partition import pipeline_shard
 from llmctl.engine.errors import DeviceMemoryError
-from llmctl.engine.memory_profile import GIB, MemoryProfile, num_gpu_blocks
+from llmctl.engine.memory_profile import GIB, MemoryProfile, cpu_num_gpu_blocks, num_gpu_blocks
 from llmctl.engine.model_runner_output import ModelRunnerOutput
 from llmctl.engine.scheduler_output import SchedulerOutput
 
@@ -96,8 +96,7 @@ class Worker:
             return cache.num_gpu_blocks_override
         per_block = self.model_runner.kv_cache_bytes_per_block()
         if self.config.device_config.device == "cpu":
-            space = cache.kv_cache_space_gib or DEFAULT_CPU_KV_CACHE_SPACE_GIB
-            return int(space * GIB) // per_block
+            return cpu_num_gpu_blocks(cache.kv_cache_space_gib, per_block)
         profile = self.profile_memory()
         utilization = cache.gpu_memory_utilization
         logger.info("Memory profiling (rank %d): %s", self.rank, profile.describe(utilization))

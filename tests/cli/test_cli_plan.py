@@ -81,3 +81,18 @@ def test_unknown_model(invoke):
     result = invoke("plan", "Llama-9-1T")
     assert result.exit_code == 1
     assert "--list-models" in result.stderr
+
+
+def test_uneven_tp_is_printed_as_llmctl_only(invoke):
+    result = invoke(
+        "plan", "Llama-3.1-8B", "--gpus-per-node", "3", "--max-model-len", "4096",
+        env={"COLUMNS": "300"},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    also = out[out.index("Also possible") :]
+    assert "- tp=3, pp=1 (llmctl only): the node's full width" in also
+    assert "KV heads 3,3,2 (query heads 12,12,8) per rank" in also
+    assert "vLLM cannot run it" in also
+    as_json = json.loads(invoke("plan", "Llama-3.1-8B", "--gpus-per-node", "3", "--json").stdout)
+    assert as_json["alternatives"][0]["layout"] == "tp=3, pp=1 (llmctl only)"

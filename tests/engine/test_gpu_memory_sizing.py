@@ -27,7 +27,14 @@ BLOCK_BYTES = 2 << 20
 
 
 def cuda_config(utilization: float = 0.9, dtype: str = "bfloat16") -> EngineConfig:
-    hf_config = SimpleNamespace(num_hidden_layers=4, num_attention_heads=4, hidden_size=64)
+    hf_config = SimpleNamespace(
+        architectures=["LlamaForCausalLM"],
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        hidden_size=64,
+        intermediate_size=128,
+        vocab_size=256,
+    )
     return EngineConfig(
         model_config=ModelConfig("m", "/m", hf_config, dtype=dtype, max_model_len=4096),
         cache_config=CacheConfig(gpu_memory_utilization=utilization),

@@ -1,5 +1,6 @@
 """The planner against independent counts: catalog weights against transformers' own models (on
-the meta device), and predicted KV capacity against what the engine then logs."""
+the meta device), and, exactly, the KV block count and each rank's weights against a real engine
+on every layout the engine tests run."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from llmctl.cluster.inventory import inventory_from_flags
 from llmctl.cluster.model_spec import ModelSpec, load_model_spec
 from llmctl.cluster.plan import PlanOptions, make_plan
 from llmctl.engine import LLM
+from llmctl.engine.config import parse_layer_partition
+from llmctl.engine.model_shape import ModelShape
 
 
 def _hf_config(spec: ModelSpec):
@@ -77,38 +80,64 @@ def test_catalog_weight_memory_matches_the_parameter_count(name):
         inventory_from_flags(1, 1, 10_000),
         PlanOptions(max_model_len=1024, dtype="bfloat16", tensor_parallel_size=1),
     )
-    assert plan.ranks[0].weight_bytes == pytest.approx(params * 2, rel=0.02)
+    assert plan.ranks[0].weight_bytes == params * 2
 
 
-def _engine_kv_tokens(caplog, model, **kwargs) -> int:
+# Every layout the engine tests run: tp 1/2/3 (9 heads on 3 KV heads: tp=2 deals the KV-head
+# groups out 2 + 1), pp 2/3 (4 layers: the default split of pp=3 is 1,2,1) and an uneven
+# --pipeline-layer-partition.
+LAYOUTS = {
+    "tp1": {},
+    "tp2": {"tensor_parallel_size": 2},
+    "tp3": {"tensor_parallel_size": 3},
+    "pp2": {"pipeline_parallel_size": 2},
+    "pp3": {"pipeline_parallel_size": 3},
+    "pp3-uneven": {"pipeline_parallel_size": 3, "pipeline_layer_partition": "2,1,1"},
+}
+CASES = [("tiny", layout) for layout in LAYOUTS] + [
+    ("smollm2", layout) for layout in ("tp1", "tp2", "pp2")
+]
+
+
+def _engine_kv(caplog, model, **kwargs) -> tuple[int, int, list[int]]:
+    """The engine's num_gpu_blocks, the KV cache size it logs (tokens) and each rank's weight
+    bytes as loaded."""
     with caplog.at_level(logging.INFO, logger="llmctl"):
         caplog.clear()
         llm = LLM(model, use_tqdm_on_load=False, **kwargs)
+        num_blocks = llm.llm_engine.num_blocks
+        weights = [r["weight_bytes"] for r in llm.llm_engine.executor.rank_info()]
         llm.shutdown()
     match = re.search(r"KV cache size: ([\d,]+) tokens", caplog.text)
-    return int(match.group(1).replace(",", ""))
+    return num_blocks, int(match.group(1).replace(",", "")), weights
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [{}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
-    ids=["tp1", "tp2", "pp2"],
-)
-@pytest.mark.parametrize("which", ["tiny", "smollm2"])
-def test_plan_predicts_the_engines_kv_cache(which, layout, tiny_models, caplog):
+@pytest.mark.parametrize(("which", "layout"), CASES, ids=[f"{w}-{lay}" for w, lay in CASES])
+def test_plan_predicts_the_engines_kv_block_count_exactly(which, layout, tiny_models, caplog):
     space = 0.05
     model = str(tiny_models.path("llama-9-heads")) if which == "tiny" else None
-    spec = load_model_spec(model)
+    kwargs = LAYOUTS[layout]
+    partition = kwargs.get("pipeline_layer_partition")
     plan = make_plan(
-        spec,
+        load_model_spec(model),
         inventory_from_flags(1, 2, 1),
-        PlanOptions(device="cpu", kv_cache_space_gib=space, max_model_len=256, **layout),
+        PlanOptions(
+            device="cpu",
+            kv_cache_space_gib=space,
+            max_model_len=256,
+            tensor_parallel_size=kwargs.get("tensor_parallel_size"),
+            pipeline_parallel_size=kwargs.get("pipeline_parallel_size"),
+            pipeline_layer_partition=parse_layer_partition(partition),
+        ),
     )
-    backend = {"distributed_executor_backend": "mp"} if layout else {}
-    engine = _engine_kv_tokens(
-        caplog, model, kv_cache_space_gib=space, max_model_len=256, **layout, **backend
+    backend = {"distributed_executor_backend": "mp"} if kwargs else {}
+    num_blocks, tokens, weights = _engine_kv(
+        caplog, model, kv_cache_space_gib=space, max_model_len=256, **kwargs, **backend
     )
-    assert plan.kv_cache_tokens == pytest.approx(engine, rel=0.02)
+    assert [r.weight_bytes for r in plan.ranks] == weights  # each rank's shard, as loaded
+    assert plan.num_kv_blocks == num_blocks
+    assert plan.kv_cache_tokens == tokens
+    assert plan.log_lines()[1] in caplog.text  # "KV cache size: N tokens", as the engine logs it
 
 
 def test_gguf_file_is_read_like_its_catalog_entry():
@@ -119,3 +148,11 @@ def test_gguf_file_is_read_like_its_catalog_entry():
     assert (spec.num_layers, spec.num_heads, spec.num_kv_heads) == (30, 9, 3)
     assert spec.tie_word_embeddings and spec.vocab_size == 49152
     assert spec.total_params() == catalog.total_params()
+
+
+@pytest.mark.parametrize("name", list(CATALOG))
+def test_transformers_configs_give_the_catalog_shape(name):
+    """ModelShape.from_hf_config reads transformers' config classes (attribute maps, defaults)
+    as the catalog types them in."""
+    spec = CATALOG[name]
+    assert ModelShape.from_hf_config(_hf_config(spec)) == spec.shape

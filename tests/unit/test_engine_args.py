@@ -9,7 +9,6 @@ import pytest
 
 from llmctl.cluster.head_server import Layout, serve_argv
 from llmctl.cluster.plan import PlanOptions
-from llmctl.engine.config import DEFAULT_CPU_KV_CACHE_SPACE_GIB
 from llmctl.engine.config import EngineArgs as EngineArgsFromConfig
 from llmctl.engine.engine_args import (
     EngineArgs,
@@ -18,6 +17,7 @@ from llmctl.engine.engine_args import (
     engine_default,
     option,
 )
+from llmctl.engine.memory_profile import DEFAULT_CPU_KV_CACHE_SPACE_GIB
 
 
 def test_engine_args_is_still_importable_from_config():

@@ -139,3 +139,55 @@ def test_tied_lm_head_counts_once_unless_stages_split_it():
     tied = spec.embedding_params() + spec.head_params(with_embedding=True)
     split = spec.embedding_params() + spec.head_params(with_embedding=False)
     assert split - tied == spec.vocab_size * spec.hidden_size
+
+
+def test_uneven_tp_is_offered_as_llmctl_only():
+    # Llama-3.1-8B (32 heads, 8 KV heads) on a node of 3 GPUs: vLLM has no tp=3 for it, our
+    # engine deals the 8 KV-head groups out 3, 3 and 2.
+    plan = make_plan(CATALOG["Llama-3.1-8B"], inventory_from_flags(1, 3, 80), SHORT)
+    assert (plan.tensor_parallel_size, plan.pipeline_parallel_size) == (1, 1)
+    [(layout, offer)] = plan.alternatives
+    assert layout == "tp=3, pp=1 (llmctl only)"
+    assert "KV heads 3,3,2 (query heads 12,12,8) per rank" in offer
+    assert "vLLM cannot run it, since tp=3 does not divide 32 heads (8 KV)" in offer
+    assert "the node's full width" in offer
+
+
+def test_uneven_tp_that_fits_is_offered_instead_of_rejected():
+    plan = make_plan(CATALOG["Llama-2-13B"], inventory_from_flags(1, 3, 16), SHORT)
+    assert (plan.tensor_parallel_size, plan.pipeline_parallel_size) == (1, 3)  # vLLM's choice
+    layouts = dict(plan.alternatives)
+    offer = layouts["tp=3, pp=1 (llmctl only)"]
+    assert "KV heads 14,13,13" in offer and "--allow-uneven-tp lets the planner choose it" in offer
+    assert "tp=3, pp=1" not in dict(plan.rejected)
+    # What it offers is what the planner computes when it is allowed to choose it.
+    chosen = make_plan(
+        CATALOG["Llama-2-13B"],
+        inventory_from_flags(1, 3, 16),
+        PlanOptions(max_model_len=4096, allow_uneven_tp=True),
+    )
+    assert f"holds {chosen.kv_cache_tokens:,} KV tokens" in offer
+    assert any(r.startswith("llmctl only: uneven tensor parallel") for r in chosen.reasons)
+
+
+def test_a_forced_uneven_tp_says_it_is_llmctl_only():
+    plan = make_plan(
+        CATALOG["Llama-3.1-8B"], inventory_from_flags(1, 3, 80), PlanOptions(tensor_parallel_size=3)
+    )
+    assert "llmctl only: uneven tensor parallel: KV heads 3,3,2" in plan.reasons[1]
+    even = make_plan(
+        CATALOG["Llama-3.1-8B"], inventory_from_flags(1, 8, 80), PlanOptions(tensor_parallel_size=4)
+    )
+    assert not any("llmctl only" in r for r in even.reasons)
+
+
+def test_across_nodes_the_uneven_full_width_is_offered_too():
+    # Llama-3.1-70B (64 heads, 8 KV heads) on 2 nodes of 3 x 40 GB: vLLM's choice is tp=2 x pp=2.
+    plan = make_plan(CATALOG["Llama-3.1-70B"], inventory_from_flags(2, 3, 40), SHORT)
+    assert (plan.tensor_parallel_size, plan.pipeline_parallel_size) == (2, 2)
+    offer = dict(plan.alternatives)["tp=3, pp=2 (llmctl only)"]
+    assert offer.startswith("every GPU of the 2 nodes:")
+    assert "KV heads 3,3,2 (query heads 24,24,16) per rank" in offer
+    # One node's tp=3 is too small, and says so as the uneven layout it is.
+    why = dict(plan.rejected)["tp=3, pp=1 (llmctl only)"]
+    assert why.startswith("uneven tensor parallel holds") and why.endswith("needs 4,096")

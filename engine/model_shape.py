@@ -1,0 +1,390 @@
+"""ModelShape: a model's sizes, read once from a Hugging Face config or GGUF metadata.
+
+The engine's configs, the layers' head and column partitions, the model files and the planner all
+read a model's shape here (pure: no torch, no transformers). Weights per rank are counted the way
+the engine's layers hold them, with the partition functions those layers call
+(`engine/distributed/partition.py`): column-parallel matrices split by `head_shards` (attention)
+and `column_shards` (MLP, vocabulary), uneven when tp does not divide; row-parallel matrices split
+by their inputs (their bias whole on every rank); norms replicated; the vocabulary split for the
+embedding (first stage) and the LM head (last stage; a tied head on a stage without the embedding
+holds its own copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from llmctl.engine.distributed.partition import HeadShard, column_shards, head_shards
+from llmctl.engine.errors import ConfigError
+
+# Hugging Face architecture -> the family whose layer structure it shares.
+FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "MixtralForCausalLM": "llama",
+    "GPT2LMHeadModel": "gpt2",
+    "OPTForCausalLM": "opt",
+}
+# config.json's model_type -> architecture, for configs that name no `architectures`.
+ARCHITECTURE_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "opt": "OPTForCausalLM",
+}
+# GGUF `general.architecture` -> Hugging Face architecture (the ones llmctl converts).
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+# GGUF metadata key (after the "<arch>." prefix) -> ModelShape field.
+GGUF_KEYS = {
+    "block_count": "num_layers",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_kv_heads",
+    "attention.key_length": "head_dim",
+    "context_length": "max_position_embeddings",
+    "vocab_size": "vocab_size",
+    "expert_count": "num_experts",
+    "attention.sliding_window": "sliding_window",
+}
+GGUF_TOKENS = "tokenizer.ggml.tokens"  # the vocabulary, when no <arch>.vocab_size is given
+DEFAULT_MAX_POSITION_EMBEDDINGS = 2048  # for configs that give no length
+_POSITIVE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    architecture: str  # Hugging Face class name, e.g. "LlamaForCausalLM"
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # MLP features (GPT-2's n_inner, OPT's ffn_dim)
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    num_experts: int = 0  # mixture of experts (Mixtral): MLPs per layer
+    word_embed_proj_dim: int | None = None  # OPT's embedding width when it differs
+    sliding_window: int | None = None  # Mistral/Qwen2: tokens each query sees
+
+    def __post_init__(self) -> None:
+        if self.architecture not in FAMILIES:
+            raise ConfigError(
+                f"architecture {self.architecture!r} has no known shape",
+                f"llmctl knows {', '.join(sorted(FAMILIES))}",
+            )
+        for name in _POSITIVE_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(
+                    f"{self.architecture}: {name} must be a positive integer, got {value!r}",
+                    "fix the model's config.json (or GGUF metadata)",
+                )
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"{self.architecture}: {self.num_attention_heads} attention heads are not a "
+                f"multiple of {self.num_kv_heads} KV heads",
+                "fix num_key_value_heads in the model's config.json",
+            )
+        if self.num_experts < 0:
+            raise ConfigError(f"num_experts must not be negative, got {self.num_experts}")
+
+    @property
+    def family(self) -> str:
+        return FAMILIES[self.architecture]
+
+    @property
+    def embedding_width(self) -> int:
+        return self.word_embed_proj_dim or self.hidden_size
+
+    # -- reading configs -----------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any, architecture: str | None = None) -> ModelShape:
+        """From a transformers PretrainedConfig, an HFConfigView or config.json as a dict."""
+        get = _getter(cfg)
+        arch = architecture or _architecture(get)
+        if arch == "GPT2LMHeadModel":
+            hidden, heads = _first(get, "n_embd", "hidden_size"), _first(get, "n_head")
+            heads = heads or get("num_attention_heads")
+            return cls(
+                architecture=arch,
+                num_layers=_first(get, "n_layer", "num_hidden_layers"),
+                hidden_size=hidden,
+                num_attention_heads=heads,
+                num_kv_heads=heads,
+                head_dim=_div(hidden, heads),
+                intermediate_size=get("n_inner") or 4 * hidden,
+                vocab_size=get("vocab_size"),
+                max_position_embeddings=_max_positions(get),
+                tie_word_embeddings=True,
+                qkv_bias=True,
+                o_bias=True,
+                mlp_bias=True,
+            )
+        hidden, heads = get("hidden_size"), get("num_attention_heads")
+        if arch == "OPTForCausalLM":
+            bias = get("enable_bias", True) is not False
+            return cls(
+                architecture=arch,
+                num_layers=get("num_hidden_layers"),
+                hidden_size=hidden,
+                num_attention_heads=heads,
+                num_kv_heads=heads,
+                head_dim=_div(hidden, heads),
+                intermediate_size=get("ffn_dim"),
+                vocab_size=get("vocab_size"),
+                max_position_embeddings=_max_positions(get),
+                tie_word_embeddings=get("tie_word_embeddings", True) is not False,
+                qkv_bias=bias,
+                o_bias=bias,
+                mlp_bias=bias,
+                word_embed_proj_dim=get("word_embed_proj_dim"),
+            )
+        attention_bias = bool(get("attention_bias", False))
+        window = get("sliding_window")
+        if get("use_sliding_window", True) is False:
+            window = None
+        return cls(
+            architecture=arch,
+            num_layers=get("num_hidden_layers"),
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_kv_heads=get("num_key_value_heads") or heads,
+            head_dim=get("head_dim") or _div(hidden, heads),
+            intermediate_size=get("intermediate_size"),
+            vocab_size=get("vocab_size"),
+            max_position_embeddings=_max_positions(get),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(get("mlp_bias", False)),
+            num_experts=(get("num_local_experts") or 0) if arch == "MixtralForCausalLM" else 0,
+            sliding_window=window if isinstance(window, int) and window > 0 else None,
+        )
+
+    @classmethod
+    def from_gguf_metadata(
+        cls, metadata: Mapping[str, Any], tensor_names: tuple[str, ...] | None = None
+    ) -> ModelShape:
+        """From a GGUF file's key-value metadata (values as the reader decodes them; an array may
+        be given by its length). `tensor_names` decides tie_word_embeddings: tied when the file
+        stores no separate `output.weight`."""
+        gguf_arch = str(metadata.get("general.architecture", ""))
+        if gguf_arch not in GGUF_ARCHITECTURES:
+            raise ConfigError(
+                f"GGUF architecture {gguf_arch!r} is not supported",
+                f"llmctl reads GGUF files of {', '.join(sorted(GGUF_ARCHITECTURES))}",
+            )
+        values: dict[str, Any] = {}
+        for key, name in GGUF_KEYS.items():
+            value = metadata.get(f"{gguf_arch}.{key}")
+            if value is not None:
+                values[name] = int(value)
+        if "vocab_size" not in values and GGUF_TOKENS in metadata:
+            tokens = metadata[GGUF_TOKENS]
+            values["vocab_size"] = tokens if isinstance(tokens, int) else len(tokens)
+        heads = values.get("num_attention_heads")
+        hidden = values.get("hidden_size")
+        values.setdefault("num_kv_heads", heads)
+        if "head_dim" not in values:
+            values["head_dim"] = _div(hidden, heads)
+        if gguf_arch == "gpt2":
+            values.setdefault("intermediate_size", 4 * hidden if hidden else None)
+        values.setdefault("max_position_embeddings", DEFAULT_MAX_POSITION_EMBEDDINGS)
+        values.setdefault("num_experts", 0)
+        tied = tensor_names is not None and "output.weight" not in tensor_names
+        arch = GGUF_ARCHITECTURES[gguf_arch]
+        bias = arch == "GPT2LMHeadModel"
+        return cls(
+            architecture=arch,
+            tie_word_embeddings=tied or bias,
+            qkv_bias=bias or arch == "Qwen2ForCausalLM",
+            o_bias=bias,
+            mlp_bias=bias,
+            **values,
+        )
+
+    def hf_config_values(self) -> dict[str, Any]:
+        """This shape in a Hugging Face config's keys (the GGUF converter writes these)."""
+        if self.family == "gpt2":
+            return {
+                "n_layer": self.num_layers,
+                "n_embd": self.hidden_size,
+                "n_head": self.num_attention_heads,
+                "n_inner": self.intermediate_size,
+                "n_positions": self.max_position_embeddings,
+                "vocab_size": self.vocab_size,
+                "tie_word_embeddings": self.tie_word_embeddings,
+            }
+        return {
+            "num_hidden_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": self.tie_word_embeddings,
+        }
+
+    # -- partitions ----------------------------------------------------------------------------
+
+    def tensor_parallel_heads(self, tp: int) -> list[HeadShard]:
+        """The attention heads of each tensor-parallel rank (as QKVParallelLinear splits them)."""
+        return head_shards(self.num_attention_heads, self.num_kv_heads, tp)
+
+    def head_shard(self, tp_rank: int, tp: int) -> HeadShard:
+        return self.tensor_parallel_heads(tp)[tp_rank]
+
+    def intermediate_shard(self, tp_rank: int, tp: int) -> int:
+        return column_shards(self.intermediate_size, tp, "MLP features")[tp_rank]
+
+    def vocab_shard(self, tp_rank: int, tp: int) -> int:
+        return column_shards(self.vocab_size, tp, "vocabulary entries")[tp_rank]
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """ConfigError naming the valid sizes when the layers cannot split this model tp ways."""
+        head_shards(self.num_attention_heads, self.num_kv_heads, tp)
+        column_shards(self.intermediate_size, tp, "MLP features")
+        column_shards(self.vocab_size, tp, "vocabulary entries")
+
+    # -- parameters per rank -------------------------------------------------------------------
+
+    def layer_params(self, tp_rank: int = 0, tp: int = 1) -> int:
+        """Parameters of one decoder layer on `tp_rank` of `tp` ranks."""
+        h, d = self.hidden_size, self.head_dim
+        shard = self.head_shard(tp_rank, tp)
+        inter = self.intermediate_shard(tp_rank, tp)
+        q, kv = shard.num_q_heads * d, shard.num_kv_heads * d
+        if self.family == "llama":
+            attn = h * (q + 2 * kv) + q * h
+            attn += (q + 2 * kv) if self.qkv_bias else 0
+            attn += h if self.o_bias else 0
+            mlp = 3 * h * inter + (2 * inter + h if self.mlp_bias else 0)
+            if self.num_experts:
+                mlp = self.num_experts * 3 * h * inter + h * self.num_experts  # experts + router
+            return attn + mlp + 2 * h  # two RMSNorms
+        # GPT-2 and OPT: q, k, v and the output projection with biases, a two-matrix MLP with
+        # biases, two LayerNorms (weight and bias).
+        attn = h * 3 * q + 3 * q + q * h + h
+        mlp = h * inter + inter + inter * h + h
+        return attn + mlp + 4 * h
+
+    def embedding_params(self, tp_rank: int = 0, tp: int = 1) -> int:
+        """The first stage's embeddings (token, positions, OPT's project_in)."""
+        width = self.embedding_width
+        params = self.vocab_shard(tp_rank, tp) * width
+        if self.family == "gpt2":
+            params += self.max_position_embeddings * self.hidden_size
+        if self.family == "opt":
+            params += (self.max_position_embeddings + 2) * self.hidden_size
+            if width != self.hidden_size:
+                params += width * self.hidden_size
+        return params
+
+    def head_params(self, tp_rank: int = 0, tp: int = 1, with_embedding: bool = True) -> int:
+        """The last stage's final norm and LM head (shared with the embedding when tied and on
+        the same stage)."""
+        width = self.embedding_width
+        norm = self.hidden_size if self.family == "llama" else 2 * self.hidden_size
+        if self.family == "opt" and width != self.hidden_size:
+            norm = width * self.hidden_size  # project_out (opt-350m drops the final norm)
+        lm_head = self.vocab_shard(tp_rank, tp) * width
+        if self.tie_word_embeddings and with_embedding:
+            lm_head = 0
+        return norm + lm_head
+
+    def rank_params(
+        self, layers: int, tp_rank: int, tp: int, *, is_first: bool, is_last: bool
+    ) -> int:
+        """Parameters one rank holds: its stage's layers, plus the embedding on the first stage
+        and the final norm and LM head on the last."""
+        params = layers * self.layer_params(tp_rank, tp)
+        if is_first:
+            params += self.embedding_params(tp_rank, tp)
+        if is_last:
+            params += self.head_params(tp_rank, tp, with_embedding=is_first)
+        return params
+
+    def total_params(self) -> int:
+        return self.rank_params(self.num_layers, 0, 1, is_first=True, is_last=True)
+
+    # -- KV cache ------------------------------------------------------------------------------
+
+    def kv_bytes_per_token(self, layers: int, tp_rank: int, tp: int, kv_dtype_bytes: int) -> int:
+        """K and V of one token across `layers` layers on one tensor-parallel rank."""
+        shard = self.head_shard(tp_rank, tp)
+        return 2 * layers * shard.num_kv_heads * self.head_dim * kv_dtype_bytes
+
+    def kv_cache_bytes_per_block(
+        self, layers: int, tp_rank: int, tp: int, kv_dtype_bytes: int, block_size: int
+    ) -> int:
+        """One KV cache block on one rank: as ModelRunner.kv_cache_bytes_per_block measures it
+        from the attention layers it built."""
+        return block_size * self.kv_bytes_per_token(layers, tp_rank, tp, kv_dtype_bytes)
+
+
+def _getter(cfg: Any):
+    if isinstance(cfg, Mapping):
+        return lambda name, default=None: cfg.get(name, default)
+    return lambda name, default=None: getattr(cfg, name, default)
+
+
+def _architecture(get) -> str:
+    archs = get("architectures") or []
+    if archs:
+        return archs[0]
+    model_type = get("model_type") or ""
+    if model_type in ARCHITECTURE_BY_MODEL_TYPE:
+        return ARCHITECTURE_BY_MODEL_TYPE[model_type]
+    raise ConfigError(
+        f"the model's config names no architectures (model_type {model_type!r})",
+        'add "architectures": ["LlamaForCausalLM"] (or the right class) to config.json',
+    )
+
+
+def _first(get, *names):
+    for name in names:
+        value = get(name)
+        if value is not None:
+            return value
+    return None
+
+
+def _div(hidden: Any, heads: Any) -> Any:
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        return hidden // heads
+    return None  # __post_init__ names the missing value
+
+
+def _max_positions(get) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return DEFAULT_MAX_POSITION_EMBEDDINGS
