@@ -35,7 +35,7 @@ def _log(line: str) -> None:
 
 def _cluster(inventory: str):
     from llmctl.cluster.inventory import load_inventory
-    from llmctl.cluster.launcher import Cluster
+    from llmctl.cluster.launch.launcher import Cluster
 
     return Cluster(load_inventory(inventory), log=_log)
 
@@ -111,7 +111,7 @@ def up(
 def _up_local(role, ip, head_ip, image, hf_home, num_gpus, env, dry_run):
     import os
 
-    from llmctl.cluster.local_node import up_this_node
+    from llmctl.cluster.launch.local_node import up_this_node
 
     variables = {}
     for item in env:
@@ -129,8 +129,8 @@ def _up_local(role, ip, head_ip, image, hf_home, num_gpus, env, dry_run):
 def down(inventory: Inventory = None, dry_run: DryRun = False) -> None:
     """Remove every container the cluster created (with -i), or this node's (without)."""
     if inventory is None:
-        from llmctl.cluster.local_node import down_local
-        from llmctl.cluster.transport import LocalTransport
+        from llmctl.cluster.launch.local_node import down_local
+        from llmctl.cluster.launch.transport import LocalTransport
 
         report = down_local(LocalTransport(), dry_run=dry_run)
     else:

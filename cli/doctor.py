@@ -1,9 +1,9 @@
 """`llmctl doctor`: can these nodes serve a model together? Parse, call llmctl.cluster, render.
 
 `llmctl doctor` (or `doctor check`) collects each node's facts (this machine, or every node of the
-Ray cluster with --ray), runs the checklist of cluster/doctor_checks.py and the all-reduce check,
-and prints one row per check and node. `llmctl doctor nccl` runs only the all-reduce check and
-prints its timings and links. Both exit 1 when something fails; --json for programs.
+Ray cluster with --ray), runs the checklist of cluster/doctor/doctor_checks.py and the all-reduce
+check, and prints one row per check and node. `llmctl doctor nccl` runs only the all-reduce check
+and prints its timings and links. Both exit 1 when something fails; --json for programs.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def _json_errors(enabled: bool) -> Iterator[None]:
 
 
 def _nccl(ray, backend, world_size, timeout, json_output) -> None:
-    from llmctl.cluster import collective_check, ray_doctor
+    from llmctl.cluster.doctor import collective_check, ray_doctor
 
     if ray:
         run = ray_doctor.run_on_ray(timeout, backend.value)
@@ -185,9 +185,9 @@ def _nccl(ray, backend, world_size, timeout, json_output) -> None:
 
 
 def _check(ray, model, nvlink, backend, world_size, timeout, no_allreduce, json_output) -> None:
-    from llmctl.cluster import collective_check, ray_doctor
-    from llmctl.cluster.doctor_checks import failed, run_checks
-    from llmctl.cluster.node_facts import collect_local_report
+    from llmctl.cluster.doctor import collective_check, ray_doctor
+    from llmctl.cluster.doctor.doctor_checks import failed, run_checks
+    from llmctl.cluster.doctor.node_facts import collect_local_report
 
     if ray:
         run = ray_doctor.run_on_ray(
@@ -216,9 +216,9 @@ def _check(ray, model, nvlink, backend, world_size, timeout, no_allreduce, json_
 
 
 def _on_cluster(inventory, nccl, backend, timeout, nvlink, json_output) -> None:
-    from llmctl.cluster.cluster_doctor import run_doctor
+    from llmctl.cluster.doctor.cluster_doctor import run_doctor
     from llmctl.cluster.inventory import load_inventory
-    from llmctl.cluster.launcher import Cluster
+    from llmctl.cluster.launch.launcher import Cluster
 
     with Cluster(load_inventory(inventory)) as cluster:
         run = run_doctor(cluster, nccl=nccl, backend=backend.value, timeout=timeout, nvlink=nvlink)
@@ -262,9 +262,9 @@ def _print_results(console, results) -> None:
 
 
 def _print_collective(console, report) -> None:
-    from llmctl.cluster.collective_report import format_bytes
+    from llmctl.cluster.doctor.collective_report import format_bytes
+    from llmctl.cluster.doctor.nccl_log import assess_transport
     from llmctl.cluster.errors import CollectiveError
-    from llmctl.cluster.nccl_log import assess_transport
 
     nodes = ", ".join(dict.fromkeys(report.nodes))
     title = f"{report.backend} all-reduce, {report.world_size} rank(s) on {nodes}"

@@ -35,7 +35,7 @@ def build(
     """Build the llmctl image; skipped when the image already holds these sources."""
     from pathlib import Path
 
-    from llmctl.cluster.image import (
+    from llmctl.cluster.launch.image import (
         ImageBuild,
         build_image,
         docker_build_argv,

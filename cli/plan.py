@@ -97,7 +97,7 @@ def plan(
     layouts rejected and why, and the commands to run. Exits 1 when nothing fits, saying how much
     memory is missing and what would fit.
     """
-    from llmctl.cluster.catalog import CATALOG
+    from llmctl.cluster.plan.catalog import CATALOG
 
     console = stdout_console()
     if list_models:
@@ -126,8 +126,8 @@ def plan(
 def _make(model, inventory, nodes, gpus, memory, interconnect, engine: EngineKwargs,
           **plan_only):  # fmt: skip
     from llmctl.cluster.inventory import inventory_from_flags, load_inventory
-    from llmctl.cluster.model_spec import load_model_spec
-    from llmctl.cluster.plan import PlanOptions, make_plan
+    from llmctl.cluster.plan.model_spec import load_model_spec
+    from llmctl.cluster.plan.planner import PlanOptions, make_plan
     from llmctl.engine.config import parse_layer_partition
 
     spec = load_model_spec(model)

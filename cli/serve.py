@@ -157,11 +157,16 @@ def _serve_on_cluster(
     stop: bool,
     wait: float,
 ) -> None:
-    from llmctl.cluster.head_server import HeadServer, ServerRecord, choose_layout, serve_argv
     from llmctl.cluster.inventory import load_inventory
-    from llmctl.cluster.launcher import Cluster
-    from llmctl.cluster.model_spec import load_model_spec
-    from llmctl.cluster.plan import make_plan
+    from llmctl.cluster.launch.head_server import (
+        HeadServer,
+        ServerRecord,
+        choose_layout,
+        serve_argv,
+    )
+    from llmctl.cluster.launch.launcher import Cluster
+    from llmctl.cluster.plan.model_spec import load_model_spec
+    from llmctl.cluster.plan.planner import make_plan
 
     inv = load_inventory(inventory_path)
     log = lambda line: stderr_console().print(f"[dim]{line}[/dim]")  # noqa: E731

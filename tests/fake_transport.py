@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from hashlib import sha256
 
-from llmctl.cluster.transport import COMMAND_NOT_FOUND, CommandResult
+from llmctl.cluster.launch.transport import COMMAND_NOT_FOUND, CommandResult
 
 Reply = str | tuple[int, str, str] | Callable[[list[str]], "str | tuple[int, str, str]"]
 

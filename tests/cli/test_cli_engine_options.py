@@ -16,7 +16,7 @@ import llmctl.engine
 from llmctl.cli import generate as generate_command
 from llmctl.cli import serve as serve_command
 from llmctl.cli.engine_options import engine_options
-from llmctl.cluster.head_server import Layout, serve_argv
+from llmctl.cluster.launch.head_server import Layout, serve_argv
 from llmctl.engine.engine_args import EngineArgs, cli_options, engine_args_to_argv, option
 
 WIDE = {"COLUMNS": "200"}

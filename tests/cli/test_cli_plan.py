@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from llmctl.cluster.catalog import CATALOG
+from llmctl.cluster.plan.catalog import CATALOG
 
 
 def test_list_models_shows_the_catalog(invoke):

@@ -10,7 +10,7 @@ import os
 import pytest
 from support import live_pids
 
-from llmctl.cluster.collective_check import MiB, check_config, run_check, run_local
+from llmctl.cluster.doctor.collective_check import MiB, check_config, run_check, run_local
 from llmctl.engine.errors import ConfigError
 from llmctl.engine.executor.base import Executor
 from llmctl.engine.executor.multiproc import MultiprocExecutor

@@ -10,10 +10,10 @@ import re
 import pytest
 import torch
 
-from llmctl.cluster.catalog import CATALOG
 from llmctl.cluster.inventory import inventory_from_flags
-from llmctl.cluster.model_spec import ModelSpec, load_model_spec
-from llmctl.cluster.plan import PlanOptions, make_plan
+from llmctl.cluster.plan.catalog import CATALOG
+from llmctl.cluster.plan.model_spec import ModelSpec, load_model_spec
+from llmctl.cluster.plan.planner import PlanOptions, make_plan
 from llmctl.engine import LLM
 from llmctl.engine.config import parse_layer_partition
 from llmctl.engine.model_shape import ModelShape

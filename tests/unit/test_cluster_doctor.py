@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmctl.cluster.cluster_doctor import ClusterDoctorRun, _json_object, doctor_argv
-from llmctl.cluster.doctor_checks import CheckResult
+from llmctl.cluster.doctor.cluster_doctor import ClusterDoctorRun, _json_object, doctor_argv
+from llmctl.cluster.doctor.doctor_checks import CheckResult
 
 
 def test_the_head_runs_the_checks_on_ray_as_json():

@@ -18,8 +18,8 @@ from llmctl.cluster.errors import (
     NodeNetworkError,
 )
 from llmctl.cluster.inventory import parse_inventory
-from llmctl.cluster.node_launch import NodeFacts, local_launch, node_launches
-from llmctl.cluster.parsers import (
+from llmctl.cluster.launch.node_launch import NodeFacts, local_launch, node_launches
+from llmctl.cluster.launch.parsers import (
     DockerInfo,
     model_fingerprint,
     parse_docker_info,
@@ -30,8 +30,8 @@ from llmctl.cluster.parsers import (
     parse_ray_status,
     parse_sha256sum,
 )
-from llmctl.cluster.preflight import probe_problems, public_ip_problems, raise_problems
-from llmctl.cluster.probe import NodeProbe
+from llmctl.cluster.launch.preflight import probe_problems, public_ip_problems, raise_problems
+from llmctl.cluster.launch.probe import NodeProbe
 
 DATA = Path(__file__).parent / "data"
 

@@ -14,15 +14,15 @@ from fake_transport import FakeTransport, docker_node
 from typer.testing import CliRunner
 
 from llmctl.cli.main import app
-from llmctl.cluster import commands, launcher
 from llmctl.cluster.errors import NodeNetworkError, RemoteCommandError
 from llmctl.cluster.inventory import parse_inventory
-from llmctl.cluster.launch_report import Report
-from llmctl.cluster.launcher import Cluster
-from llmctl.cluster.local_node import down_local, up_this_node
-from llmctl.cluster.node_launch import NodeFacts, node_launches
-from llmctl.cluster.parsers import ContainerState
-from llmctl.cluster.up_diff import Create, Keep, Recreate, diff
+from llmctl.cluster.launch import commands, launcher
+from llmctl.cluster.launch.launch_report import Report
+from llmctl.cluster.launch.launcher import Cluster
+from llmctl.cluster.launch.local_node import down_local, up_this_node
+from llmctl.cluster.launch.node_launch import NodeFacts, node_launches
+from llmctl.cluster.launch.parsers import ContainerState
+from llmctl.cluster.launch.up_diff import Create, Keep, Recreate, diff
 
 DATA = Path(__file__).parent / "data"
 MODEL = {"config.json": '{"hidden_size": 8}', "model.safetensors": "weights"}

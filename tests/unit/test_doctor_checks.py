@@ -11,15 +11,14 @@ import subprocess
 
 import pytest
 
-from llmctl.cluster import commands
-from llmctl.cluster.collective_report import (
+from llmctl.cluster.doctor.collective_report import (
     CollectiveReport,
     LinkResult,
     SizeResult,
     describe_stages,
     failure_report,
 )
-from llmctl.cluster.doctor_checks import (
+from llmctl.cluster.doctor.doctor_checks import (
     IfnameSpec,
     check_collective,
     check_env_consistency,
@@ -32,13 +31,13 @@ from llmctl.cluster.doctor_checks import (
     failed,
     run_checks,
 )
-from llmctl.cluster.nccl_log import (
+from llmctl.cluster.doctor.nccl_log import (
     assess_transport,
     normalize_transport,
     parse_nccl_channels,
     parse_nccl_transport,
 )
-from llmctl.cluster.node_facts import (
+from llmctl.cluster.doctor.node_facts import (
     NodeReport,
     collect_local_report,
     distinct_names,
@@ -48,7 +47,8 @@ from llmctl.cluster.node_facts import (
     parse_nvidia_topo,
     relevant_env,
 )
-from llmctl.cluster.parsers import (
+from llmctl.cluster.launch import commands
+from llmctl.cluster.launch.parsers import (
     hashed_files,
     model_fingerprint,
     parse_ip_addr,

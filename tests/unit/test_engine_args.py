@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from llmctl.cluster.head_server import Layout, serve_argv
-from llmctl.cluster.plan import PlanOptions
+from llmctl.cluster.launch.head_server import Layout, serve_argv
+from llmctl.cluster.plan.planner import PlanOptions
 from llmctl.engine.config import EngineArgs as EngineArgsFromConfig
 from llmctl.engine.engine_args import (
     EngineArgs,
@@ -123,9 +123,9 @@ def test_aliases_spell_the_layout_as_vllm_does():
 
 
 def test_the_plans_serve_command_carries_what_its_prediction_assumed():
-    from llmctl.cluster.catalog import CATALOG
     from llmctl.cluster.inventory import inventory_from_flags
-    from llmctl.cluster.plan import make_plan
+    from llmctl.cluster.plan.catalog import CATALOG
+    from llmctl.cluster.plan.planner import make_plan
 
     cpu = make_plan(
         CATALOG["SmolLM2-135M-Instruct"],

@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from llmctl.cluster import head_server
 from llmctl.cluster.errors import ConfigError, PlanError
-from llmctl.cluster.head_server import Layout, ServerState, choose_layout, launch_argv, serve_argv
 from llmctl.cluster.inventory import parse_inventory
+from llmctl.cluster.launch import head_server
+from llmctl.cluster.launch.head_server import (
+    Layout,
+    ServerState,
+    choose_layout,
+    launch_argv,
+    serve_argv,
+)
 
 INVENTORY = """
 name: demo

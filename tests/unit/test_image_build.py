@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from llmctl.cluster.errors import ConfigError, ImageBuildError
-from llmctl.cluster.image import (
+from llmctl.cluster.launch.image import (
     DEBOOTSTRAP_BASE,
     ImageBuild,
     docker_build_argv,

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from fake_transport import docker_node
 
-from llmctl.cluster.doctor_checks import check_host_ip, check_model
+from llmctl.cluster.doctor.doctor_checks import check_host_ip, check_model
+from llmctl.cluster.doctor.node_facts import collect_local_report, report_of
 from llmctl.cluster.errors import ModelMismatchError, NodeNetworkError
-from llmctl.cluster.invariants import differing_files, model_copies, own_address
 from llmctl.cluster.inventory import parse_inventory
-from llmctl.cluster.node_facts import collect_local_report, report_of
-from llmctl.cluster.parsers import parse_ip_addr
-from llmctl.cluster.preflight import probe_problems
-from llmctl.cluster.probe import probe_node
+from llmctl.cluster.launch.invariants import differing_files, model_copies, own_address
+from llmctl.cluster.launch.parsers import parse_ip_addr
+from llmctl.cluster.launch.preflight import probe_problems
+from llmctl.cluster.launch.probe import probe_node
 
 MODEL = {"config.json": '{"hidden_size": 8}', "model.safetensors": "weights"}
 INVENTORY = """\

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmctl.cluster.catalog import CATALOG
 from llmctl.cluster.inventory import inventory_from_flags
-from llmctl.cluster.plan import PlanOptions, make_plan
+from llmctl.cluster.plan.catalog import CATALOG
+from llmctl.cluster.plan.planner import PlanOptions, make_plan
 from llmctl.engine.errors import ConfigError, DeviceMemoryError
 from llmctl.engine.memory_profile import (
     CUDA_CONTEXT_BYTES,

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from llmctl.cluster.catalog import CATALOG
+from llmctl.cluster.plan.catalog import CATALOG
 from llmctl.engine.config import check_layout
 from llmctl.engine.errors import ConfigError
 from llmctl.engine.model_shape import ModelShape

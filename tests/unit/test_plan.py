@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from llmctl.cluster.catalog import CATALOG, find_in_catalog
 from llmctl.cluster.errors import PlanError
 from llmctl.cluster.inventory import inventory_from_flags
-from llmctl.cluster.model_spec import ModelSpec
-from llmctl.cluster.plan import PlanOptions, make_plan
+from llmctl.cluster.plan.catalog import CATALOG, find_in_catalog
+from llmctl.cluster.plan.model_spec import ModelSpec
+from llmctl.cluster.plan.planner import PlanOptions, make_plan
 from llmctl.engine.errors import ConfigError
 
 SHORT = PlanOptions(max_model_len=4096)

@@ -5,7 +5,7 @@ Values from each model's config.json on the Hugging Face hub.
 
 from __future__ import annotations
 
-from llmctl.cluster.model_spec import ModelSpec
+from llmctl.cluster.plan.model_spec import ModelSpec
 from llmctl.engine.model_shape import ModelShape
 
 

@@ -12,11 +12,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from llmctl.cluster.collective_report import CollectiveReport, format_bytes
-from llmctl.cluster.invariants import model_copies, own_address
-from llmctl.cluster.nccl_log import assess_transport
-from llmctl.cluster.node_facts import NodeReport
-from llmctl.cluster.parsers import Address
+from llmctl.cluster.doctor.collective_report import CollectiveReport, format_bytes
+from llmctl.cluster.doctor.nccl_log import assess_transport
+from llmctl.cluster.doctor.node_facts import NodeReport
+from llmctl.cluster.launch.invariants import model_copies, own_address
+from llmctl.cluster.launch.parsers import Address
 
 Status = Literal["pass", "warn", "fail"]
 MIB = 1 << 20

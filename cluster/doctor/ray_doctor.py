@@ -15,10 +15,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmctl.cluster.collective_check import check_config, run_check, start_workers
-from llmctl.cluster.collective_report import CollectiveReport
+from llmctl.cluster.doctor.collective_check import check_config, run_check, start_workers
+from llmctl.cluster.doctor.collective_report import CollectiveReport
+from llmctl.cluster.doctor.node_facts import NodeReport, collect_local_report, distinct_names
 from llmctl.cluster.errors import RayClusterError
-from llmctl.cluster.node_facts import NodeReport, collect_local_report, distinct_names
 from llmctl.engine.errors import ConfigError, WorkerTimeoutError
 
 # Starting an actor imports torch: seconds in a new container, before any timed step.

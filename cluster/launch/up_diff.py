@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmctl.cluster import commands
-from llmctl.cluster.node_launch import NodeLaunch
-from llmctl.cluster.parsers import ContainerState
+from llmctl.cluster.launch import commands
+from llmctl.cluster.launch.node_launch import NodeLaunch
+from llmctl.cluster.launch.parsers import ContainerState
 
 
 @dataclass(frozen=True)

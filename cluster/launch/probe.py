@@ -13,9 +13,9 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmctl.cluster import commands
 from llmctl.cluster.errors import ClusterError
-from llmctl.cluster.parsers import (
+from llmctl.cluster.launch import commands
+from llmctl.cluster.launch.parsers import (
     Address,
     ContainerState,
     DockerInfo,
@@ -28,7 +28,12 @@ from llmctl.cluster.parsers import (
     parse_nvidia_topo,
     parse_sha256sum,
 )
-from llmctl.cluster.transport import COMMAND_NOT_FOUND, CommandResult, LocalTransport, Transport
+from llmctl.cluster.launch.transport import (
+    COMMAND_NOT_FOUND,
+    CommandResult,
+    LocalTransport,
+    Transport,
+)
 
 _DEVICE_TIMEOUT_S = 10.0  # nvidia-smi on a wedged driver may hang
 

@@ -22,16 +22,16 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmctl.cluster.node_launch import is_secret
-from llmctl.cluster.parsers import Address, parse_nvidia_topo
-from llmctl.cluster.probe import (
+from llmctl.cluster.launch.node_launch import is_secret
+from llmctl.cluster.launch.parsers import Address, parse_nvidia_topo
+from llmctl.cluster.launch.probe import (
     NodeProbe,
     fingerprint,
     parse_if_inet6,
     probe_node,
     read_addresses,
 )
-from llmctl.cluster.transport import LocalTransport, Transport
+from llmctl.cluster.launch.transport import LocalTransport, Transport
 
 __all__ = [
     "NodeReport",

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmctl.cluster.head_server import ServerRecord, ServerState
-from llmctl.cluster.parsers import RayStatus
-from llmctl.cluster.up_diff import Action, Keep, changes
+from llmctl.cluster.launch.head_server import ServerRecord, ServerState
+from llmctl.cluster.launch.parsers import RayStatus
+from llmctl.cluster.launch.up_diff import Action, Keep, changes
 
 
 @dataclass

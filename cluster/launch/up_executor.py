@@ -14,19 +14,19 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from llmctl.cluster import commands
 from llmctl.cluster.errors import ClusterError, RayClusterError
-from llmctl.cluster.node_launch import NodeLaunch
-from llmctl.cluster.parsers import (
+from llmctl.cluster.launch import commands
+from llmctl.cluster.launch.node_launch import NodeLaunch
+from llmctl.cluster.launch.parsers import (
     ContainerState,
     RayNode,
     RayStatus,
     parse_ray_nodes,
     parse_ray_status,
 )
-from llmctl.cluster.probe import inspect_container
-from llmctl.cluster.transport import CommandResult, Transport, check
-from llmctl.cluster.up_diff import Action, Keep, Remove
+from llmctl.cluster.launch.probe import inspect_container
+from llmctl.cluster.launch.transport import CommandResult, Transport, check
+from llmctl.cluster.launch.up_diff import Action, Keep, Remove
 
 RAY_WAIT_S = 120.0  # how long Ray may take to start, and to count every node
 

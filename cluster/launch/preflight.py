@@ -16,9 +16,9 @@ from llmctl.cluster.errors import (
     ModelMismatchError,
     NodeNetworkError,
 )
-from llmctl.cluster.invariants import differing_files, model_copies, own_address
 from llmctl.cluster.inventory import Inventory, NodeSpec
-from llmctl.cluster.probe import NodeProbe, docker_problem
+from llmctl.cluster.launch.invariants import differing_files, model_copies, own_address
+from llmctl.cluster.launch.probe import NodeProbe, docker_problem
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,7 @@ class ModelSpec:
 
 def load_model_spec(model: str | None) -> ModelSpec:
     """A catalog name, a Hugging Face directory, a .gguf file, or None (the bundled default)."""
-    from llmctl.cluster.catalog import CATALOG, find_in_catalog
+    from llmctl.cluster.plan.catalog import CATALOG, find_in_catalog
 
     if model is None:
         from llmctl.engine.model_loader.default_model import DEFAULT_MODEL_NAME

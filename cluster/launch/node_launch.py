@@ -19,7 +19,9 @@ import ipaddress
 import json
 from dataclasses import dataclass
 
-from llmctl.cluster.commands import (
+from llmctl.cluster.errors import ConfigError
+from llmctl.cluster.inventory import Inventory, NodeSpec
+from llmctl.cluster.launch.commands import (
     DEFAULT_SHM_SIZE,
     HF_HOME_IN_CONTAINER,
     LABEL_CLUSTER,
@@ -28,8 +30,6 @@ from llmctl.cluster.commands import (
     RAY_PORT,
     ray_start_argv,
 )
-from llmctl.cluster.errors import ConfigError
-from llmctl.cluster.inventory import Inventory, NodeSpec
 
 INTERFACE_VARIABLES = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "KEY")

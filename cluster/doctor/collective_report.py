@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from llmctl.cluster.doctor.nccl_log import assess_transport, weakest
 from llmctl.cluster.errors import CollectiveError, CollectiveTimeoutError
-from llmctl.cluster.nccl_log import assess_transport, weakest
 
 MiB = 1 << 20
 # What a rank reports as it goes, in order; a failed check names each rank's last one.

@@ -57,7 +57,7 @@ class ImageBuild:
 
 def source_root() -> Path:
     """The llmctl checkout this package was installed from (editable install)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     if not (root / "pyproject.toml").is_file() or not (root / "templates" / "Dockerfile").is_file():
         raise ImageBuildError(
             f"no llmctl source checkout at {root}",

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from llmctl.cluster.errors import PlanError
 from llmctl.cluster.inventory import Inventory
-from llmctl.cluster.model_spec import ModelSpec
+from llmctl.cluster.plan.model_spec import ModelSpec
 from llmctl.engine.config import (
     DTYPE_BYTES,
     SchedulerConfig,

@@ -3,20 +3,25 @@ over a LocalTransport, under a stable name (what run_cluster.sh does, but detach
 
 from __future__ import annotations
 
-from llmctl.cluster import commands
 from llmctl.cluster.errors import (
     ConfigError,
     DockerUnavailableError,
     ImageMissingError,
     NodeNetworkError,
 )
-from llmctl.cluster.invariants import own_address
-from llmctl.cluster.launch_report import DONE, NodeRow, Report, describe
-from llmctl.cluster.node_launch import NodeFacts, NodeLaunch, local_container_name, local_launch
-from llmctl.cluster.probe import docker_problem, inspect_container, probe_node
-from llmctl.cluster.transport import LocalTransport, Transport
-from llmctl.cluster.up_diff import Keep, node_action, removal
-from llmctl.cluster.up_executor import RAY_WAIT_S, remove, start, wait_for_ray
+from llmctl.cluster.launch import commands
+from llmctl.cluster.launch.invariants import own_address
+from llmctl.cluster.launch.launch_report import DONE, NodeRow, Report, describe
+from llmctl.cluster.launch.node_launch import (
+    NodeFacts,
+    NodeLaunch,
+    local_container_name,
+    local_launch,
+)
+from llmctl.cluster.launch.probe import docker_problem, inspect_container, probe_node
+from llmctl.cluster.launch.transport import LocalTransport, Transport
+from llmctl.cluster.launch.up_diff import Keep, node_action, removal
+from llmctl.cluster.launch.up_executor import RAY_WAIT_S, remove, start, wait_for_ray
 
 
 def up_local(

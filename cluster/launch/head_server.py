@@ -3,8 +3,8 @@
 `llmctl serve -i cluster.yaml` starts it (`docker exec --detach`, its pid and log in the
 container's /root/.llmctl), waits until /health answers, and records what it started in
 `~/.llmctl/NAME-server.json` on the head node; `cluster status` reads that record and asks the
-container (`python3 -m llmctl.cluster.head_server probe PORT`) whether the server is alive and
-healthy. The argv builders and the layout choice are pure; HeadServer does the I/O.
+container (`python3 -m llmctl.cluster.launch.head_server probe PORT`) whether the server is alive
+and healthy. The argv builders and the layout choice are pure; HeadServer does the I/O.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
-from llmctl.cluster import commands
 from llmctl.cluster.errors import ClusterError, ConfigError, PlanError, RemoteCommandError
 from llmctl.cluster.inventory import Inventory
-from llmctl.cluster.transport import Transport, check
+from llmctl.cluster.launch import commands
+from llmctl.cluster.launch.transport import Transport, check
 from llmctl.engine.engine_args import engine_args_to_argv
 
 STATE_DIR = "/root/.llmctl"  # inside the container
@@ -126,13 +126,13 @@ def launch_argv(container: str, argv: list[str]) -> list[str]:
 
 def probe_argv(container: str, port: int) -> list[str]:
     return commands.docker_exec_argv(
-        container, ["python3", "-m", "llmctl.cluster.head_server", "probe", str(port)]
+        container, ["python3", "-m", "llmctl.cluster.launch.head_server", "probe", str(port)]
     )
 
 
 def stop_argv(container: str) -> list[str]:
     return commands.docker_exec_argv(
-        container, ["python3", "-m", "llmctl.cluster.head_server", "stop"]
+        container, ["python3", "-m", "llmctl.cluster.launch.head_server", "stop"]
     )
 
 
@@ -227,7 +227,7 @@ class HeadServer:
         return result.returncode == 0
 
 
-# -- in the head container: `python3 -m llmctl.cluster.head_server probe PORT | stop` ---------
+# -- in the head container: `python3 -m llmctl.cluster.launch.head_server probe PORT | stop`
 def _pid() -> int | None:
     try:
         pid = int(open(PID_FILE).read().strip())
@@ -271,7 +271,7 @@ def main(argv: list[str]) -> int:
         return 0
     if argv == ["stop"]:
         return _stop()
-    print("usage: python3 -m llmctl.cluster.head_server probe PORT | stop", file=sys.stderr)
+    print("usage: python3 -m llmctl.cluster.launch.head_server probe PORT | stop", file=sys.stderr)
     return 2
 
 

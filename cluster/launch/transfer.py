@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import shutil
 
-from llmctl.cluster import commands
-from llmctl.cluster.transport import LocalTransport, Transport, check
+from llmctl.cluster.launch import commands
+from llmctl.cluster.launch.transport import LocalTransport, Transport, check
 
 CHUNK = 1 << 20
 

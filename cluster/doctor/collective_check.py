@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from llmctl.cluster.collective_report import (
+from llmctl.cluster.doctor.collective_report import (
     CollectiveReport,
     LinkResult,
     MiB,
@@ -44,7 +44,7 @@ from llmctl.cluster.collective_report import (
     failure_report,
     merge_results,
 )
-from llmctl.cluster.nccl_log import parse_nccl_channels, parse_nccl_transport, weakest
+from llmctl.cluster.doctor.nccl_log import parse_nccl_channels, parse_nccl_transport, weakest
 from llmctl.engine.errors import ConfigError, WorkerError, WorkerTimeoutError
 
 SIZES = (4, 1 * MiB, 16 * MiB)  # bytes per all-reduce: latency, then bandwidth

@@ -23,18 +23,18 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from llmctl.cluster import commands
 from llmctl.cluster.errors import (
     ClusterError,
     ConfigError,
     ImageMissingError,
     ModelMismatchError,
 )
-from llmctl.cluster.head_server import HeadServer
-from llmctl.cluster.invariants import model_copies, own_address
 from llmctl.cluster.inventory import Inventory, NodeSpec
-from llmctl.cluster.launch_report import DONE, NodeRow, Report, describe
-from llmctl.cluster.node_launch import (
+from llmctl.cluster.launch import commands
+from llmctl.cluster.launch.head_server import HeadServer
+from llmctl.cluster.launch.invariants import model_copies, own_address
+from llmctl.cluster.launch.launch_report import DONE, NodeRow, Report, describe
+from llmctl.cluster.launch.node_launch import (
     FORWARDED_SECRETS,
     NodeFacts,
     NodeLaunch,
@@ -42,25 +42,25 @@ from llmctl.cluster.node_launch import (
     env_file_path,
     node_launches,
 )
-from llmctl.cluster.parsers import (
+from llmctl.cluster.launch.parsers import (
     RayNode,
     parse_ray_status,
 )
-from llmctl.cluster.preflight import probe_problems, public_ip_problems, raise_problems
-from llmctl.cluster.probe import (
+from llmctl.cluster.launch.preflight import probe_problems, public_ip_problems, raise_problems
+from llmctl.cluster.launch.probe import (
     NodeProbe,
     fingerprint,
     inspect_container,
     probe_node,
 )
-from llmctl.cluster.transfer import copy_model, load_image_file
-from llmctl.cluster.transport import (
+from llmctl.cluster.launch.transfer import copy_model, load_image_file
+from llmctl.cluster.launch.transport import (
     CommandResult,
     SSHTransport,
     Transport,
 )
-from llmctl.cluster.up_diff import Action, Keep, diff, removal
-from llmctl.cluster.up_executor import (
+from llmctl.cluster.launch.up_diff import Action, Keep, diff, removal
+from llmctl.cluster.launch.up_executor import (
     RAY_WAIT_S,
     UpFailed,
     execute,

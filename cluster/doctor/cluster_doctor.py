@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from llmctl.cluster import commands
-from llmctl.cluster.doctor_checks import CheckResult
+from llmctl.cluster.doctor.doctor_checks import CheckResult
 from llmctl.cluster.errors import ClusterError
-from llmctl.cluster.launcher import Cluster
-from llmctl.cluster.probe import inspect_container
+from llmctl.cluster.launch import commands
+from llmctl.cluster.launch.launcher import Cluster
+from llmctl.cluster.launch.probe import inspect_container
 
 
 @dataclass

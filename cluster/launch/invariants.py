@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from llmctl.cluster.parsers import Address, interface_of
+from llmctl.cluster.launch.parsers import Address, interface_of
 
 
 def own_address(ip: str, addresses: Sequence[Address]) -> Address | None:
