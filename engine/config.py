@@ -283,12 +283,3 @@ def check_kv_cache_fits(num_blocks: int, block_size: int, max_model_len: int, kn
         f"request of max_model_len={max_model_len} tokens",
         f"raise {knob}, or lower --max-model-len to {tokens} or less",
     )
-
-
-def __getattr__(name: str) -> Any:
-    # EngineArgs lives in engine_args.py, which imports this module: re-exported lazily.
-    if name == "EngineArgs":
-        from llmctl.engine.engine_args import EngineArgs
-
-        return EngineArgs
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from support import live_pids
 
-from llmctl.engine.config import EngineArgs
+from llmctl.engine.engine_args import EngineArgs
 
 LLMCTL = str(Path(sys.executable).with_name("llmctl"))
 SMALL_CACHE = ("--kv-cache-space-gib", "0.01")

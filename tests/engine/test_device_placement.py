@@ -12,8 +12,9 @@ import torch
 from device_check import DEVICE, DeviceCheckMode, HostTensorOnDeviceError
 from support import FAMILIES
 
-from llmctl.engine.config import DeviceConfig, EngineArgs
+from llmctl.engine.config import DeviceConfig
 from llmctl.engine.distributed.partition import pipeline_shard
+from llmctl.engine.engine_args import EngineArgs
 from llmctl.engine.model_loader.loader import load_model
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput

@@ -125,7 +125,7 @@ def test_a_rank_on_another_node_converts_the_gguf_there(tmp_path, monkeypatch):
     directory there) converts the same file into that node's cache instead of failing."""
     import dataclasses
 
-    from llmctl.engine.config import EngineArgs
+    from llmctl.engine.engine_args import EngineArgs
     from llmctl.engine.model_loader.loader import local_weights_path
 
     gguf = str(default_model_path())

@@ -11,7 +11,7 @@ import sys
 import pytest
 from support import tiny_configs
 
-from llmctl.engine.config import EngineArgs
+from llmctl.engine.engine_args import EngineArgs
 from llmctl.engine.hf_config_view import HFConfigView, for_workers
 
 

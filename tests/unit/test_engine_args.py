@@ -9,7 +9,6 @@ import pytest
 
 from llmctl.cluster.launch.head_server import Layout, serve_argv
 from llmctl.cluster.plan.planner import PlanOptions
-from llmctl.engine.config import EngineArgs as EngineArgsFromConfig
 from llmctl.engine.engine_args import (
     EngineArgs,
     cli_options,
@@ -18,10 +17,6 @@ from llmctl.engine.engine_args import (
     option,
 )
 from llmctl.engine.memory_profile import DEFAULT_CPU_KV_CACHE_SPACE_GIB
-
-
-def test_engine_args_is_still_importable_from_config():
-    assert EngineArgsFromConfig is EngineArgs
 
 
 def test_options_per_command():
