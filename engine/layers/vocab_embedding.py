@@ -44,7 +44,9 @@ class VocabParallelEmbedding(nn.Module):
         if isinstance(shard, QuantizedCheckpointTensor):
             decoded = shard.decode()
             if decoded is not None and shard.shape == tuple(param.shape):
-                self.quantized_rows = decoded
+                self.quantized_rows = tuple(
+                    x.to(param.device) if isinstance(x, torch.Tensor) else x for x in decoded
+                )
                 param.data = param.data.new_empty(0)  # the float rows are never materialised
                 return
             shard = shard.load()

@@ -141,7 +141,8 @@ class PackedLinearMethod:
                 runs[-1].append(piece)
             else:
                 runs.append([piece])
-        self.parts = [_pack(run) for run in runs]
+        device = layer.weight.device  # the placeholder was made on the model's device
+        self.parts = [_pack([_to(p, device) for p in run]) for run in runs]
 
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
@@ -169,6 +170,10 @@ def _format(piece: tuple) -> tuple:
         return ("float",)
     _, q, _, zeros, bits, group = piece
     return ("packed", q.dtype, zeros is None, bits, group)
+
+
+def _to(piece: tuple, device: torch.device) -> tuple:
+    return tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in piece)
 
 
 def _pack(run: list[tuple]):
