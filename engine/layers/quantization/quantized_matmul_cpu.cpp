@@ -44,7 +44,7 @@ namespace {
 
 constexpr int kMaxRows = 4;  // activation rows handled per pass over a weight row
 
-#if defined(LLMCTL_Q_AVX2)
+#if defined(LLMCTL_Q_AVX2) || defined(LLMCTL_Q_AVX512)
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -57,41 +57,54 @@ inline __m256 u8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi
 #endif
 
 // One weight row against R activation rows: out[r] = sum_k x[r, k] * W[k] (zero term excluded).
+// Per group, two independent FMA chains per row of x sum q * x unscaled; the group's sum then
+// enters the row total with one FMA by the scale, the only dependency carried across groups.
 template <int R>
 void row_int8(const int8_t* q, const float* scales, const float* x, int64_t ldx, int64_t K,
               int64_t g, float* out) {
   const int64_t G = K / g;
 #if defined(LLMCTL_Q_AVX512)
-  if (g % 16 == 0) {
+  if (g % 32 == 0) {
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t gi = 0; gi < G; ++gi) {
-      const __m512 s = _mm512_set1_ps(scales[gi]);
-      for (int64_t k = gi * g; k < (gi + 1) * g; k += 16) {
-        __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
-        __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s);
-        for (int r = 0; r < R; ++r)
-          acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * ldx + k), acc[r]);
+      __m512 pa[R], pb[R];
+      for (int r = 0; r < R; ++r) pa[r] = pb[r] = _mm512_setzero_ps();
+      for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
+        __m512 w0 = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
+        __m512 w1 = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16))));
+        for (int r = 0; r < R; ++r) {
+          pa[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * ldx + k), pa[r]);
+          pb[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * ldx + k + 16), pb[r]);
+        }
       }
+      const __m512 s = _mm512_set1_ps(scales[gi]);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(pa[r], pb[r]), s, acc[r]);
     }
     for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
     return;
   }
-#elif defined(LLMCTL_Q_AVX2)
+#endif
+#if defined(LLMCTL_Q_AVX2) || defined(LLMCTL_Q_AVX512)
   if (g % 16 == 0) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t gi = 0; gi < G; ++gi) {
-      const __m256 s = _mm256_set1_ps(scales[gi]);
+      __m256 pa[R], pb[R];
+      for (int r = 0; r < R; ++r) pa[r] = pb[r] = _mm256_setzero_ps();
       for (int64_t k = gi * g; k < (gi + 1) * g; k += 16) {
         __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
-        __m256 w0 = _mm256_mul_ps(i8_to_ps(b), s);
-        __m256 w1 = _mm256_mul_ps(i8_to_ps(_mm_srli_si128(b, 8)), s);
+        __m256 w0 = i8_to_ps(b);
+        __m256 w1 = i8_to_ps(_mm_srli_si128(b, 8));
         for (int r = 0; r < R; ++r) {
-          acc[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), acc[r]);
-          acc[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * ldx + k + 8), acc[r]);
+          pa[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), pa[r]);
+          pb[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * ldx + k + 8), pb[r]);
         }
       }
+      const __m256 s = _mm256_set1_ps(scales[gi]);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_add_ps(pa[r], pb[r]), s, acc[r]);
     }
     for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
     return;
@@ -117,17 +130,20 @@ void row_int4(const uint8_t* qp, const float* scales, const float* x, int64_t ld
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m128i mask = _mm_set1_epi8(0x0F);
   for (int64_t gi = 0; gi < G; ++gi) {
-    const __m512 s = _mm512_set1_ps(scales[gi]);
+    __m512 pa[R], pb[R];
+    for (int r = 0; r < R; ++r) pa[r] = pb[r] = _mm512_setzero_ps();
     for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
       __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + k / 2));
-      __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask))), s);
-      __m512 hi = _mm512_mul_ps(
-          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask))), s);
+      __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)));
+      __m512 hi =
+          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
       for (int r = 0; r < R; ++r) {
-        acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + r * ldx + k), acc[r]);
-        acc[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + r * ldx + k + 16), acc[r]);
+        pa[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + r * ldx + k), pa[r]);
+        pb[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + r * ldx + k + 16), pb[r]);
       }
     }
+    const __m512 s = _mm512_set1_ps(scales[gi]);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(pa[r], pb[r]), s, acc[r]);
   }
   for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
 #elif defined(LLMCTL_Q_AVX2)
@@ -135,23 +151,26 @@ void row_int4(const uint8_t* qp, const float* scales, const float* x, int64_t ld
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m128i mask = _mm_set1_epi8(0x0F);
   for (int64_t gi = 0; gi < G; ++gi) {
-    const __m256 s = _mm256_set1_ps(scales[gi]);
+    __m256 pa[R], pb[R];
+    for (int r = 0; r < R; ++r) pa[r] = pb[r] = _mm256_setzero_ps();
     for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
       __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + k / 2));
       __m128i lo = _mm_and_si128(b, mask);
       __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-      __m256 w0 = _mm256_mul_ps(u8_to_ps(lo), s);
-      __m256 w1 = _mm256_mul_ps(u8_to_ps(_mm_srli_si128(lo, 8)), s);
-      __m256 w2 = _mm256_mul_ps(u8_to_ps(hi), s);
-      __m256 w3 = _mm256_mul_ps(u8_to_ps(_mm_srli_si128(hi, 8)), s);
+      __m256 w0 = u8_to_ps(lo);
+      __m256 w1 = u8_to_ps(_mm_srli_si128(lo, 8));
+      __m256 w2 = u8_to_ps(hi);
+      __m256 w3 = u8_to_ps(_mm_srli_si128(hi, 8));
       for (int r = 0; r < R; ++r) {
         const float* xr = x + r * ldx + k;
-        acc[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[r]);
-        acc[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[r]);
-        acc[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), acc[r]);
-        acc[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), acc[r]);
+        pa[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), pa[r]);
+        pb[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), pb[r]);
+        pa[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), pa[r]);
+        pb[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), pb[r]);
       }
     }
+    const __m256 s = _mm256_set1_ps(scales[gi]);
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_add_ps(pa[r], pb[r]), s, acc[r]);
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 #else
@@ -171,6 +190,19 @@ void row_int4(const uint8_t* qp, const float* scales, const float* x, int64_t ld
     out[r] = total;
   }
 #endif
+}
+
+// sum_i a[i] * b[i]: the zero term, zeros[n, :] . xsum[m, :]
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float total = 0.f;
+#if defined(LLMCTL_Q_AVX2) || defined(LLMCTL_Q_AVX512)
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  total = hsum(acc);
+#endif
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
 }
 
 struct Int8Row {
@@ -242,9 +274,7 @@ at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, const at::Tensor&
         for (int64_t r = 0; r < rows; ++r) {
           float v = out[r];
           if (has_zeros) {
-            const float* z = zp + n * G;
-            const float* s = sp + (m0 + r) * G;
-            for (int64_t gi = 0; gi < G; ++gi) v += z[gi] * s[gi];
+            v += dot(zp + n * G, sp + (m0 + r) * G, G);
           }
           yp[(m0 + r) * N + n] = v;
         }
@@ -304,12 +334,15 @@ at::Tensor dequantize_rows(const at::Tensor& q, const at::Tensor& scales,
           for (int64_t k = k0; k < k1; ++k) wr[k] = float(qr[k]) * s + z;
         } else {
           const uint8_t* qr = q.data_ptr<uint8_t>() + n * (K / 2);
-          for (int64_t k = k0; k < k1; k += 32)
+          for (int64_t k = k0; k < k1; k += 32) {
+            float lo[16], hi[16];  // split first: the loops below vectorise
             for (int j = 0; j < 16; ++j) {
-              const uint8_t b = qr[k / 2 + j];
-              wr[k + j] = float(b & 0x0F) * s + z;
-              wr[k + 16 + j] = float(b >> 4) * s + z;
+              lo[j] = float(qr[k / 2 + j] & 0x0F);
+              hi[j] = float(qr[k / 2 + j] >> 4);
             }
+            for (int j = 0; j < 16; ++j) wr[k + j] = lo[j] * s + z;
+            for (int j = 0; j < 16; ++j) wr[k + 16 + j] = hi[j] * s + z;
+          }
         }
       }
     }
