@@ -1,7 +1,8 @@
 """GGUF block formats -> the packed form's parts (q, scales, zeros, bits, group_size).
 
-PRIVATE STOP-GAP until engine/layers/quantization/gguf_quants.py lands: Q4_0, Q4_1 and Q8_0 only
-(the bundled model's types); other types return None and their layer keeps float weights.
+Uses engine/layers/quantization/gguf_quants.py (`unpack_blocks`, every supported type) where it
+is present; until then a PRIVATE STOP-GAP decodes Q4_0, Q4_1 and Q8_0 (the bundled model's types),
+and other types return None (their layer keeps float weights). Drop the stop-gap once it lands.
 """
 
 from __future__ import annotations
@@ -10,16 +11,21 @@ from __future__ import annotations
 def decode_blocks(raw, type_name: str, k: int):
     """raw: numpy uint8 [N, K / block * block bytes] -> (q, scales, zeros, bits, group_size) with
     W[n, j] = q[n, j] * scales[n, j // g] + zeros[n, j // g] (zeros None: symmetric)."""
-    try:
-        from llmctl.engine.layers.quantization import gguf_quants
-    except ImportError:
-        gguf_quants = None
-    if gguf_quants is not None:
-        return gguf_quants.decode_gguf(raw, type_name, k)
     import numpy as np
     import torch
 
     n = raw.shape[0]
+    try:
+        from llmctl.engine.layers.quantization.gguf_quants import unpack_blocks
+    except ImportError:
+        unpack_blocks = None
+    if unpack_blocks is not None:
+        import gguf
+
+        g = unpack_blocks(raw, int(gguf.GGMLQuantizationType[type_name]), n, k)
+        zeros = None if g.zeros is None else torch.from_numpy(g.zeros)
+        return torch.from_numpy(g.q), torch.from_numpy(g.scales), zeros, g.bits, g.group_size
+
     if type_name not in ("Q4_0", "Q4_1", "Q8_0"):
         return None
     block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]

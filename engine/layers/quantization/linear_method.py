@@ -44,7 +44,7 @@ def quantize_rtn(w: torch.Tensor, bits: int, group_size: int):
     """Round-to-nearest per-group quantization of float rows [N, K] -> (q, scales, zeros).
 
     int8: symmetric, q in [-127, 127], zeros None. int4: asymmetric, q in [0, 15],
-    W ~= q * scale + zero with zero the group's minimum."""
+    W ~= q * scale + zero with zero the group's minimum. (quantization/rtn.py's where present.)"""
     n, k = w.shape
     if k % group_size:
         raise ConfigError(
@@ -52,6 +52,12 @@ def quantize_rtn(w: torch.Tensor, bits: int, group_size: int):
             f"layer has {k}",
             "run this model in float (leave out --quantization)",
         )
+    try:
+        from llmctl.engine.layers.quantization.rtn import quantize_rtn as rtn
+    except ImportError:
+        rtn = None
+    if rtn is not None:
+        return rtn(w, bits, group_size)
     groups = w.float().reshape(n, k // group_size, group_size)
     if bits == 8:
         scales = groups.abs().amax(dim=-1) / 127
@@ -123,8 +129,13 @@ class PackedLinearMethod:
         else:  # a float tensor in a GGUF file
             piece = ("float", loaded.to(torch.get_default_dtype()))
         self._pieces.append((row_start, piece))
+        if sum(_rows(p) for _, p in self._pieces) == layer.output_size_per_partition:
+            # Complete: pack now, so that the decoded rows of one layer at a time are in memory.
+            self.process_weights_after_loading(layer)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if self.parts and not self._pieces:
+            return  # packed when its last rows arrived
         pieces = sorted(self._pieces, key=lambda p: p[0])
         self._pieces = []
         rows = sum(_rows(p) for _, p in pieces)
