@@ -41,13 +41,15 @@ def generate(llm: LLM, prompts) -> list:
         return llm.generate(prompts, GREEDY_32, use_tqdm=False)
 
 
-def write_tiny_gguf(path, *, types: dict[str, str] | None = None, layers: int = 2) -> None:
+def write_tiny_gguf(
+    path, *, types: dict[str, str] | None = None, layers: int = 2, hidden: int = 64
+) -> None:
     """A tiny Llama GGUF with random weights and no tokenizer: token_embd Q8_0 (tied to the LM
     head, no output tensor), attention and MLP Q4_1, attn_v Q8_0 (a fused QKV of two formats),
-    ffn_down Q4_0; `types` overrides a tensor's type by its name's suffix."""
+    ffn_down Q4_0; `types` overrides a tensor's type by its name's suffix ("default": the rest)."""
     import gguf
 
-    vocab, hidden, heads, kv_heads, ffn = 256, 64, 4, 2, 128
+    vocab, heads, kv_heads, ffn = 256, 4, 2, 2 * hidden
     head_dim = hidden // heads
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -74,11 +76,10 @@ def write_tiny_gguf(path, *, types: dict[str, str] | None = None, layers: int = 
     chosen = {"token_embd": "Q8_0", "attn_v": "Q8_0", "ffn_down": "Q4_0"} | (types or {})
     for name, shape in shapes.items():
         kind = name.split(".")[-2]
-        qtype = gguf.GGMLQuantizationType[chosen.get(kind, "Q4_1")]
+        qtype = gguf.GGMLQuantizationType[chosen.get(kind, chosen.get("default", "Q4_1"))]
         data = (rng.standard_normal(shape) * 0.5).astype(np.float32)
-        if qtype.name == "Q5_1":  # no quantizer needed to test its refusal: any bytes will do
-            block, size = gguf.GGML_QUANT_SIZES[qtype]
-            raw = rng.integers(0, 255, (shape[0], shape[1] // block * size), dtype=np.uint8)
+        if qtype.name in ("Q4_K", "Q6_K", "Q5_1"):
+            raw = random_blocks(rng, qtype.name, shape)
         else:
             raw = gguf.quants.quantize(data, qtype)
         writer.add_tensor(name, raw, raw_dtype=qtype)
@@ -90,6 +91,21 @@ def write_tiny_gguf(path, *, types: dict[str, str] | None = None, layers: int = 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def random_blocks(rng, type_name: str, shape) -> np.ndarray:
+    """Random blocks of a type gguf.quants cannot quantize to: random bytes, with the f16 super-
+    block scales set to small finite values (Q5_1: any bytes, only its refusal is tested)."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    raw = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
+    scale = lambda n: rng.uniform(0.001, 0.01, (shape[0], shape[1] // block, n))  # noqa: E731
+    if type_name == "Q4_K":  # d, dmin (f16), scales[12], qs[128]
+        raw[..., 0:4] = scale(2).astype(np.float16).view(np.uint8)
+    elif type_name == "Q6_K":  # ql[128], qh[64], scales int8[16], d (f16)
+        raw[..., 208:210] = scale(1).astype(np.float16).view(np.uint8)
+    return raw.reshape(shape[0], -1)
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +176,23 @@ def test_quantization_flag_matches_float_on_the_rtn_weights(tiny_models, tmp_pat
     rtn_reference_checkpoint(hf_model, tmp_path / "rtn", int(method[3:]))
     tiny_models.tokenizer.save_pretrained(tmp_path / "rtn")
     assert_same_greedy(native, generate(LLM(str(tmp_path / "rtn"), **TINY), prompts))
+
+
+def test_tiny_q4_k_m_gguf_runs_natively_as_the_float_path(tmp_path, tiny_gguf):
+    # Q4_K_M's mix: Q4_K, with Q6_K for the embedding, attn_v and ffn_down (K a multiple of 256).
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    types = {"default": "Q4_K", "token_embd": "Q6_K", "attn_v": "Q6_K", "ffn_down": "Q6_K"}
+    write_tiny_gguf(path, types=types, hidden=256)
+    llm = LLM(str(path), skip_tokenizer_init=True, **TINY)
+    assert llm.llm_engine.config.model_config.quantization.gguf_types == ("Q4_K", "Q6_K")
+    native = generate(llm, tiny_prompts())
+    reference = LLM(str(path), skip_tokenizer_init=True, gguf_dequantize=True, **TINY)
+    assert_same_greedy(native, generate(reference, tiny_prompts()))
+    # Its 256-weight blocks: tp=2 would give each rank 128 attention features of o_proj.
+    with pytest.raises(ConfigError) as err:
+        LLM(str(path), skip_tokenizer_init=True, tensor_parallel_size=2, **TINY)
+    assert "GGUF blocks of 256" in err.value.message
+    assert "use tensor_parallel_size 1," in err.value.hint
 
 
 def test_quantization_flag_on_a_quantized_gguf_is_refused(tiny_gguf):
