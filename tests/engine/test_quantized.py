@@ -235,3 +235,22 @@ def test_bundled_q4_1_model_natively_matches_its_dequantized_weights():
     native = generate(llm, prompts)
     reference = generate(LLM(max_model_len=256, gguf_dequantize=True, **common), prompts)
     assert_same_greedy(native, reference)
+
+
+def test_quantized_tensors_narrow_rows_and_whole_blocks_only(tiny_gguf):
+    import torch
+
+    from llmctl.engine.model_loader.gguf_file import iterate_gguf_weights
+
+    native = dict(iterate_gguf_weights(tiny_gguf, "llama", 4, 2))
+    floats = dict(iterate_gguf_weights(tiny_gguf, "llama", 4, 2, dequantize=True))
+    down = native["model.layers.0.mlp.down_proj.weight"]  # Q4_0 [64, 128]
+    assert (down.type_name, down.shape) == ("Q4_0", (64, 128))
+    full = floats["model.layers.0.mlp.down_proj.weight"].load()
+    assert torch.equal(down.narrow(0, 3, 5).narrow(1, 32, 64).load(), full[3:8, 32:96])
+    with pytest.raises(ConfigError) as err:
+        down.narrow(1, 16, 32)
+    assert "32-weight blocks" in err.value.message
+    # attn_q's rows are un-permuted (llama.cpp interleaves each head's rotary halves).
+    q_proj = "model.layers.1.self_attn.q_proj.weight"
+    assert torch.equal(native[q_proj].narrow(0, 16, 16).load(), floats[q_proj].load()[16:32])
