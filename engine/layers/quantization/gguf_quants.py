@@ -92,17 +92,32 @@ def unpack_blocks(
 def pack_gguf(
     raw: np.ndarray, ggml_type: int, n: int, k: int, name: str = "tensor"
 ) -> PackedLinearWeight:
-    """unpack_blocks, then kernels.pack_groups: the packed weight the quantized layers hold."""
+    """The packed weight the quantized layers hold: unpack_blocks, then kernels.pack_groups.
+
+    Q4_0 and Q4_1 store their nibbles in the kernel's own order, so their bytes are copied as
+    they are (no [N, K] intermediate).
+    """
     import torch
 
-    from llmctl.engine.layers.quantization.kernels import pack_groups
+    from llmctl.engine.layers.quantization.kernels import PackedLinearWeight, pack_groups
 
+    type_name, block, type_size = _format(ggml_type, name)
+    if type_name in ("Q4_0", "Q4_1") and k % block == 0:
+        blocks = np.asarray(raw).reshape(-1).view(np.uint8)
+        if blocks.size == n * (k // block) * type_size:
+            blocks = blocks.reshape(-1, type_size)
+            head = type_size - 16  # d (Q4_0) or d, m (Q4_1) before the 16 nibble bytes
+            d = _f16(blocks[:, :2]).reshape(n, k // 32)
+            zeros = -8 * d if type_name == "Q4_0" else _f16(blocks[:, 2:4]).reshape(n, k // 32)
+            qweight = np.ascontiguousarray(blocks[:, head:]).reshape(n, k // 2)
+            return PackedLinearWeight(
+                n, k, 4, 32, torch.from_numpy(qweight), torch.from_numpy(d), torch.from_numpy(zeros)
+            )
     g = unpack_blocks(raw, ggml_type, n, k, name)
     zeros = None if g.zeros is None else torch.from_numpy(g.zeros)
-    packed: PackedLinearWeight = pack_groups(
+    return pack_groups(
         torch.from_numpy(g.q), torch.from_numpy(g.scales), zeros, g.bits, g.group_size
     )
-    return packed
 
 
 def dequantize(g: GroupQuantized) -> np.ndarray:
