@@ -92,7 +92,13 @@ class PackedLinearWeight:
 
     def _tiled_matmul(self, x: torch.Tensor) -> torch.Tensor:
         n, k = self.out_features, self.in_features
-        rows = max(16, _TILE_BYTES // (4 * k))
+        # ~1 MiB float tiles, and at least two per thread so that the threads stay balanced
+        rows = min(max(16, _TILE_BYTES // (4 * k)), -(-n // (2 * torch.get_num_threads())))
+        rows = max(8, rows)
+        op = _kernel() if x.device.type == "cpu" else None
+        if op is not None:
+            q, s, z = self.qweight, self.scales, self.zeros
+            return op.tiled_group_mm(x, q, s, z, self.bits, self.group_size, rows)
         if rows >= n:
             return F.linear(x, self.dequantize())
         y = x.new_empty(x.shape[0], n)
