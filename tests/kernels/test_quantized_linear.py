@@ -119,6 +119,15 @@ def test_torch_fallback_without_compiler(monkeypatch, m):
     assert_matmul_close(q8, reference8, m, torch.float32)
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda v: v.name)
+def test_embedding_rows(kernel, qtype):
+    raw = gguf_blocks(qtype, 40, 256)
+    packed = gguf_quants.pack_gguf(raw, qtype, 40, 256)
+    reference = torch.from_numpy(quants.dequantize(raw, qtype))
+    ids = torch.tensor([[3, 0, 39], [3, 17, 5]])
+    assert torch.equal(packed.embedding(ids), reference[ids])
+
+
 def test_thread_split_changes_no_bits(kernel):
     raw = gguf_blocks(T.Q4_1, 1000, 576)
     packed = gguf_quants.pack_gguf(raw, T.Q4_1, 1000, 576)

@@ -84,6 +84,21 @@ class PackedLinearWeight:
             )
         return self._dequantize_torch(start, end)
 
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (any shape of int64) of W in float32: [*ids.shape, K], a token embedding
+        lookup that expands only the rows asked for."""
+        flat = ids.reshape(-1)
+        rows = PackedLinearWeight(
+            flat.numel(),
+            self.in_features,
+            self.bits,
+            self.group_size,
+            self.qweight.index_select(0, flat),
+            self.scales.index_select(0, flat),
+            None if self.zeros is None else self.zeros.index_select(0, flat),
+        )
+        return rows.dequantize().reshape(*ids.shape, self.in_features)
+
     @property
     def nbytes(self) -> int:
         """Bytes this weight holds in memory (packed data, scales and zeros)."""
