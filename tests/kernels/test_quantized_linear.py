@@ -86,6 +86,9 @@ def test_gguf_packed_matmul_matches_reference(kernel, qtype, n, k, m, dtype):
     packed = gguf_quants.pack_gguf(raw, qtype, n, k)
     reference = torch.from_numpy(quants.dequantize(raw, qtype))
     assert torch.equal(packed.dequantize(), reference)
+    bits, group_size = gguf_quants.packed_format(qtype)
+    assert (packed.bits, packed.group_size) == (bits, group_size)
+    assert packed.nbytes == gguf_quants.packed_nbytes(n, k, bits, group_size)
     assert_matmul_close(packed, reference, m, dtype)
 
 
@@ -101,8 +104,7 @@ def test_rtn_packed_matmul_and_error_bound(kernel, bits, group_size, m):
     bound = scales.repeat_interleave(group_size, dim=1) / 2 * (1 + 1e-5)
     assert ((w - dequantized).abs() <= bound).all()
     assert torch.equal(dequantized[0, :group_size], w[0, :group_size])
-    groups = n * k // group_size
-    assert packed.nbytes == n * k * bits // 8 + 4 * groups * (2 if bits == 4 else 1)
+    assert packed.nbytes == gguf_quants.packed_nbytes(n, k, bits, group_size)
     assert_matmul_close(packed, dequantized, m, torch.float32)
 
 

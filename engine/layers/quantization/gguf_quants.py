@@ -64,6 +64,21 @@ def block_size(ggml_type: int) -> int:
     return _format(ggml_type, "tensor")[1]
 
 
+def packed_format(ggml_type: int) -> tuple[int, int]:
+    """(bits, group_size) of the packed weight a GGUF type becomes (see the table above)."""
+    name = _format(ggml_type, "tensor")[0]
+    return {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32), "Q4_K": (4, 32), "Q6_K": (8, 16)}[
+        name
+    ]
+
+
+def packed_nbytes(n: int, k: int, bits: int, group_size: int) -> int:
+    """Bytes a packed [n, k] weight holds in memory (PackedLinearWeight.nbytes), for planning:
+    q at bits / 8 bytes a weight, float32 scales, and float32 zeros for 4 bits."""
+    groups = n * (k // group_size)
+    return n * k * bits // 8 + 4 * groups * (2 if bits == 4 else 1)
+
+
 def unpack_blocks(
     raw: np.ndarray, ggml_type: int, n: int, k: int, name: str = "tensor"
 ) -> GroupQuantized:
