@@ -191,3 +191,9 @@ def test_other_instruction_sets(monkeypatch, march):
         reference = torch.from_numpy(quants.dequantize(raw, qtype))
         for m in (1, 5):
             assert_matmul_close(packed, reference, m, torch.float32)
+
+
+def test_build_in_background_then_matmul():
+    thread = kernels.build_in_background()
+    thread.join(timeout=300)
+    assert not thread.is_alive() and kernels.kernel_available()

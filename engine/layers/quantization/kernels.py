@@ -28,6 +28,7 @@ import functools
 import hashlib
 import logging
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,11 +173,26 @@ def kernel_available() -> bool:
     return _kernel() is not None
 
 
+def build_in_background() -> threading.Thread:
+    """Start building (or loading) the kernels on a daemon thread, so that the compile of a first
+    run (10-30 s) overlaps with reading the weights; the first matmul waits for it."""
+    thread = threading.Thread(target=_kernel, name="llmctl-quantized-kernel-build", daemon=True)
+    thread.start()
+    return thread
+
+
 # -- building the kernel -----------------------------------------------------------------------
+
+_build_lock = threading.Lock()
+
+
+def _kernel() -> Any | None:
+    with _build_lock:  # one build per process; later calls return the cached op at once
+        return _kernel_once()
 
 
 @functools.cache
-def _kernel() -> Any | None:
+def _kernel_once() -> Any | None:
     from llmctl.engine.layers.paged_attention_cpu import _first_error_line
 
     try:
