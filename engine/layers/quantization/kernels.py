@@ -12,11 +12,13 @@ Kernels (quantized_matmul_cpu.cpp, compiled on first use like the paged-attentio
 AVX-512 / AVX2 / scalar paths picked for the CPU that builds it):
 - M <= SMALL_BATCH rows (decode): int8_group_mm / int4_group_mm read each weight byte once and
   dequantize in registers; activations and accumulation stay float32 (bf16 inputs are widened).
-- larger M (prefill): tiles of W are expanded to float32 (about 1 MiB each) and multiplied with
-  torch's float GEMM, so the dequantization is amortised over the M rows.
-PyTorch's `aten._weight_int4pack_mm_for_cpu` was measured against these and not used: it needs N a
-multiple of 16, rounds activations to bf16 for its fast path, and its float32 path is scalar
-(see benchmarks/quantized_matmul.py).
+- larger M (prefill): tiled_group_mm expands tiles of W to float32 (about 1 MiB each) and runs
+  torch's float GEMM on them, every tile on one thread inside a single parallel region, so the
+  dequantization is amortised over the M rows.
+PyTorch's `aten._weight_int4pack_mm_for_cpu` was measured against these (benchmarks/
+quantized_matmul.py) and is not used: slower at M=1 and M=64 on the shapes that matter, it needs N
+a multiple of 16, its fast path rounds activations to bf16 and its float32 path is scalar.
+`aten._weight_int8pack_mm` has per-channel scales only, not groups.
 
 Without a C++ compiler (or if the build fails) the same math runs in plain torch: every matmul
 dequantizes tiles and calls F.linear (correct, slower at decode); one warning says why.
