@@ -238,8 +238,8 @@ void check_common(const at::Tensor& x, const at::Tensor& scales, int64_t N, int6
 
 // rows [begin, end) of y for activation rows handled R at a time
 template <typename RowFn>
-at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, const at::Tensor& zeros,
-                    const RowFn& row) {
+at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes,
+                    const at::Tensor& zeros, const RowFn& row) {
   const int64_t M = x.size(0), K = x.size(1), G = K / g;
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -258,8 +258,9 @@ at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, const at::Tensor&
   }
   const float* zp = has_zeros ? zeros.data_ptr<float>() : nullptr;
   const float* sp = has_zeros ? xsum.data_ptr<float>() : nullptr;
-  // ~64 KiB of weight per task: enough to amortise the scheduling, small enough to balance.
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, K));
+  // >= 128 KiB of packed weight per task (~10 us of reading): a small matrix stays on one
+  // thread, where waking the others would cost more than it saves (much more on a busy machine).
+  const int64_t grain = std::max<int64_t>(1, (128 * 1024) / std::max<int64_t>(1, row_bytes));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     float out[kMaxRows];
     for (int64_t n = begin; n < end; ++n) {
@@ -293,7 +294,7 @@ at::Tensor int8_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Ten
   check_common(x, scales, N, K, group_size);
   const int8_t* qb = q.data_ptr<int8_t>();
   const float* sb = scales.data_ptr<float>();
-  return run_rows(x, N, group_size, at::Tensor(), Int8Row{qb, sb, K, G, group_size});
+  return run_rows(x, N, group_size, K, at::Tensor(), Int8Row{qb, sb, K, G, group_size});
 }
 
 at::Tensor int4_group_mm(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& scales,
@@ -308,7 +309,7 @@ at::Tensor int4_group_mm(const at::Tensor& x, const at::Tensor& qp, const at::Te
               "zeros must be contiguous float32 shaped like scales");
   const uint8_t* qb = qp.data_ptr<uint8_t>();
   const float* sb = scales.data_ptr<float>();
-  return run_rows(x, N, group_size, zeros, Int4Row{qb, sb, K, G, group_size});
+  return run_rows(x, N, group_size, K / 2, zeros, Int4Row{qb, sb, K, G, group_size});
 }
 
 // Rows [n0, n1) of W into w (row-major, K floats a row), on the calling thread.
