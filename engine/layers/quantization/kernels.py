@@ -12,11 +12,13 @@ Kernels (quantized_matmul_cpu.cpp, compiled on first use like the paged-attentio
 AVX-512 / AVX2 / scalar paths picked for the CPU that builds it):
 - M <= SMALL_BATCH rows (decode): int8_group_mm / int4_group_mm read each weight byte once and
   dequantize in registers; activations and accumulation stay float32 (bf16 inputs are widened).
-- larger M (prefill): tiles of W are expanded to float32 (about 1 MiB each) and multiplied with
-  torch's float GEMM, so the dequantization is amortised over the M rows.
-PyTorch's `aten._weight_int4pack_mm_for_cpu` was measured against these and not used: it needs N a
-multiple of 16, rounds activations to bf16 for its fast path, and its float32 path is scalar
-(see benchmarks/quantized_matmul.py).
+- larger M (prefill): tiled_group_mm expands tiles of W to float32 (about 1 MiB each) and runs
+  torch's float GEMM on them, every tile on one thread inside a single parallel region, so the
+  dequantization is amortised over the M rows.
+PyTorch's `aten._weight_int4pack_mm_for_cpu` was measured against these (benchmarks/
+quantized_matmul.py) and is not used: slower at M=1 and M=64 on the shapes that matter, it needs N
+a multiple of 16, its fast path rounds activations to bf16 and its float32 path is scalar.
+`aten._weight_int8pack_mm` has per-channel scales only, not groups.
 
 Without a C++ compiler (or if the build fails) the same math runs in plain torch: every matmul
 dequantizes tiles and calls F.linear (correct, slower at decode); one warning says why.
@@ -28,6 +30,7 @@ import functools
 import hashlib
 import logging
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,6 +87,21 @@ class PackedLinearWeight:
             )
         return self._dequantize_torch(start, end)
 
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (any shape of int64) of W in float32: [*ids.shape, K], a token embedding
+        lookup that expands only the rows asked for."""
+        flat = ids.reshape(-1)
+        rows = PackedLinearWeight(
+            flat.numel(),
+            self.in_features,
+            self.bits,
+            self.group_size,
+            self.qweight.index_select(0, flat),
+            self.scales.index_select(0, flat),
+            None if self.zeros is None else self.zeros.index_select(0, flat),
+        )
+        return rows.dequantize().reshape(*ids.shape, self.in_features)
+
     @property
     def nbytes(self) -> int:
         """Bytes this weight holds in memory (packed data, scales and zeros)."""
@@ -92,7 +110,13 @@ class PackedLinearWeight:
 
     def _tiled_matmul(self, x: torch.Tensor) -> torch.Tensor:
         n, k = self.out_features, self.in_features
-        rows = max(16, _TILE_BYTES // (4 * k))
+        # ~1 MiB float tiles, and at least two per thread so that the threads stay balanced
+        rows = min(max(16, _TILE_BYTES // (4 * k)), -(-n // (2 * torch.get_num_threads())))
+        rows = max(8, rows)
+        op = _kernel() if x.device.type == "cpu" else None
+        if op is not None:
+            q, s, z = self.qweight, self.scales, self.zeros
+            return op.tiled_group_mm(x, q, s, z, self.bits, self.group_size, rows)
         if rows >= n:
             return F.linear(x, self.dequantize())
         y = x.new_empty(x.shape[0], n)
@@ -151,11 +175,26 @@ def kernel_available() -> bool:
     return _kernel() is not None
 
 
+def build_in_background() -> threading.Thread:
+    """Start building (or loading) the kernels on a daemon thread, so that the compile of a first
+    run (10-30 s) overlaps with reading the weights; the first matmul waits for it."""
+    thread = threading.Thread(target=_kernel, name="llmctl-quantized-kernel-build", daemon=True)
+    thread.start()
+    return thread
+
+
 # -- building the kernel -----------------------------------------------------------------------
+
+_build_lock = threading.Lock()
+
+
+def _kernel() -> Any | None:
+    with _build_lock:  # one build per process; later calls return the cached op at once
+        return _kernel_once()
 
 
 @functools.cache
-def _kernel() -> Any | None:
+def _kernel_once() -> Any | None:
     from llmctl.engine.layers.paged_attention_cpu import _first_error_line
 
     try:

@@ -13,8 +13,8 @@
 // Decode (small M) is bound by the bytes of W read: each thread owns a range of output rows and
 // reads each weight byte once, dequantizing it in registers for all M activation rows. The zero
 // term is sum_g zeros[n, g] * xsum[m, g], with xsum the per-group sums of x computed once.
-// `dequantize_rows` expands rows [n0, n1) to float for the batched path (dequantize a tile, then
-// a float GEMM), which kernels.py drives.
+// Larger M (prefill) goes through `tiled_group_mm`: tiles of W expanded to float32 and multiplied
+// with torch's GEMM, the dequantization amortised over the M rows.
 //
 // Built with -march=native: the AVX-512 or AVX2 path is chosen at compile time on the machine that
 // runs it (the build cache key hashes the CPU's flags), with a scalar path for anything else.
@@ -22,11 +22,12 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
+#include <ATen/ops/mm.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define LLMCTL_Q_AVX512 1
@@ -237,8 +238,8 @@ void check_common(const at::Tensor& x, const at::Tensor& scales, int64_t N, int6
 
 // rows [begin, end) of y for activation rows handled R at a time
 template <typename RowFn>
-at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, const at::Tensor& zeros,
-                    const RowFn& row) {
+at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes,
+                    const at::Tensor& zeros, const RowFn& row) {
   const int64_t M = x.size(0), K = x.size(1), G = K / g;
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -257,8 +258,9 @@ at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, const at::Tensor&
   }
   const float* zp = has_zeros ? zeros.data_ptr<float>() : nullptr;
   const float* sp = has_zeros ? xsum.data_ptr<float>() : nullptr;
-  // ~64 KiB of weight per task: enough to amortise the scheduling, small enough to balance.
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, K));
+  // >= 128 KiB of packed weight per task (~10 us of reading): a small matrix stays on one
+  // thread, where waking the others would cost more than it saves (much more on a busy machine).
+  const int64_t grain = std::max<int64_t>(1, (128 * 1024) / std::max<int64_t>(1, row_bytes));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     float out[kMaxRows];
     for (int64_t n = begin; n < end; ++n) {
@@ -292,7 +294,7 @@ at::Tensor int8_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Ten
   check_common(x, scales, N, K, group_size);
   const int8_t* qb = q.data_ptr<int8_t>();
   const float* sb = scales.data_ptr<float>();
-  return run_rows(x, N, group_size, at::Tensor(), Int8Row{qb, sb, K, G, group_size});
+  return run_rows(x, N, group_size, K, at::Tensor(), Int8Row{qb, sb, K, G, group_size});
 }
 
 at::Tensor int4_group_mm(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& scales,
@@ -307,47 +309,104 @@ at::Tensor int4_group_mm(const at::Tensor& x, const at::Tensor& qp, const at::Te
               "zeros must be contiguous float32 shaped like scales");
   const uint8_t* qb = qp.data_ptr<uint8_t>();
   const float* sb = scales.data_ptr<float>();
-  return run_rows(x, N, group_size, zeros, Int4Row{qb, sb, K, G, group_size});
+  return run_rows(x, N, group_size, K / 2, zeros, Int4Row{qb, sb, K, G, group_size});
 }
 
-// Rows [n0, n1) of W in float32: the batched path's tile, and the reference.
+// Rows [n0, n1) of W into w (row-major, K floats a row), on the calling thread.
+void dequantize_into(const at::Tensor& q, const float* sp, const float* zp, int64_t bits,
+                     int64_t group_size, int64_t K, int64_t n0, int64_t n1, float* wp) {
+  const int64_t G = K / group_size;
+  for (int64_t n = n0; n < n1; ++n) {
+    float* wr = wp + (n - n0) * K;
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const float s = sp[n * G + gi], z = zp ? zp[n * G + gi] : 0.f;
+      const int64_t k0 = gi * group_size, k1 = k0 + group_size;
+      if (bits == 8) {
+        const int8_t* qr = q.data_ptr<int8_t>() + n * K;
+        for (int64_t k = k0; k < k1; ++k) wr[k] = float(qr[k]) * s + z;
+      } else {
+        const uint8_t* qr = q.data_ptr<uint8_t>() + n * (K / 2);
+        int64_t k = k0;
+#if defined(LLMCTL_Q_AVX2) || defined(LLMCTL_Q_AVX512)
+        const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        for (; k < k1; k += 32) {
+          __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + k / 2));
+          __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+          _mm256_storeu_ps(wr + k, _mm256_fmadd_ps(u8_to_ps(lo), vs, vz));
+          _mm256_storeu_ps(wr + k + 8, _mm256_fmadd_ps(u8_to_ps(_mm_srli_si128(lo, 8)), vs, vz));
+          _mm256_storeu_ps(wr + k + 16, _mm256_fmadd_ps(u8_to_ps(hi), vs, vz));
+          _mm256_storeu_ps(wr + k + 24, _mm256_fmadd_ps(u8_to_ps(_mm_srli_si128(hi, 8)), vs, vz));
+        }
+#endif
+        for (; k < k1; k += 32) {
+          float lo[16], hi[16];  // split first: the loops below vectorise
+          for (int j = 0; j < 16; ++j) {
+            lo[j] = float(qr[k / 2 + j] & 0x0F);
+            hi[j] = float(qr[k / 2 + j] >> 4);
+          }
+          for (int j = 0; j < 16; ++j) wr[k + j] = lo[j] * s + z;
+          for (int j = 0; j < 16; ++j) wr[k + 16 + j] = hi[j] * s + z;
+        }
+      }
+    }
+  }
+}
+
+void check_dequant(const at::Tensor& q, const at::Tensor& scales,
+                   const std::optional<at::Tensor>& zeros, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(q.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kFloat,
+              "q and scales must be contiguous, scales float32");
+  TORCH_CHECK(q.scalar_type() == (bits == 4 ? at::kByte : at::kChar), "q has the wrong dtype");
+  TORCH_CHECK(!zeros.has_value() || (zeros->is_contiguous() && zeros->scalar_type() == at::kFloat),
+              "zeros must be contiguous float32");
+}
+
+// Rows [n0, n1) of W in float32: embedding rows and references.
 at::Tensor dequantize_rows(const at::Tensor& q, const at::Tensor& scales,
                            const std::optional<at::Tensor>& zeros, int64_t bits,
                            int64_t group_size, int64_t n0, int64_t n1) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(q.is_contiguous() && scales.is_contiguous(), "q and scales must be contiguous");
+  check_dequant(q, scales, zeros, bits);
   const int64_t N = q.size(0), K = bits == 4 ? q.size(1) * 2 : q.size(1);
-  const int64_t G = K / group_size;
   TORCH_CHECK(0 <= n0 && n0 <= n1 && n1 <= N, "row range out of bounds");
   at::Tensor w = at::empty({n1 - n0, K}, scales.options());
   float* wp = w.data_ptr<float>();
   const float* sp = scales.data_ptr<float>();
   const float* zp = zeros.has_value() ? zeros->data_ptr<float>() : nullptr;
   at::parallel_for(n0, n1, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      float* wr = wp + (n - n0) * K;
-      for (int64_t gi = 0; gi < G; ++gi) {
-        const float s = sp[n * G + gi], z = zp ? zp[n * G + gi] : 0.f;
-        const int64_t k0 = gi * group_size, k1 = k0 + group_size;
-        if (bits == 8) {
-          const int8_t* qr = q.data_ptr<int8_t>() + n * K;
-          for (int64_t k = k0; k < k1; ++k) wr[k] = float(qr[k]) * s + z;
-        } else {
-          const uint8_t* qr = q.data_ptr<uint8_t>() + n * (K / 2);
-          for (int64_t k = k0; k < k1; k += 32) {
-            float lo[16], hi[16];  // split first: the loops below vectorise
-            for (int j = 0; j < 16; ++j) {
-              lo[j] = float(qr[k / 2 + j] & 0x0F);
-              hi[j] = float(qr[k / 2 + j] >> 4);
-            }
-            for (int j = 0; j < 16; ++j) wr[k + j] = lo[j] * s + z;
-            for (int j = 0; j < 16; ++j) wr[k + 16 + j] = hi[j] * s + z;
-          }
-        }
-      }
-    }
+    dequantize_into(q, sp, zp, bits, group_size, K, begin, end, wp + (begin - n0) * K);
   });
   return w;
+}
+
+// The batched path: y = x W^T by tiles of `tile_rows` rows of W, each expanded to float32 and
+// multiplied with torch's GEMM on the thread that owns the tile. One parallel region for the
+// whole matmul (the GEMM inside runs on its tile's thread).
+at::Tensor tiled_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& zeros, int64_t bits,
+                          int64_t group_size, int64_t tile_rows) {
+  check_dequant(q, scales, zeros, bits);
+  const int64_t N = q.size(0), K = bits == 4 ? q.size(1) * 2 : q.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
+                  x.size(1) == K,
+              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(tile_rows > 0, "tile_rows must be positive");
+  const int64_t M = x.size(0), tiles = (N + tile_rows - 1) / tile_rows;
+  at::Tensor yt = at::empty({N, M}, x.options());  // W x^T: each tile owns whole rows
+  const float* sp = scales.data_ptr<float>();
+  const float* zp = zeros.has_value() ? zeros->data_ptr<float>() : nullptr;
+  const at::Tensor xt = x.t();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    at::Tensor w = at::empty({tile_rows, K}, x.options());
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * tile_rows, n1 = std::min(N, n0 + tile_rows);
+      dequantize_into(q, sp, zp, bits, group_size, K, n0, n1, w.data_ptr<float>());
+      at::Tensor out = yt.narrow(0, n0, n1 - n0);
+      at::mm_out(out, w.narrow(0, 0, n1 - n0), xt);
+    }
+  });
+  return yt.t().contiguous();
 }
 
 }  // namespace
@@ -362,6 +421,9 @@ LLMCTL_LIBRARY(LLMCTL_OP_NAMESPACE, m) {
       "int4_group_mm(Tensor x, Tensor qp, Tensor scales, Tensor zeros, int group_size) -> "
       "Tensor");
   m.def(
+      "tiled_group_mm(Tensor x, Tensor q, Tensor scales, Tensor? zeros, int bits, "
+      "int group_size, int tile_rows) -> Tensor");
+  m.def(
       "dequantize_rows(Tensor q, Tensor scales, Tensor? zeros, int bits, int group_size, "
       "int n0, int n1) -> Tensor");
 }
@@ -370,4 +432,5 @@ LLMCTL_LIBRARY_IMPL(LLMCTL_OP_NAMESPACE, CPU, m) {
   m.impl("int8_group_mm", &int8_group_mm);
   m.impl("int4_group_mm", &int4_group_mm);
   m.impl("dequantize_rows", &dequantize_rows);
+  m.impl("tiled_group_mm", &tiled_group_mm);
 }
