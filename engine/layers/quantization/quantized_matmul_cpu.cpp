@@ -397,7 +397,11 @@ at::Tensor tiled_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Te
   const float* sp = scales.data_ptr<float>();
   const float* zp = zeros.has_value() ? zeros->data_ptr<float>() : nullptr;
   const at::Tensor xt = x.t();
+  // The engine runs under torch.inference_mode(): the worker threads must be in it too, or
+  // mm_out into yt (an inference tensor) is refused there.
+  const bool inference_mode = c10::InferenceMode::is_enabled();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    c10::InferenceMode guard(inference_mode);
     at::Tensor w = at::empty({tile_rows, K}, x.options());
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * tile_rows, n1 = std::min(N, n0 + tile_rows);
