@@ -16,7 +16,7 @@ from torch import nn
 from llmctl.engine.distributed.parallel_state import get_tp_group
 from llmctl.engine.distributed.partition import column_shards, offsets
 from llmctl.engine.layers.linear import _copy_into, _cpu_prepack_enabled
-from llmctl.engine.layers.quantization.linear_method import dequantize_groups
+from llmctl.engine.layers.quantization.kernels import PackedLinearWeight, pack_groups
 from llmctl.engine.model_loader.weights import CheckpointTensor, QuantizedCheckpointTensor
 
 
@@ -34,8 +34,8 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(shards[self.tp_rank], embedding_dim), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader
-        # A quantized checkpoint's rows: (q, scales, zeros, bits, group_size); None: float.
-        self.quantized_rows: tuple | None = None
+        # A quantized checkpoint's rows, packed (None: float weights); a tied LM head shares it.
+        self.packed: PackedLinearWeight | None = None
         self._dtype = torch.get_default_dtype()
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, *args) -> None:
@@ -44,20 +44,19 @@ class VocabParallelEmbedding(nn.Module):
         if isinstance(shard, QuantizedCheckpointTensor):
             decoded = shard.decode()
             if decoded is not None and shard.shape == tuple(param.shape):
-                self.quantized_rows = tuple(
+                decoded = [
                     x.to(param.device) if isinstance(x, torch.Tensor) else x for x in decoded
-                )
+                ]
+                self.packed = pack_groups(*decoded)
                 param.data = param.data.new_empty(0)  # the float rows are never materialised
                 return
             shard = shard.load()
         _copy_into(param, shard, "vocab embedding")
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.quantized_rows is None:
+        if self.packed is None:
             return F.embedding(ids, self.weight)
-        q, scales, zeros, _, group_size = self.quantized_rows
-        z = None if zeros is None else zeros[ids]
-        return dequantize_groups(q[ids], scales[ids], z, group_size).to(self._dtype)
+        return self.packed.embedding(ids).to(self._dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -83,7 +82,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         else:
             self.register_parameter("bias", None)
         self._packed: torch.Tensor | None = None
-        self._packed_quantized = None  # kernels.PackedLinearWeight of quantized rows
         self._tied_embedding: VocabParallelEmbedding | None = None
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
@@ -92,14 +90,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         self._tied_embedding = embedding
 
     def process_weights_after_loading(self) -> None:
-        source = self._tied_embedding or self
-        if source.quantized_rows is not None:
-            from llmctl.engine.layers.quantization.kernels import pack_groups
-
-            q, scales, zeros, bits, group_size = source.quantized_rows
-            self._packed_quantized = pack_groups(q, scales, zeros, bits, group_size)
-            if source is self:
-                self.quantized_rows = None  # the head's own rows: only the packed copy is used
+        if self._tied_embedding is not None:
+            self.packed = self._tied_embedding.packed  # one packed copy for both
+        if self.packed is not None:
             return
         if _cpu_prepack_enabled(self.weight):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 64)
@@ -109,8 +102,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """[num_rows, hidden_size] -> float32 logits [num_rows, vocab_size] on tp_rank 0 (the
         rank that samples); None on the other tensor-parallel ranks."""
-        if self._packed_quantized is not None:
-            logits = self._packed_quantized.matmul(hidden_states)
+        if self.packed is not None:
+            logits = self.packed.matmul(hidden_states)
             if self.bias is not None:
                 logits = logits + self.bias
         elif self._packed is not None:

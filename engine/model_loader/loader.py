@@ -89,6 +89,10 @@ def load_model(
         set_quant_config(model_config.quantization),
     ):
         model = model_class(model_config.hf_config, model_config.shape, shard)
+    if model_config.quantization is not None and device == "cpu":
+        from llmctl.engine.layers.quantization.kernels import build_in_background
+
+        build_in_background()  # a first run's kernel compile overlaps with reading the weights
     weights, total, path = _checkpoint(model_config)
     if progress is not None:
         weights = _with_progress(weights, total, progress)
@@ -103,11 +107,13 @@ def load_model(
         if process is not None:
             process()
     # Quantized weights are not parameters: count what their packed form holds.
-    model.loaded_weight_bytes += sum(
-        module.quant_method.nbytes
-        for module in model.modules()
-        if getattr(module, "quant_method", None) is not None
-    )
+    packed = {}
+    for module in model.modules():
+        if getattr(module, "quant_method", None) is not None:
+            packed[id(module)] = module.quant_method.nbytes
+        elif getattr(module, "packed", None) is not None:  # a quantized embedding / LM head
+            packed[id(module.packed)] = module.packed.nbytes
+    model.loaded_weight_bytes += sum(packed.values())
     return model.eval()
 
 
