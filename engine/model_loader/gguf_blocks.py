@@ -1,44 +1,17 @@
-"""GGUF block formats -> the packed form's parts (q, scales, zeros, bits, group_size).
-
-Uses engine/layers/quantization/gguf_quants.py (`unpack_blocks`, every supported type) where it
-is present; until then a PRIVATE STOP-GAP decodes Q4_0, Q4_1 and Q8_0 (the bundled model's types),
-and other types return None (their layer keeps float weights). Drop the stop-gap once it lands.
-"""
+"""GGUF block formats -> the packed form's parts (q, scales, zeros, bits, group_size), through
+engine/layers/quantization/gguf_quants.py."""
 
 from __future__ import annotations
 
 
 def decode_blocks(raw, type_name: str, k: int):
-    """raw: numpy uint8 [N, K / block * block bytes] -> (q, scales, zeros, bits, group_size) with
-    W[n, j] = q[n, j] * scales[n, j // g] + zeros[n, j // g] (zeros None: symmetric)."""
-    import numpy as np
+    """raw: numpy uint8 [N, K / block * block bytes] -> (q, scales, zeros, bits, group_size),
+    torch tensors: W[n, j] = q[n, j] * scales[n, j // g] + zeros[n, j // g] (zeros None: none)."""
+    import gguf
     import torch
 
-    n = raw.shape[0]
-    try:
-        from llmctl.engine.layers.quantization.gguf_quants import unpack_blocks
-    except ImportError:
-        unpack_blocks = None
-    if unpack_blocks is not None:
-        import gguf
+    from llmctl.engine.layers.quantization.gguf_quants import unpack_blocks
 
-        g = unpack_blocks(raw, int(gguf.GGMLQuantizationType[type_name]), n, k)
-        zeros = None if g.zeros is None else torch.from_numpy(g.zeros)
-        return torch.from_numpy(g.q), torch.from_numpy(g.scales), zeros, g.bits, g.group_size
-
-    if type_name not in ("Q4_0", "Q4_1", "Q8_0"):
-        return None
-    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
-    blocks = raw.reshape(n, k // 32, block_bytes)
-    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if type_name == "Q8_0":
-        q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
-        return torch.from_numpy(q), torch.from_numpy(d), None, 8, 32
-    offset = 2 if type_name == "Q4_0" else 4
-    qs = blocks[..., offset:]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
-    if type_name == "Q4_0":
-        zeros = d * -8.0
-    else:
-        zeros = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zeros), 4, 32
+    g = unpack_blocks(raw, int(gguf.GGMLQuantizationType[type_name]), raw.shape[0], k)
+    zeros = None if g.zeros is None else torch.from_numpy(g.zeros)
+    return torch.from_numpy(g.q), torch.from_numpy(g.scales), zeros, g.bits, g.group_size

@@ -44,7 +44,8 @@ def quantize_rtn(w: torch.Tensor, bits: int, group_size: int):
     """Round-to-nearest per-group quantization of float rows [N, K] -> (q, scales, zeros).
 
     int8: symmetric, q in [-127, 127], zeros None. int4: asymmetric, q in [0, 15],
-    W ~= q * scale + zero with zero the group's minimum. (quantization/rtn.py's where present.)"""
+    W ~= q * scale + zero with zero the group's minimum (quantization/rtn.py), with a typed
+    error for a layer whose input features are not whole groups."""
     n, k = w.shape
     if k % group_size:
         raise ConfigError(
@@ -52,23 +53,9 @@ def quantize_rtn(w: torch.Tensor, bits: int, group_size: int):
             f"layer has {k}",
             "run this model in float (leave out --quantization)",
         )
-    try:
-        from llmctl.engine.layers.quantization.rtn import quantize_rtn as rtn
-    except ImportError:
-        rtn = None
-    if rtn is not None:
-        return rtn(w, bits, group_size)
-    groups = w.float().reshape(n, k // group_size, group_size)
-    if bits == 8:
-        scales = groups.abs().amax(dim=-1) / 127
-        scales = torch.where(scales == 0, torch.ones_like(scales), scales)
-        q = torch.round(groups / scales.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-        return q.reshape(n, k), scales, None
-    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
-    scales = (hi - lo) / 15
-    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
-    q = torch.round((groups - lo.unsqueeze(-1)) / scales.unsqueeze(-1)).clamp(0, 15)
-    return q.to(torch.uint8).reshape(n, k), scales, lo
+    from llmctl.engine.layers.quantization.rtn import quantize_rtn as rtn
+
+    return rtn(w, bits, group_size)
 
 
 def dequantize_groups(q, scales, zeros, group_size: int) -> torch.Tensor:
