@@ -20,7 +20,8 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
-    """The bundled SmolLM2-135M-Instruct, converted from its GGUF to a Hugging Face directory."""
+    """The bundled SmolLM2-135M-Instruct's config and tokenizer, written from its GGUF metadata
+    (its weights stay in the GGUF file)."""
     from llmctl.engine.model_loader.source import resolve_model
 
     return Path(resolve_model(None).path)

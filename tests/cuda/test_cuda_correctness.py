@@ -53,13 +53,18 @@ def test_float32_matches_transformers_on_the_gpu(
 
 
 def test_bfloat16_greedy_matches_transformers_for_16_tokens(
-    smol_dir, smol_tokenizer, hf_greedy, gpu_llm, hf_on_gpu
+    smol_tokenizer, hf_greedy, gpu_llm, hf_on_gpu
 ):
     from transformers import AutoModelForCausalLM
 
-    hf = hf_on_gpu(AutoModelForCausalLM.from_pretrained(smol_dir), torch.bfloat16)
+    from llmctl.engine.model_loader.default_model import default_model_path
+
+    gguf = default_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    hf = hf_on_gpu(hf, torch.bfloat16)
     prompts = [smol_tokenizer.encode(text) for text in BF16_PROMPTS]
-    llm = gpu_llm(str(smol_dir), dtype="bfloat16", num_gpu_blocks_override=BLOCKS)
+    # The float path on the GGUF's dequantized weights, as transformers loads them.
+    llm = gpu_llm(None, dtype="bfloat16", num_gpu_blocks_override=BLOCKS, gguf_dequantize=True)
 
     outputs = llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False

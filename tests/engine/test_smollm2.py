@@ -120,19 +120,24 @@ def test_parallel_layouts_match_one_process(single, layout):
         assert [r["layers"] for r in info] == [(0, 15), (15, 30)]
 
 
-def test_a_rank_on_another_node_converts_the_gguf_there(tmp_path, monkeypatch):
-    """The driver converted the GGUF into its own cache; a Ray rank on another node (no such
-    directory there) converts the same file into that node's cache instead of failing."""
+def test_a_rank_on_another_node_reads_the_gguf_there(tmp_path, monkeypatch):
+    """The driver wrote the GGUF's config into its own cache, and no converted weights anywhere;
+    a Ray rank on another node (no such directory or file path there) resolves the model it
+    names again and reads the weights from the GGUF file itself."""
     import dataclasses
 
     from llmctl.engine.engine_args import EngineArgs
-    from llmctl.engine.model_loader.loader import local_weights_path
+    from llmctl.engine.model_loader.loader import local_gguf_path
 
     gguf = str(default_model_path())
     model_config = EngineArgs(model=gguf).create_engine_config().model_config
-    assert local_weights_path(model_config) == model_config.path  # the driver's own node
-    elsewhere = dataclasses.replace(model_config, path=str(tmp_path / "driver-cache" / "smol"))
+    assert model_config.gguf_file == gguf
+    assert not any(p.suffix == ".safetensors" for p in Path(model_config.path).iterdir())
+    assert local_gguf_path(model_config) == gguf  # the driver's own node
+    elsewhere = dataclasses.replace(
+        model_config,
+        path=str(tmp_path / "driver-cache" / "smol"),
+        gguf_file=str(tmp_path / "driver-only" / "smol.gguf"),
+    )
     monkeypatch.setenv("LLMCTL_CACHE_DIR", str(tmp_path / "this-node"))
-    path = local_weights_path(elsewhere)
-    assert path.startswith(str(tmp_path / "this-node"))
-    assert any(p.suffix == ".safetensors" for p in Path(path).iterdir())
+    assert local_gguf_path(elsewhere) == gguf

@@ -29,12 +29,12 @@ def test_options_per_command():
     assert {o.name for o in cli_options("plan")} == {
         "dtype", "max_model_len", "kv_cache_space_gib", "gpu_memory_utilization", "device",
         "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
-        "pipeline_parallel_size", "pipeline_layer_partition",
+        "pipeline_parallel_size", "pipeline_layer_partition", "quantization",
     }  # fmt: skip
     # LLM(...) keywords only: no flag.
-    assert not {"model", "seed", "num_gpu_blocks_override", "max_concurrent_batches"} & set(
-        names["serve"]
-    )
+    assert not {
+        "model", "seed", "num_gpu_blocks_override", "max_concurrent_batches", "gguf_dequantize"
+    } & set(names["serve"])  # fmt: skip
 
 
 def test_flags_aliases_and_help_come_from_the_declaration():

@@ -8,34 +8,133 @@ with q unsigned in [0, 15] for bits=4 and signed in [-128, 127] for bits=8 (zero
 N is the output features (rows, split by column-parallel layers), K the input features (split by
 row-parallel layers in whole groups).
 
-SKELETON: `pack_groups` below keeps a dequantized float copy so that the loader and layers can be
-built against the interface; the kernels replace it (int4: aten's int4pack matmul; int8 groups: a
-C++ kernel), without changing the interface.
+Kernels (quantized_matmul_cpu.cpp, compiled on first use like the paged-attention kernel, with
+AVX-512 / AVX2 / scalar paths picked for the CPU that builds it):
+- M <= SMALL_BATCH rows (decode): int8_group_mm / int4_group_mm read each weight byte once and
+  dequantize in registers; activations and accumulation stay float32 (bf16 inputs are widened).
+- larger M (prefill): tiled_group_mm expands tiles of W to float32 (about 1 MiB each) and runs
+  torch's float GEMM on them, every tile on one thread inside a single parallel region, so the
+  dequantization is amortised over the M rows.
+PyTorch's `aten._weight_int4pack_mm_for_cpu` was measured against these (benchmarks/
+quantized_matmul.py) and is not used: slower at M=1 and M=64 on the shapes that matter, it needs N
+a multiple of 16, its fast path rounds activations to bf16 and its float32 path is scalar.
+`aten._weight_int8pack_mm` has per-channel scales only, not groups.
+
+Without a C++ compiler (or if the build fails) the same math runs in plain torch: every matmul
+dequantizes tiles and calls F.linear (correct, slower at decode); one warning says why.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import logging
+import sys
+import threading
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("llmctl")
+
+_SOURCE = Path(__file__).with_name("quantized_matmul_cpu.cpp")
+_BUILT_MARKER = "built.ok"
+SMALL_BATCH = 32  # rows of x up to which the fused kernels beat dequantize + GEMM (measured)
+_TILE_BYTES = 1 << 20  # float32 bytes of W expanded per tile on the batched path
 
 
-@dataclass
+@dataclass(eq=False)
 class PackedLinearWeight:
+    """The weight of one linear layer, packed for the kernels.
+
+    qweight: bits=8: int8 [N, K]; bits=4: uint8 [N, K // 2], each 32-element chunk of a row in
+    16 bytes, byte j = q[j] | q[j + 16] << 4 (GGUF's Q4_0 nibble order).
+    scales, zeros: float32 [N, K // group_size]; zeros is None for bits=8.
+    """
+
     out_features: int  # N
     in_features: int  # K
     bits: int
     group_size: int
-    _dequantized: torch.Tensor  # SKELETON ONLY: [N, K] float
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [M, K] float -> [M, N] in x's dtype."""
-        return x @ self._dequantized.to(x.dtype).T
+        """x: [..., K] float -> [..., N] in x's dtype (computed in float32)."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        op = _kernel() if x2.device.type == "cpu" else None
+        if op is not None and x2.shape[0] <= SMALL_BATCH:
+            if self.bits == 8:
+                y = op.int8_group_mm(x2, self.qweight, self.scales, self.group_size)
+            else:
+                y = op.int4_group_mm(x2, self.qweight, self.scales, self.zeros, self.group_size)
+        else:
+            y = self._tiled_matmul(x2)
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rows [start, end) of W in float32: embedding rows, references, the batched path."""
+        end = self.out_features if end is None else end
+        op = _kernel() if self.qweight.device.type == "cpu" else None
+        if op is not None:
+            return op.dequantize_rows(
+                self.qweight, self.scales, self.zeros, self.bits, self.group_size, start, end
+            )
+        return self._dequantize_torch(start, end)
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (any shape of int64) of W in float32: [*ids.shape, K], a token embedding
+        lookup that expands only the rows asked for."""
+        flat = ids.reshape(-1)
+        rows = PackedLinearWeight(
+            flat.numel(),
+            self.in_features,
+            self.bits,
+            self.group_size,
+            self.qweight.index_select(0, flat),
+            self.scales.index_select(0, flat),
+            None if self.zeros is None else self.zeros.index_select(0, flat),
+        )
+        return rows.dequantize().reshape(*ids.shape, self.in_features)
 
     @property
     def nbytes(self) -> int:
         """Bytes this weight holds in memory (packed data, scales and zeros)."""
-        return self._dequantized.numel() * self._dequantized.element_size()
+        tensors = [self.qweight, self.scales] + ([self.zeros] if self.zeros is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _tiled_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        # ~1 MiB float tiles, and at least two per thread so that the threads stay balanced
+        rows = min(max(16, _TILE_BYTES // (4 * k)), -(-n // (2 * torch.get_num_threads())))
+        rows = max(8, rows)
+        op = _kernel() if x.device.type == "cpu" else None
+        if op is not None:
+            q, s, z = self.qweight, self.scales, self.zeros
+            return op.tiled_group_mm(x, q, s, z, self.bits, self.group_size, rows)
+        if rows >= n:
+            return F.linear(x, self.dequantize())
+        y = x.new_empty(x.shape[0], n)
+        for start in range(0, n, rows):
+            end = min(n, start + rows)
+            y[:, start:end] = F.linear(x, self.dequantize(start, end))
+        return y
+
+    def _dequantize_torch(self, start: int, end: int) -> torch.Tensor:
+        g = self.group_size
+        q = self.qweight[start:end]
+        if self.bits == 4:  # [rows, K/32, 16] bytes -> [rows, K/32, 2, 16] nibbles
+            b = q.view(q.shape[0], -1, 16)
+            q = torch.stack([b & 0x0F, b >> 4], dim=2).reshape(q.shape[0], -1)
+        w = q.to(torch.float32).view(q.shape[0], -1, g) * self.scales[start:end, :, None]
+        if self.zeros is not None:
+            w += self.zeros[start:end, :, None]
+        return w.view(q.shape[0], -1)
 
 
 def pack_groups(
@@ -45,13 +144,125 @@ def pack_groups(
     bits: int,
     group_size: int,
 ) -> PackedLinearWeight:
-    """q: [N, K] integer (uint8 for 4 bits, int8 for 8 bits); scales, zeros: [N, K // group_size]
-    float32. K must be a multiple of group_size."""
+    """q: [N, K] integer (uint8 in [0, 15] for 4 bits, int8 for 8 bits); scales, zeros:
+    [N, K // group_size] float. K must be a multiple of group_size; for 4 bits group_size must be a
+    multiple of 32. Raises ValueError otherwise. The inputs are not kept (q is repacked)."""
     n, k = q.shape
+    if bits not in (4, 8):
+        raise ValueError(f"bits={bits} is not supported; use 4 or 8")
     if k % group_size:
         raise ValueError(f"in_features={k} is not a multiple of group_size={group_size}")
-    s = scales.float().repeat_interleave(group_size, dim=1)
-    w = q.float() * s
-    if zeros is not None:
-        w += zeros.float().repeat_interleave(group_size, dim=1)
-    return PackedLinearWeight(n, k, bits, group_size, w)
+    if bits == 4 and group_size % 32:
+        raise ValueError(f"4-bit group_size={group_size} is not a multiple of 32")
+    if tuple(scales.shape) != (n, k // group_size):
+        raise ValueError(f"scales has shape {tuple(scales.shape)}, expected {(n, k // group_size)}")
+    scales = scales.to(torch.float32).contiguous()
+    if bits == 8:
+        if zeros is not None:
+            raise ValueError("8-bit weights are symmetric: zeros must be None")
+        qweight = q.to(torch.int8).contiguous()
+    else:
+        if zeros is None:
+            raise ValueError("4-bit weights need zeros (use -8 * scales for a symmetric format)")
+        zeros = zeros.to(torch.float32).contiguous()
+        nibbles = q.to(torch.uint8).reshape(n, k // 32, 2, 16)
+        qweight = (nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    return PackedLinearWeight(n, k, bits, group_size, qweight, scales, zeros)
+
+
+def kernel_available() -> bool:
+    """True when the C++ kernels are built and loaded (building them now if needed)."""
+    return _kernel() is not None
+
+
+def build_in_background() -> threading.Thread:
+    """Start building (or loading) the kernels on a daemon thread, so that the compile of a first
+    run (10-30 s) overlaps with reading the weights; the first matmul waits for it."""
+    thread = threading.Thread(target=_kernel, name="llmctl-quantized-kernel-build", daemon=True)
+    thread.start()
+    return thread
+
+
+# -- building the kernel -----------------------------------------------------------------------
+
+_build_lock = threading.Lock()
+
+
+def _kernel() -> Any | None:
+    with _build_lock:  # one build per process; later calls return the cached op at once
+        return _kernel_once()
+
+
+@functools.cache
+def _kernel_once() -> Any | None:
+    from llmctl.engine.layers.paged_attention_cpu import _first_error_line
+
+    try:
+        return build_kernel()
+    except Exception as e:  # a missing compiler, ninja or header: degrade, don't fail the engine
+        logger.warning(
+            "CPU quantized matmul kernel unavailable, dequantizing tiles for torch's matmul "
+            "instead (slower decode): %s",
+            _first_error_line(e),
+        )
+        logger.debug("building the CPU quantized matmul kernel failed", exc_info=True)
+        return None
+
+
+def build_kernel(march: str = "native", extra_cflags: tuple[str, ...] = ()) -> Any:
+    """Compile (or reuse) the kernels for -march=`march`; returns their op namespace
+    (`.int8_group_mm`, `.int4_group_mm`, `.dequantize_rows`). Built once per source, flags,
+    torch, Python and CPU features, in the paged-attention kernel's cache directory."""
+    import contextlib
+    import os
+    import shutil
+
+    from torch.utils import cpp_extension
+
+    from llmctl.engine.layers.paged_attention_cpu import _build_root, _exclusive, _ninja_on_path
+
+    name, cflags, ldflags = _build_spec(march, extra_cflags)
+    if hasattr(torch.ops, name) and hasattr(getattr(torch.ops, name), "int8_group_mm"):
+        return getattr(torch.ops, name)
+    build_dir = _build_root() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    library = build_dir / f"{name}.so"
+    with _exclusive(build_dir.with_suffix(".lock")):
+        if (build_dir / _BUILT_MARKER).exists() and library.exists():
+            torch.ops.load_library(str(library))
+        else:
+            with contextlib.suppress(FileNotFoundError):  # a killed build's stale lock
+                (build_dir / "lock").unlink()
+            compiler = os.environ.get("CXX", "c++")
+            if not shutil.which(compiler):
+                raise RuntimeError(f"no C++ compiler ({compiler}) on PATH; install g++")
+            logger.info("Compiling the CPU quantized matmul kernel (once) into %s", build_dir)
+            with _ninja_on_path():
+                cpp_extension.load(
+                    name=name,
+                    sources=[str(_SOURCE)],
+                    extra_cflags=[*cflags, f"-DLLMCTL_OP_NAMESPACE={name}"],
+                    extra_ldflags=ldflags,
+                    build_directory=str(build_dir),
+                    is_python_module=False,
+                    verbose=False,
+                )
+            (build_dir / _BUILT_MARKER).touch()
+    return getattr(torch.ops, name)
+
+
+def _build_spec(march: str, extra_cflags: tuple[str, ...]) -> tuple[str, list[str], list[str]]:
+    from llmctl.engine.platform import cpu_flags
+
+    cflags = ["-O3", f"-march={march}", "-fopenmp", *extra_cflags]
+    ldflags = ["-fopenmp"]
+    key = hashlib.sha256(_SOURCE.read_bytes())
+    for part in (
+        " ".join(cflags),
+        " ".join(ldflags),
+        torch.__version__,
+        sys.version,
+        " ".join(sorted(cpu_flags())),
+    ):
+        key.update(b"\0" + part.encode())
+    return f"llmctl_quantized_matmul_{key.hexdigest()[:16]}", cflags, ldflags

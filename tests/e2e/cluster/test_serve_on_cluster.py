@@ -35,11 +35,6 @@ def model() -> str:
 
 
 @pytest.fixture(scope="module")
-def converted(smol_dir) -> str:
-    return str(smol_dir)  # the GGUF converted into this machine's cache
-
-
-@pytest.fixture(scope="module")
 def offline(model) -> list[str]:
     llm = LLM(model, dtype="float32", max_model_len=512, kv_cache_space_gib=0.1)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -126,9 +121,9 @@ def test_pipeline_stages_on_two_nodes(cli_env, testbed, hosts, model, offline, t
 
 
 def test_tp2_inside_nodes_pp2_across_and_a_dying_worker(
-    cli_env, testbed, hosts, converted, offline, tmp_path
+    cli_env, testbed, hosts, model, offline, tmp_path
 ):
-    inv = inventory(tmp_path / "srv.yaml", testbed, hosts, converted, gpus=2)
+    inv = inventory(tmp_path / "srv.yaml", testbed, hosts, model, gpus=2)
     head, worker = hosts
     try:
         llmctl(cli_env, "cluster", "up", "-i", str(inv))

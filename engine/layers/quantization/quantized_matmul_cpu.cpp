@@ -1,0 +1,440 @@
+// Group-quantized weight times float activations on the CPU: y[M, N] = x[M, K] W[N, K]^T, with W
+// never materialised in float.
+//
+//   W[n, k] = q[n, k] * scales[n, k / g] + zeros[n, k / g]      (zeros absent for int8)
+//
+// Weight layouts (built by kernels.py):
+//   int8: q   [N, K]     int8, row-major.
+//   int4: qp  [N, K / 2] uint8; each 32-element chunk of a row is 16 bytes, byte j holding element
+//         j in its low nibble and element j + 16 in its high nibble (GGUF's Q4_0 order), so one
+//         16-byte load gives two contiguous 16-element halves. g is a multiple of 32.
+//   scales, zeros: [N, K / g] float32.
+//
+// Decode (small M) is bound by the bytes of W read: each thread owns a range of output rows and
+// reads each weight byte once, dequantizing it in registers for all M activation rows. The zero
+// term is sum_g zeros[n, g] * xsum[m, g], with xsum the per-group sums of x computed once.
+// Larger M (prefill) goes through `tiled_group_mm`: tiles of W expanded to float32 and multiplied
+// with torch's GEMM, the dequantization amortised over the M rows.
+//
+// Built with -march=native: the AVX-512 or AVX2 path is chosen at compile time on the machine that
+// runs it (the build cache key hashes the CPU's flags), with a scalar path for anything else.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define LLMCTL_Q_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LLMCTL_Q_AVX2 1
+#include <immintrin.h>
+#endif
+
+#ifndef LLMCTL_OP_NAMESPACE
+#define LLMCTL_OP_NAMESPACE llmctl_quantized_matmul
+#endif
+
+namespace {
+
+constexpr int kMaxRows = 4;  // activation rows handled per pass over a weight row
+
+#if defined(LLMCTL_Q_AVX2) || defined(LLMCTL_Q_AVX512)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+// 8 bytes (int8 or uint8 nibbles already widened) -> 8 floats
+inline __m256 i8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
+inline __m256 u8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
+#endif
+
+// One weight row against R activation rows: out[r] = sum_k x[r, k] * W[k] (zero term excluded).
+// Per group, two independent FMA chains per row of x sum q * x unscaled; the group's sum then
+// enters the row total with one FMA by the scale, the only dependency carried across groups.
+template <int R>
+void row_int8(const int8_t* q, const float* scales, const float* x, int64_t ldx, int64_t K,
+              int64_t g, float* out) {
+  const int64_t G = K / g;
+#if defined(LLMCTL_Q_AVX512)
+  if (g % 32 == 0) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t gi = 0; gi < G; ++gi) {
+      __m512 pa[R], pb[R];
+      for (int r = 0; r < R; ++r) pa[r] = pb[r] = _mm512_setzero_ps();
+      for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
+        __m512 w0 = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
+        __m512 w1 = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16))));
+        for (int r = 0; r < R; ++r) {
+          pa[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * ldx + k), pa[r]);
+          pb[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * ldx + k + 16), pb[r]);
+        }
+      }
+      const __m512 s = _mm512_set1_ps(scales[gi]);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(pa[r], pb[r]), s, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+    return;
+  }
+#endif
+#if defined(LLMCTL_Q_AVX2) || defined(LLMCTL_Q_AVX512)
+  if (g % 16 == 0) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t gi = 0; gi < G; ++gi) {
+      __m256 pa[R], pb[R];
+      for (int r = 0; r < R; ++r) pa[r] = pb[r] = _mm256_setzero_ps();
+      for (int64_t k = gi * g; k < (gi + 1) * g; k += 16) {
+        __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
+        __m256 w0 = i8_to_ps(b);
+        __m256 w1 = i8_to_ps(_mm_srli_si128(b, 8));
+        for (int r = 0; r < R; ++r) {
+          pa[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), pa[r]);
+          pb[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * ldx + k + 8), pb[r]);
+        }
+      }
+      const __m256 s = _mm256_set1_ps(scales[gi]);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_add_ps(pa[r], pb[r]), s, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+    return;
+  }
+#endif
+  for (int r = 0; r < R; ++r) {
+    float total = 0.f;
+    for (int64_t gi = 0; gi < G; ++gi) {
+      float part = 0.f;
+      for (int64_t k = gi * g; k < (gi + 1) * g; ++k) part += x[r * ldx + k] * float(q[k]);
+      total += part * scales[gi];
+    }
+    out[r] = total;
+  }
+}
+
+template <int R>
+void row_int4(const uint8_t* qp, const float* scales, const float* x, int64_t ldx, int64_t K,
+              int64_t g, float* out) {
+  const int64_t G = K / g;
+#if defined(LLMCTL_Q_AVX512)
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t gi = 0; gi < G; ++gi) {
+    __m512 pa[R], pb[R];
+    for (int r = 0; r < R; ++r) pa[r] = pb[r] = _mm512_setzero_ps();
+    for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
+      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + k / 2));
+      __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)));
+      __m512 hi =
+          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
+      for (int r = 0; r < R; ++r) {
+        pa[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + r * ldx + k), pa[r]);
+        pb[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + r * ldx + k + 16), pb[r]);
+      }
+    }
+    const __m512 s = _mm512_set1_ps(scales[gi]);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(pa[r], pb[r]), s, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+#elif defined(LLMCTL_Q_AVX2)
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t gi = 0; gi < G; ++gi) {
+    __m256 pa[R], pb[R];
+    for (int r = 0; r < R; ++r) pa[r] = pb[r] = _mm256_setzero_ps();
+    for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
+      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + k / 2));
+      __m128i lo = _mm_and_si128(b, mask);
+      __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+      __m256 w0 = u8_to_ps(lo);
+      __m256 w1 = u8_to_ps(_mm_srli_si128(lo, 8));
+      __m256 w2 = u8_to_ps(hi);
+      __m256 w3 = u8_to_ps(_mm_srli_si128(hi, 8));
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * ldx + k;
+        pa[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), pa[r]);
+        pb[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), pb[r]);
+        pa[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), pa[r]);
+        pb[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), pb[r]);
+      }
+    }
+    const __m256 s = _mm256_set1_ps(scales[gi]);
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_add_ps(pa[r], pb[r]), s, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+#else
+  for (int r = 0; r < R; ++r) {
+    float total = 0.f;
+    for (int64_t gi = 0; gi < G; ++gi) {
+      float part = 0.f;
+      for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
+        const uint8_t* b = qp + k / 2;
+        for (int j = 0; j < 16; ++j) {
+          part += x[r * ldx + k + j] * float(b[j] & 0x0F);
+          part += x[r * ldx + k + 16 + j] * float(b[j] >> 4);
+        }
+      }
+      total += part * scales[gi];
+    }
+    out[r] = total;
+  }
+#endif
+}
+
+// sum_i a[i] * b[i]: the zero term, zeros[n, :] . xsum[m, :]
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float total = 0.f;
+#if defined(LLMCTL_Q_AVX2) || defined(LLMCTL_Q_AVX512)
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  total = hsum(acc);
+#endif
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+struct Int8Row {
+  const int8_t* q;
+  const float* scales;
+  int64_t K, G, g;
+  template <int R>
+  void call(int64_t n, const float* x, int64_t ldx, float* out) const {
+    row_int8<R>(q + n * K, scales + n * G, x, ldx, K, g, out);
+  }
+};
+
+struct Int4Row {
+  const uint8_t* qp;
+  const float* scales;
+  int64_t K, G, g;
+  template <int R>
+  void call(int64_t n, const float* x, int64_t ldx, float* out) const {
+    row_int4<R>(qp + n * (K / 2), scales + n * G, x, ldx, K, g, out);
+  }
+};
+
+void check_common(const at::Tensor& x, const at::Tensor& scales, int64_t N, int64_t K, int64_t g) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " features, the weight ", K);
+  TORCH_CHECK(g > 0 && K % g == 0, "K=", K, " is not a multiple of group_size=", g);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.size(0) == N && scales.size(1) == K / g,
+              "scales must be contiguous float32 [N, K / group_size]");
+}
+
+// rows [begin, end) of y for activation rows handled R at a time
+template <typename RowFn>
+at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes,
+                    const at::Tensor& zeros, const RowFn& row) {
+  const int64_t M = x.size(0), K = x.size(1), G = K / g;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const bool has_zeros = zeros.defined();
+  at::Tensor xsum;
+  if (has_zeros) {  // [M, G]: per-group sums of x, for the zero term
+    xsum = at::empty({M, G}, x.options());
+    float* s = xsum.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t gi = 0; gi < G; ++gi) {
+        float t = 0.f;
+        for (int64_t k = gi * g; k < (gi + 1) * g; ++k) t += xp[m * K + k];
+        s[m * G + gi] = t;
+      }
+  }
+  const float* zp = has_zeros ? zeros.data_ptr<float>() : nullptr;
+  const float* sp = has_zeros ? xsum.data_ptr<float>() : nullptr;
+  // >= 128 KiB of packed weight per task (~10 us of reading): a small matrix stays on one
+  // thread, where waking the others would cost more than it saves (much more on a busy machine).
+  const int64_t grain = std::max<int64_t>(1, (128 * 1024) / std::max<int64_t>(1, row_bytes));
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    float out[kMaxRows];
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+        const int64_t rows = std::min<int64_t>(kMaxRows, M - m0);
+        const float* xr = xp + m0 * K;
+        switch (rows) {
+          case 4: row.template call<4>(n, xr, K, out); break;
+          case 3: row.template call<3>(n, xr, K, out); break;
+          case 2: row.template call<2>(n, xr, K, out); break;
+          default: row.template call<1>(n, xr, K, out); break;
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          float v = out[r];
+          if (has_zeros) {
+            v += dot(zp + n * G, sp + (m0 + r) * G, G);
+          }
+          yp[(m0 + r) * N + n] = v;
+        }
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor int8_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                         int64_t group_size) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(),
+              "q must be a contiguous int8 [N, K] tensor");
+  const int64_t N = q.size(0), K = q.size(1), G = K / group_size;
+  check_common(x, scales, N, K, group_size);
+  const int8_t* qb = q.data_ptr<int8_t>();
+  const float* sb = scales.data_ptr<float>();
+  return run_rows(x, N, group_size, K, at::Tensor(), Int8Row{qb, sb, K, G, group_size});
+}
+
+at::Tensor int4_group_mm(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& scales,
+                         const at::Tensor& zeros, int64_t group_size) {
+  TORCH_CHECK(qp.dim() == 2 && qp.scalar_type() == at::kByte && qp.is_contiguous(),
+              "qp must be a contiguous uint8 [N, K / 2] tensor");
+  TORCH_CHECK(group_size % 32 == 0, "int4 group_size must be a multiple of 32");
+  const int64_t N = qp.size(0), K = qp.size(1) * 2, G = K / group_size;
+  check_common(x, scales, N, K, group_size);
+  TORCH_CHECK(zeros.scalar_type() == at::kFloat && zeros.is_contiguous() &&
+                  zeros.sizes() == scales.sizes(),
+              "zeros must be contiguous float32 shaped like scales");
+  const uint8_t* qb = qp.data_ptr<uint8_t>();
+  const float* sb = scales.data_ptr<float>();
+  return run_rows(x, N, group_size, K / 2, zeros, Int4Row{qb, sb, K, G, group_size});
+}
+
+// Rows [n0, n1) of W into w (row-major, K floats a row), on the calling thread.
+void dequantize_into(const at::Tensor& q, const float* sp, const float* zp, int64_t bits,
+                     int64_t group_size, int64_t K, int64_t n0, int64_t n1, float* wp) {
+  const int64_t G = K / group_size;
+  for (int64_t n = n0; n < n1; ++n) {
+    float* wr = wp + (n - n0) * K;
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const float s = sp[n * G + gi], z = zp ? zp[n * G + gi] : 0.f;
+      const int64_t k0 = gi * group_size, k1 = k0 + group_size;
+      if (bits == 8) {
+        const int8_t* qr = q.data_ptr<int8_t>() + n * K;
+        for (int64_t k = k0; k < k1; ++k) wr[k] = float(qr[k]) * s + z;
+      } else {
+        const uint8_t* qr = q.data_ptr<uint8_t>() + n * (K / 2);
+        int64_t k = k0;
+#if defined(LLMCTL_Q_AVX2) || defined(LLMCTL_Q_AVX512)
+        const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        for (; k < k1; k += 32) {
+          __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + k / 2));
+          __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+          _mm256_storeu_ps(wr + k, _mm256_fmadd_ps(u8_to_ps(lo), vs, vz));
+          _mm256_storeu_ps(wr + k + 8, _mm256_fmadd_ps(u8_to_ps(_mm_srli_si128(lo, 8)), vs, vz));
+          _mm256_storeu_ps(wr + k + 16, _mm256_fmadd_ps(u8_to_ps(hi), vs, vz));
+          _mm256_storeu_ps(wr + k + 24, _mm256_fmadd_ps(u8_to_ps(_mm_srli_si128(hi, 8)), vs, vz));
+        }
+#endif
+        for (; k < k1; k += 32) {
+          float lo[16], hi[16];  // split first: the loops below vectorise
+          for (int j = 0; j < 16; ++j) {
+            lo[j] = float(qr[k / 2 + j] & 0x0F);
+            hi[j] = float(qr[k / 2 + j] >> 4);
+          }
+          for (int j = 0; j < 16; ++j) wr[k + j] = lo[j] * s + z;
+          for (int j = 0; j < 16; ++j) wr[k + 16 + j] = hi[j] * s + z;
+        }
+      }
+    }
+  }
+}
+
+void check_dequant(const at::Tensor& q, const at::Tensor& scales,
+                   const std::optional<at::Tensor>& zeros, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(q.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kFloat,
+              "q and scales must be contiguous, scales float32");
+  TORCH_CHECK(q.scalar_type() == (bits == 4 ? at::kByte : at::kChar), "q has the wrong dtype");
+  TORCH_CHECK(!zeros.has_value() || (zeros->is_contiguous() && zeros->scalar_type() == at::kFloat),
+              "zeros must be contiguous float32");
+}
+
+// Rows [n0, n1) of W in float32: embedding rows and references.
+at::Tensor dequantize_rows(const at::Tensor& q, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& zeros, int64_t bits,
+                           int64_t group_size, int64_t n0, int64_t n1) {
+  check_dequant(q, scales, zeros, bits);
+  const int64_t N = q.size(0), K = bits == 4 ? q.size(1) * 2 : q.size(1);
+  TORCH_CHECK(0 <= n0 && n0 <= n1 && n1 <= N, "row range out of bounds");
+  at::Tensor w = at::empty({n1 - n0, K}, scales.options());
+  float* wp = w.data_ptr<float>();
+  const float* sp = scales.data_ptr<float>();
+  const float* zp = zeros.has_value() ? zeros->data_ptr<float>() : nullptr;
+  at::parallel_for(n0, n1, 16, [&](int64_t begin, int64_t end) {
+    dequantize_into(q, sp, zp, bits, group_size, K, begin, end, wp + (begin - n0) * K);
+  });
+  return w;
+}
+
+// The batched path: y = x W^T by tiles of `tile_rows` rows of W, each expanded to float32 and
+// multiplied with torch's GEMM on the thread that owns the tile. One parallel region for the
+// whole matmul (the GEMM inside runs on its tile's thread).
+at::Tensor tiled_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& zeros, int64_t bits,
+                          int64_t group_size, int64_t tile_rows) {
+  check_dequant(q, scales, zeros, bits);
+  const int64_t N = q.size(0), K = bits == 4 ? q.size(1) * 2 : q.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
+                  x.size(1) == K,
+              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(tile_rows > 0, "tile_rows must be positive");
+  const int64_t M = x.size(0), tiles = (N + tile_rows - 1) / tile_rows;
+  at::Tensor yt = at::empty({N, M}, x.options());  // W x^T: each tile owns whole rows
+  const float* sp = scales.data_ptr<float>();
+  const float* zp = zeros.has_value() ? zeros->data_ptr<float>() : nullptr;
+  const at::Tensor xt = x.t();
+  // The engine runs under torch.inference_mode(): the worker threads must be in it too, or
+  // mm_out into yt (an inference tensor) is refused there.
+  const bool inference_mode = c10::InferenceMode::is_enabled();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    c10::InferenceMode guard(inference_mode);
+    at::Tensor w = at::empty({tile_rows, K}, x.options());
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * tile_rows, n1 = std::min(N, n0 + tile_rows);
+      dequantize_into(q, sp, zp, bits, group_size, K, n0, n1, w.data_ptr<float>());
+      at::Tensor out = yt.narrow(0, n0, n1 - n0);
+      at::mm_out(out, w.narrow(0, 0, n1 - n0), xt);
+    }
+  });
+  return yt.t().contiguous();
+}
+
+}  // namespace
+
+// TORCH_LIBRARY pastes its namespace argument: expand LLMCTL_OP_NAMESPACE first.
+#define LLMCTL_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define LLMCTL_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+LLMCTL_LIBRARY(LLMCTL_OP_NAMESPACE, m) {
+  m.def("int8_group_mm(Tensor x, Tensor q, Tensor scales, int group_size) -> Tensor");
+  m.def(
+      "int4_group_mm(Tensor x, Tensor qp, Tensor scales, Tensor zeros, int group_size) -> "
+      "Tensor");
+  m.def(
+      "tiled_group_mm(Tensor x, Tensor q, Tensor scales, Tensor? zeros, int bits, "
+      "int group_size, int tile_rows) -> Tensor");
+  m.def(
+      "dequantize_rows(Tensor q, Tensor scales, Tensor? zeros, int bits, int group_size, "
+      "int n0, int n1) -> Tensor");
+}
+
+LLMCTL_LIBRARY_IMPL(LLMCTL_OP_NAMESPACE, CPU, m) {
+  m.impl("int8_group_mm", &int8_group_mm);
+  m.impl("int4_group_mm", &int4_group_mm);
+  m.impl("dequantize_rows", &dequantize_rows);
+  m.impl("tiled_group_mm", &tiled_group_mm);
+}

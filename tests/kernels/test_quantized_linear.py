@@ -1,0 +1,199 @@
+"""Quantized linear weights: GGUF blocks, round-to-nearest quantizers and the packed matmul.
+
+Each packed matmul is checked against x @ W^T in float64 on W dequantized by the reference
+(gguf.quants.dequantize for GGUF types), for decode (M=1), a few rows (M=5) and a batch (M=64,
+the tiled path), on odd shapes: N not a multiple of 8, K not a multiple of 256 where the format
+allows it. The C++ kernel is built for real (build_kernel raises if it cannot be), so these tests
+fail on a machine where the engine would silently fall back to plain torch.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+from llmctl.engine.errors import ModelLoadError
+from llmctl.engine.layers.quantization import gguf_quants, kernels
+from llmctl.engine.layers.quantization.rtn import quantize_rtn
+from llmctl.engine.platform import cpu_flags
+
+T = GGMLQuantizationType
+# (type, N, K): K a multiple of 32 but not of 256 for the 32-element blocks
+SHAPES = [
+    (t, n, k)
+    for t in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K)
+    for n, k in (
+        [(13, 96), (203, 160)] if GGML_QUANT_SIZES[t][0] == 32 else [(13, 256), (203, 512)]
+    )
+]
+ROWS = [1, 5, 64]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def gguf_blocks(qtype: GGMLQuantizationType, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """The raw bytes of an [n, k] tensor: quantized by gguf where it can, else random valid
+    blocks (random bits, finite float16 super-block scales)."""
+    rng = np.random.default_rng(seed)
+    if qtype in (T.Q4_0, T.Q4_1, T.Q8_0):
+        return quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n, k // block, type_size), dtype=np.uint8)
+
+    def f16(low: float, high: float) -> np.ndarray:
+        values = rng.uniform(low, high, (n, k // block)).astype(np.float16)
+        return values.view(np.uint8).reshape(n, k // block, 2)
+
+    if qtype == T.Q4_K:  # d, dmin first
+        raw[..., 0:2], raw[..., 2:4] = f16(-0.05, 0.05), f16(0, 0.05)
+    else:  # Q6_K: d last
+        raw[..., 208:210] = f16(-0.05, 0.05)
+    return raw.reshape(n, -1)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return kernels.build_kernel()
+
+
+def assert_matmul_close(packed, w_ref: torch.Tensor, m: int, dtype: torch.dtype) -> None:
+    x = torch.randn(m, w_ref.shape[1], generator=torch.Generator().manual_seed(m)).to(dtype)
+    expected = x.double() @ w_ref.double().T
+    out = packed.matmul(x)
+    assert out.dtype == dtype and out.shape == (m, w_ref.shape[0])
+    # float32 accumulation over K terms; bf16 adds the output's own rounding (2^-8 relative)
+    magnitude = (x.double().abs() @ w_ref.double().abs().T).max().item()
+    tolerance = 1e-5 * magnitude if dtype == torch.float32 else 1e-2 * magnitude
+    err = (out.double() - expected).abs().max().item()
+    assert err <= tolerance, f"max abs error {err} > {tolerance}"
+
+
+@pytest.mark.parametrize("qtype, n, k", SHAPES, ids=lambda v: getattr(v, "name", str(v)))
+def test_gguf_blocks_match_gguf_dequantize(qtype, n, k):
+    raw = gguf_blocks(qtype, n, k)
+    groups = gguf_quants.unpack_blocks(raw, qtype, n, k)
+    assert np.array_equal(gguf_quants.dequantize(groups), quants.dequantize(raw, qtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("qtype, n, k", SHAPES, ids=lambda v: getattr(v, "name", str(v)))
+def test_gguf_packed_matmul_matches_reference(kernel, qtype, n, k, m, dtype):
+    raw = gguf_blocks(qtype, n, k)
+    packed = gguf_quants.pack_gguf(raw, qtype, n, k)
+    reference = torch.from_numpy(quants.dequantize(raw, qtype))
+    assert torch.equal(packed.dequantize(), reference)
+    bits, group_size = gguf_quants.packed_format(qtype)
+    assert (packed.bits, packed.group_size) == (bits, group_size)
+    assert packed.nbytes == gguf_quants.packed_nbytes(n, k, bits, group_size)
+    assert_matmul_close(packed, reference, m, dtype)
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 128), (8, 32), (8, 16)])
+def test_rtn_packed_matmul_and_error_bound(kernel, bits, group_size, m):
+    n, k = 203, 384
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
+    w[0, :group_size] = 0.25  # a constant group: reproduced exactly
+    q, scales, zeros = quantize_rtn(w, bits, group_size)
+    packed = kernels.pack_groups(q, scales, zeros, bits, group_size)
+    dequantized = packed.dequantize()
+    bound = scales.repeat_interleave(group_size, dim=1) / 2 * (1 + 1e-5)
+    assert ((w - dequantized).abs() <= bound).all()
+    assert torch.equal(dequantized[0, :group_size], w[0, :group_size])
+    assert packed.nbytes == gguf_quants.packed_nbytes(n, k, bits, group_size)
+    assert_matmul_close(packed, dequantized, m, torch.float32)
+
+
+@pytest.mark.parametrize("m", ROWS)
+def test_torch_fallback_without_compiler(monkeypatch, m):
+    raw = gguf_blocks(T.Q4_K, 13, 256)
+    packed = gguf_quants.pack_gguf(raw, T.Q4_K, 13, 256)
+    monkeypatch.setattr(kernels, "_kernel", lambda: None)
+    reference = torch.from_numpy(quants.dequantize(raw, T.Q4_K))
+    assert torch.allclose(packed.dequantize(), reference, atol=1e-6)
+    assert_matmul_close(packed, reference, m, torch.float32)
+    q8 = gguf_quants.pack_gguf(gguf_blocks(T.Q6_K, 13, 256), T.Q6_K, 13, 256)
+    reference8 = torch.from_numpy(quants.dequantize(gguf_blocks(T.Q6_K, 13, 256), T.Q6_K))
+    assert_matmul_close(q8, reference8, m, torch.float32)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda v: v.name)
+def test_embedding_rows(kernel, qtype):
+    raw = gguf_blocks(qtype, 40, 256)
+    packed = gguf_quants.pack_gguf(raw, qtype, 40, 256)
+    reference = torch.from_numpy(quants.dequantize(raw, qtype))
+    ids = torch.tensor([[3, 0, 39], [3, 17, 5]])
+    assert torch.equal(packed.embedding(ids), reference[ids])
+
+
+def test_thread_split_changes_no_bits(kernel):
+    raw = gguf_blocks(T.Q4_1, 1000, 576)
+    packed = gguf_quants.pack_gguf(raw, T.Q4_1, 1000, 576)
+    x = torch.randn(3, 576)
+    out = packed.matmul(x)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(packed.matmul(x), out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_unsupported_gguf_type_names_the_supported_ones():
+    with pytest.raises(ModelLoadError) as e:
+        gguf_quants.unpack_blocks(np.zeros(176, np.uint8), T.Q5_K, 1, 256, "blk.0.ffn_up.weight")
+    message = str(e.value)
+    assert "blk.0.ffn_up.weight" in message and "Q5_K" in message
+    for name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
+        assert name in message
+    assert "--quantization" in e.value.hint
+
+
+def test_truncated_tensor_is_a_load_error():
+    raw = gguf_blocks(T.Q8_0, 4, 64)
+    with pytest.raises(ModelLoadError, match="expected"):
+        gguf_quants.unpack_blocks(raw.reshape(-1)[:-1], T.Q8_0, 4, 64)
+
+
+def test_pack_groups_rejects_groups_the_kernel_cannot_read():
+    q = torch.zeros(4, 48, dtype=torch.uint8)
+    s = torch.ones(4, 3)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernels.pack_groups(q, s, s, 4, 16)
+    with pytest.raises(ValueError, match="not a multiple of group_size"):
+        kernels.pack_groups(q, torch.ones(4, 1), None, 8, 32)
+
+
+# Builds for other instruction sets take the kernel's other code paths (scalar; AVX2 on an
+# AVX-512 machine); each is a separate compile, then cached.
+VARIANTS = [
+    pytest.param("x86-64", id="scalar"),
+    pytest.param(
+        "x86-64-v3",
+        marks=pytest.mark.skipif("avx512bw" not in cpu_flags(), reason="native is AVX2 here"),
+        id="avx2",
+    ),
+]
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 build variants")
+@pytest.mark.parametrize("march", VARIANTS)
+def test_other_instruction_sets(monkeypatch, march):
+    op = kernels.build_kernel(march)
+    monkeypatch.setattr(kernels, "_kernel", lambda: op)
+    for qtype, n, k in [(T.Q4_0, 13, 96), (T.Q6_K, 13, 256), (T.Q8_0, 9, 64)]:
+        raw = gguf_blocks(qtype, n, k)
+        packed = gguf_quants.pack_gguf(raw, qtype, n, k)
+        reference = torch.from_numpy(quants.dequantize(raw, qtype))
+        for m in ROWS:
+            assert_matmul_close(packed, reference, m, torch.float32)
+
+
+def test_build_in_background_then_matmul():
+    thread = kernels.build_in_background()
+    thread.join(timeout=300)
+    assert not thread.is_alive() and kernels.kernel_available()
