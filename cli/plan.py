@@ -89,6 +89,16 @@ def plan(
         int,
         typer.Option(help="Requests of max-model-len the plan must hold.", rich_help_panel=_MEMORY),
     ] = 1,
+    # Plan-only until EngineArgs declares `quantization` (then @engine_options gives it).
+    quantization: Annotated[
+        str | None,
+        typer.Option(
+            help="Weight-only quantization of a float checkpoint: int8 or int4 (default: none; "
+            "a model too big in float is planned quantized).",
+            rich_help_panel=_MEMORY,
+            show_default=False,
+        ),
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Choose the TP x PP layout for MODEL on the inventory and predict its KV-cache capacity.
@@ -107,7 +117,7 @@ def plan(
         result = _make(
             model, inventory, nodes, gpus_per_node, gpu_memory_gib, interconnect, engine,
             kv_cache_dtype=kv_cache_dtype, min_concurrency=min_concurrency,
-            allow_uneven_tp=allow_uneven_tp,
+            allow_uneven_tp=allow_uneven_tp, quantization=quantization,
         )  # fmt: skip
     except Exception as exc:
         from llmctl.engine.errors import LLMCtlError
@@ -199,6 +209,7 @@ def _print_plan(console, plan) -> None:
             f"{r.num_blocks:,}",
         )
     console.print(table)
+    console.print(plan.weight_line, highlight=False)
     memory = plan.memory_lines()
     console.print(memory[0], highlight=False)
     for line in memory[1:]:

@@ -89,11 +89,16 @@ def test_min_concurrency_needs_more_gpus():
 
 
 def test_too_big_says_what_is_missing_and_what_would_fit():
+    # Llama-3.1-70B (131 GiB in bfloat16) on 2 x 24 GiB: not even its 4-bit weights fit.
     with pytest.raises(PlanError) as err:
-        make_plan(CATALOG["Llama-3.1-70B"], inventory_from_flags(1, 4, 24), SHORT)
+        make_plan(CATALOG["Llama-3.1-70B"], inventory_from_flags(1, 2, 24), SHORT)
+    assert "weights 131.4 GiB (bfloat16)" in err.value.message
     assert "GiB more memory is needed" in err.value.message
     assert "GPUs of 24 GiB" in err.value.hint
-    assert "8-bit quantized weights" in err.value.hint
+    assert "even --quantization int4 does not fit" in err.value.hint
+    # On 4 x 24 GiB its 8-bit weights fit: that plan is proposed instead (test_plan_quantization).
+    plan = make_plan(CATALOG["Llama-3.1-70B"], inventory_from_flags(1, 4, 24), SHORT)
+    assert plan.quantization == "int8"
 
 
 def test_shorter_context_suggested_when_only_length_is_the_problem():
