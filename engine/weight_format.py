@@ -137,6 +137,10 @@ class WeightFormats:
         table = self._table()
         return table.get((layer, tensor.role)) or table.get((None, tensor.role)) or self.dense
 
+    def _layer_types(self) -> bool:
+        """Whether formats are given layer by layer (a GGUF file), not for every layer alike."""
+        return any(layer is not None for (layer, _), _ in self.by_role)
+
     def _table(self) -> dict:
         table = self.__dict__.get("_cached")
         if table is None:
@@ -189,7 +193,10 @@ class WeightFormats:
         """Bytes one rank holds: its stage's layers [start, end), plus the embedding on the first
         stage and the final norm and LM head on the last (ModelShape.rank_params, in bytes)."""
         per_layer = layer_tensors(shape, tp_rank, tp)
-        total = sum(self.tensors_bytes(i, per_layer) for i in range(*layers))
+        if self._layer_types():
+            total = sum(self.tensors_bytes(i, per_layer) for i in range(*layers))
+        else:  # every layer alike
+            total = (layers[1] - layers[0]) * self.tensors_bytes(None, per_layer)
         if is_first:
             total += self.tensors_bytes(None, embedding_tensors(shape, tp_rank, tp))
         if is_last:
@@ -201,7 +208,7 @@ class WeightFormats:
     def max_layer_bytes(self, shape: ModelShape, tp_rank: int, tp: int) -> int:
         """The largest decoder layer on `tp_rank` (GGUF files may mix types layer by layer)."""
         per_layer = layer_tensors(shape, tp_rank, tp)
-        if not any(layer is not None for (layer, _), _ in self.by_role):
+        if not self._layer_types():
             return self.tensors_bytes(None, per_layer)
         return max(self.tensors_bytes(i, per_layer) for i in range(shape.num_layers))
 
@@ -214,10 +221,13 @@ class WeightFormats:
     def cut_groups(self, shape: ModelShape, tp: int) -> list[str]:
         """The row-parallel weights whose input split on some rank of `tp` cuts a quantization
         block: "down (512 of 1536 inputs, Q4_K blocks of 256)"."""
-        cuts = []
+        cuts: list[str] = []
+        if not self.quantized:
+            return cuts
+        cut_roles = set()
         for tp_rank in range(tp):
             for t in layer_tensors(shape, tp_rank, tp):
-                if not t.is_split:
+                if not t.is_split or t.role in cut_roles:
                     continue
                 for layer in range(shape.num_layers):
                     fmt = self.format_of(layer, t)
@@ -226,8 +236,8 @@ class WeightFormats:
                             f"{t.role} ({t.cols} of {t.full_cols} inputs, {fmt.name} blocks of "
                             f"{fmt.block_size})"
                         )
-                        if cut not in cuts:
-                            cuts.append(cut)
+                        cuts.append(cut)
+                        cut_roles.add(t.role)
                         break
         return cuts
 

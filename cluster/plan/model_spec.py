@@ -132,12 +132,9 @@ def load_model_spec(model: str | None) -> ModelSpec:
 
 
 def _from_gguf(path: Path, name: str) -> ModelSpec:
-    """The shape from the GGUF's metadata, each tensor's GGML type from its tensor infos (the
-    file is memory-mapped: nothing but the header is read)."""
     import gguf
 
     from llmctl.engine.errors import ModelLoadError
-    from llmctl.engine.model_loader.gguf import gguf_shape
 
     try:
         reader = gguf.GGUFReader(str(path))
@@ -146,6 +143,16 @@ def _from_gguf(path: Path, name: str) -> ModelSpec:
             f"{path} is not a readable GGUF file ({exc})",
             "check that the download finished, or name another model",
         ) from exc
+    return spec_from_gguf_reader(reader, name)
+
+
+def spec_from_gguf_reader(reader, name: str) -> ModelSpec:
+    """The shape from a gguf.GGUFReader's metadata, each tensor's GGML type from its tensor
+    infos (the file is memory-mapped: no tensor data is read)."""
+    import gguf
+
+    from llmctl.engine.model_loader.gguf import gguf_shape
+
     try:
         shape = gguf_shape(reader)
     except ConfigError as exc:
