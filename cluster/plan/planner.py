@@ -633,10 +633,6 @@ def _choose(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> Plan
         if pp > spec.num_layers:
             rejected.append((_layout(tp, pp), f"more stages than the {spec.num_layers} layers"))
             return None
-        cuts = ctx.weights.cut_groups(spec.shape, tp)
-        if cuts:
-            rejected.append((_layout(tp, pp), f"cuts the quantization groups of {cuts[0]}"))
-            return None
         evaluation = _evaluate(ctx, tp, pp)
         tried.append(evaluation)
         if evaluation.fits(ctx):
@@ -645,10 +641,18 @@ def _choose(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> Plan
         rejected.append((_layout(tp, pp), f"holds {held:,} KV tokens, needs {need:,}"))
         return None
 
+    def whole(tp: int) -> bool:
+        """Quantized weights: every rank's row-parallel inputs are whole quantization groups."""
+        return not ctx.weights.cut_groups(spec.shape, tp)
+
     def allowed(tp: int) -> bool:
-        return _even_tp(spec, tp) or (
-            options.allow_uneven_tp and tp in valid_tp_sizes(spec.num_heads, spec.num_kv_heads)
+        return whole(tp) and (
+            _even_tp(spec, tp)
+            or (options.allow_uneven_tp and tp in valid_tp_sizes(spec.num_heads, spec.num_kv_heads))
         )
+
+    def uneven_whole(tp: int) -> bool:
+        return whole(tp) and _uneven_tp(spec, tp)
 
     # 1. One GPU.
     chosen = attempt(1, 1)
@@ -656,7 +660,7 @@ def _choose(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> Plan
         reasons = [f"the model fits one GPU with {want}: no distributed inference needed"]
         if gpus > 1 and allowed(gpus):
             alternatives.append(_full_width(ctx, chosen, gpus))
-        elif gpus > 1 and _uneven_tp(spec, gpus):
+        elif gpus > 1 and uneven_whole(gpus):
             layout, offer = _full_width(ctx, chosen, gpus)
             alternatives.append((_llmctl_only(gpus), f"{offer}; {_uneven_split(spec, gpus)}"))
         return _finish(ctx, chosen, reasons, rejected, alternatives)
@@ -675,6 +679,10 @@ def _choose(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> Plan
                     return _finish(ctx, chosen, reasons, rejected, alternatives)
         else:
             for tp in range(2, gpus + 1):
+                cuts = ctx.weights.cut_groups(spec.shape, tp)
+                if cuts:
+                    rejected.append((_layout(tp, 1), f"cuts the quantization groups of {cuts[0]}"))
+                    continue
                 if not allowed(tp):
                     if _uneven_tp(spec, tp):
                         uneven = _evaluate(ctx, tp, 1)
@@ -711,7 +719,7 @@ def _choose(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> Plan
                         reasons.append(f"llmctl only: {_uneven_split(spec, tp)}")
                     if tp < gpus and allowed(gpus):
                         alternatives.append(_full_width(ctx, chosen, gpus))
-                    elif tp < gpus and _uneven_tp(spec, gpus):
+                    elif tp < gpus and uneven_whole(gpus):
                         layout, offer = _full_width(ctx, chosen, gpus)
                         offer = f"{offer}; {_uneven_split(spec, gpus)}"
                         alternatives.append((_llmctl_only(gpus), offer))
@@ -728,10 +736,10 @@ def _choose(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> Plan
                 + ("" if tp == gpus else f", the largest size <= {gpus} that divides the heads")
                 + f"), pipeline parallel across the {n} nodes (pp={n})",
             ]
-            if tp < gpus and _uneven_tp(spec, gpus):
-                uneven = _evaluate(ctx, gpus, n)
-                if uneven.fits(ctx):
-                    ratio = uneven.blocks / max(chosen.blocks, 1)
+            if tp < gpus and uneven_whole(gpus):
+                wider = _evaluate(ctx, gpus, n)
+                if wider.fits(ctx):
+                    ratio = wider.blocks / max(chosen.blocks, 1)
                     offer = f"every GPU of the {n} nodes: {ratio:.1f}x the KV cache"
                     alternatives.append(
                         (_llmctl_only(gpus, n), f"{offer}; {_uneven_split(spec, gpus)}")

@@ -283,3 +283,23 @@ def test_a_tensor_parallel_split_that_cuts_gguf_blocks_is_refused():
         make_plan(spec, inventory, PlanOptions(tensor_parallel_size=4))
     assert "down (384 of 1536 inputs, Q4_K blocks of 256)" in err.value.message
     assert err.value.hint == "use tensor_parallel_size 1, 2, 3, 6, or pipeline parallel"
+
+
+def test_quantized_layouts_keep_whole_groups_on_every_rank():
+    # Llama-3.1-8B's 14336 MLP features over tp=3: 4779, 4779 and 4778 down_proj inputs per
+    # rank, not whole groups of 32, so the uneven tp=3 offered in float is not offered in int4.
+    inventory = inventory_from_flags(1, 3, 80)
+    assert "tp=3, pp=1 (llmctl only)" in dict(
+        make_plan(CATALOG["Llama-3.1-8B"], inventory, SHORT).alternatives
+    )
+    int4 = make_plan(
+        CATALOG["Llama-3.1-8B"], inventory, PlanOptions(max_model_len=4096, quantization="int4")
+    )
+    assert int4.alternatives == ()
+    with pytest.raises(ConfigError) as err:
+        make_plan(
+            CATALOG["Llama-3.1-8B"],
+            inventory,
+            PlanOptions(max_model_len=4096, quantization="int4", tensor_parallel_size=3),
+        )
+    assert "down (4779 of 14336 inputs, int4 blocks of 32)" in err.value.message
