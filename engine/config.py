@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmctl.engine.errors import ConfigError, KVCacheTooSmallError
+from llmctl.engine.layers.quantization.quant_config import QuantizationConfig
 from llmctl.engine.memory_profile import check_gpu_memory_utilization
 from llmctl.engine.model_shape import ModelShape
 
@@ -60,6 +61,10 @@ class ModelConfig:
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs have no text
     enforce_eager: bool = False  # CUDA: no CUDA graphs, every step runs eagerly (as vLLM's flag)
     shape: ModelShape | None = None  # None: read from hf_config
+    # How the linear weights are stored: None float; "gguf" the GGUF file's own blocks;
+    # "int8"/"int4" quantized from a float checkpoint at load.
+    quantization: QuantizationConfig | None = None
+    gguf_file: str = ""  # the weights are read from this GGUF file (path holds its config only)
 
     def __post_init__(self) -> None:
         if self.shape is None:

@@ -36,6 +36,13 @@ from llmctl.engine.config import (
     resolve_max_num_batched_tokens,
 )
 from llmctl.engine.errors import ConfigError
+from llmctl.engine.layers.quantization.quant_config import (
+    QUANTIZATION_METHODS,
+    RTN_GROUP_SIZE,
+    QuantizationConfig,
+    check_group_split,
+    resolve_quantization,
+)
 from llmctl.engine.memory_profile import DEFAULT_CPU_KV_CACHE_SPACE_GIB
 from llmctl.engine.model_shape import ModelShape
 
@@ -117,6 +124,14 @@ class EngineArgs:
         default_help="auto: cuda when torch sees a GPU, else cpu",
         commands=PLANNER,
     )
+    quantization: str | None = option(
+        "Weight-only quantization of a float checkpoint: int8 or int4 (per-group of "
+        f"{RTN_GROUP_SIZE} weights, round-to-nearest; activations stay float). A quantized GGUF "
+        "file runs in its own format without it.",
+        default=None,
+        default_help="none; a GGUF file's own",
+        commands=PLANNER,
+    )
     enforce_eager: bool = option(
         "CUDA: run every step eagerly, without CUDA graphs (slower decode, less memory, no capture "
         "at start-up). The CPU always runs eagerly.",
@@ -178,6 +193,9 @@ class EngineArgs:
         commands=PLANNER,
     )
     seed: int = ModelConfig.seed
+    # LLM(...) only: load a quantized GGUF dequantized to float (the reference the native path is
+    # compared with).
+    gguf_dequantize: bool = False
     num_gpu_blocks_override: int | None = None
     max_concurrent_batches: int | None = None  # default: pipeline_parallel_size
 
@@ -211,6 +229,11 @@ class EngineArgs:
                 f"max_model_len must be at least 1, got {self.max_model_len}",
                 "pass a positive --max-model-len",
             )
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError(
+                f"unknown quantization {self.quantization!r}",
+                f"use --quantization {' or '.join(QUANTIZATION_METHODS)}, or leave it out",
+            )
 
     def create_engine_config(self, progress=None) -> EngineConfig:
         from llmctl.engine import platform
@@ -229,6 +252,8 @@ class EngineArgs:
             self.pipeline_layer_partition or os.environ.get("LLMCTL_PP_LAYER_PARTITION")
         )
         check_layout(shape, self.tensor_parallel_size, self.pipeline_parallel_size, layer_partition)
+        quantization = self._quantization(source.gguf_file)
+        check_group_split(shape, self.tensor_parallel_size, quantization)
         resolved_dtype = platform.resolve_dtype(dtype, device, checkpoint_dtype(hf_config))
         max_model_len = resolve_max_model_len(shape, self.max_model_len)
         model_config = ModelConfig(
@@ -244,6 +269,8 @@ class EngineArgs:
             seed=self.seed,
             skip_tokenizer_init=bool(self.skip_tokenizer_init),
             enforce_eager=bool(self.enforce_eager),
+            quantization=quantization,
+            gguf_file=source.gguf_file or "",
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -273,6 +300,17 @@ class EngineArgs:
             parallel_config=parallel_config,
             device_config=device_config,
         )
+
+    def _quantization(self, gguf_file: str | None) -> QuantizationConfig | None:
+        """--quantization, or a GGUF file's own (refusing the flag on a quantized file)."""
+        gguf_config = None
+        if gguf_file:
+            from llmctl.engine.model_loader.gguf_file import gguf_tensor_types
+
+            gguf_config = QuantizationConfig.for_gguf(gguf_tensor_types(gguf_file))
+            if self.gguf_dequantize:
+                return resolve_quantization(self.quantization, None)
+        return resolve_quantization(self.quantization, gguf_config)
 
 
 @dataclass(frozen=True)

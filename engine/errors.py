@@ -113,3 +113,7 @@ class WorkerTimeoutError(EngineDeadError):
     ) -> None:
         super().__init__(message, hint)
         self.pending_ranks = pending_ranks
+
+
+class UnsupportedQuantizationError(LLMCtlError, ValueError):
+    """The checkpoint's quantization (a GGUF tensor type) is one llmctl cannot run."""

@@ -7,6 +7,10 @@ Shard sizes may be uneven (see distributed/partition.py).
 
 On the CPU, weights are repacked for oneDNN after loading: its blocked layout runs the skinny
 matmuls of decoding about 1.5-2x faster than the plain row-major weight.
+
+Under a QuantizationConfig (quantization/linear_method.py) a layer's `quant_method` holds its
+weights packed instead: the weight loaders narrow the checkpoint tensor the same way and hand the
+rows to it (`_store`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from torch import nn
 
 from llmctl.engine.distributed.parallel_state import get_tp_group
 from llmctl.engine.distributed.partition import HeadShard, column_shards, head_shards, offsets
+from llmctl.engine.layers.quantization.linear_method import (
+    PackedLinearMethod,
+    current_quant_config,
+)
 from llmctl.engine.model_loader.weights import CheckpointTensor
 
 
@@ -52,9 +60,15 @@ class LinearBase(nn.Module):
         self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
         self.input_size_per_partition = input_size_per_partition
         self.output_size_per_partition = output_size_per_partition
-        self.weight = nn.Parameter(
-            torch.empty(output_size_per_partition, input_size_per_partition), requires_grad=False
-        )
+        quant = current_quant_config()
+        self.quant_method = PackedLinearMethod(quant) if quant is not None else None
+        if self.quant_method is not None:
+            self.weight = self.quant_method.create_weights(self)
+        else:
+            self.weight = nn.Parameter(
+                torch.empty(output_size_per_partition, input_size_per_partition),
+                requires_grad=False,
+            )
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size_per_partition), requires_grad=False)
@@ -64,15 +78,30 @@ class LinearBase(nn.Module):
         self._packed: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, *args) -> None:
-        _copy_into(param, loaded.load(), type(self).__name__)
+        self._store(param, 0, loaded, type(self).__name__, whole=True)
+
+    def _store(self, param, row_start: int, rows, what: str, whole: bool = False) -> None:
+        """Put checkpoint rows (a narrowed tensor) at rows [row_start, ...) of `param`."""
+        if self.quant_method is not None and param is self.weight:
+            self.quant_method.store(self, row_start, rows, what)
+            return
+        if not isinstance(rows, torch.Tensor):
+            rows = rows.load()
+        dest = param.data if whole else param.data.narrow(0, row_start, rows.shape[0])
+        _copy_into(dest, rows, what)
 
     def process_weights_after_loading(self) -> None:
+        if self.quant_method is not None:
+            self.quant_method.process_weights_after_loading(self)
+            return
         if _cpu_prepack_enabled(self.weight):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 64)
             # The packed copy replaces the plain weight: keep one copy in memory.
             self.weight.data = self.weight.data.new_empty(0)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
@@ -105,7 +134,8 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, *args) -> None:
         start = offsets(self.output_shards)[self.tp_rank]
-        _copy_into(param, loaded.narrow(0, start, self.output_size_per_partition), "column")
+        rows = loaded.narrow(0, start, self.output_size_per_partition)
+        self._store(param, 0, rows, "column", whole=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -128,8 +158,9 @@ class MergedColumnParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int) -> None:
         size = self.output_sizes_per_partition[shard_id]
         start = offsets(self.shards[shard_id])[self.tp_rank]
-        dest = param.data.narrow(0, sum(self.output_sizes_per_partition[:shard_id]), size)
-        _copy_into(dest, loaded.narrow(0, start, size), f"merged column shard {shard_id}")
+        dest_start = sum(self.output_sizes_per_partition[:shard_id])
+        rows = loaded.narrow(0, start, size)
+        self._store(param, dest_start, rows, f"merged column shard {shard_id}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -176,8 +207,7 @@ class QKVParallelLinear(LinearBase):
         else:
             dest_start = self.q_size if shard_id == "k" else self.q_size + self.kv_size
             size, src_start = self.kv_size, self.shard.kv_start * self.head_size
-        dest = param.data.narrow(0, dest_start, size)
-        _copy_into(dest, loaded.narrow(0, src_start, size), f"qkv shard {shard_id}")
+        self._store(param, dest_start, loaded.narrow(0, src_start, size), f"qkv shard {shard_id}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -210,7 +240,8 @@ class RowParallelLinear(LinearBase):
             _copy_into(param, loaded.load(), "row bias")
             return
         start = offsets(self.input_shards)[self.tp_rank]
-        _copy_into(param, loaded.narrow(1, start, self.input_size_per_partition), "row")
+        rows = loaded.narrow(1, start, self.input_size_per_partition)
+        self._store(param, 0, rows, "row", whole=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

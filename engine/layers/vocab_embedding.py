@@ -1,6 +1,10 @@
 """Vocabulary-parallel embedding and LM head: each tensor-parallel rank holds a slice of the
 vocabulary. The embedding sums the ranks' lookups with an all-reduce; the LM head gathers the
 ranks' logits so the sampler sees the whole vocabulary.
+
+A quantized GGUF embedding (token_embd, Q8_0 in the bundled model) stays in its groups: a lookup
+dequantizes only the selected rows, and an LM head reading it (tied, or its own quantized
+`output` tensor) multiplies with the packed weight.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from torch import nn
 from llmctl.engine.distributed.parallel_state import get_tp_group
 from llmctl.engine.distributed.partition import column_shards, offsets
 from llmctl.engine.layers.linear import _copy_into, _cpu_prepack_enabled
-from llmctl.engine.model_loader.weights import CheckpointTensor
+from llmctl.engine.layers.quantization.linear_method import dequantize_groups
+from llmctl.engine.model_loader.weights import CheckpointTensor, QuantizedCheckpointTensor
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -29,17 +34,35 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(shards[self.tp_rank], embedding_dim), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader
+        # A quantized checkpoint's rows: (q, scales, zeros, bits, group_size); None: float.
+        self.quantized_rows: tuple | None = None
+        self._dtype = torch.get_default_dtype()
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, *args) -> None:
         rows = self.vocab_end - self.vocab_start
-        _copy_into(param, loaded.narrow(0, self.vocab_start, rows), "vocab embedding")
+        shard = loaded.narrow(0, self.vocab_start, rows)
+        if isinstance(shard, QuantizedCheckpointTensor):
+            decoded = shard.decode()
+            if decoded is not None and shard.shape == tuple(param.shape):
+                self.quantized_rows = decoded
+                param.data = param.data.new_empty(0)  # the float rows are never materialised
+                return
+            shard = shard.load()
+        _copy_into(param, shard, "vocab embedding")
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized_rows is None:
+            return F.embedding(ids, self.weight)
+        q, scales, zeros, _, group_size = self.quantized_rows
+        z = None if zeros is None else zeros[ids]
+        return dequantize_groups(q[ids], scales[ids], z, group_size).to(self._dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._embed(input_ids)
         in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = torch.where(in_shard, input_ids - self.vocab_start, 0)
-        out = F.embedding(local_ids, self.weight)
+        out = self._embed(local_ids)
         out.masked_fill_(~in_shard.unsqueeze(-1), 0)
         return get_tp_group().all_reduce(out)
 
@@ -58,12 +81,24 @@ class ParallelLMHead(VocabParallelEmbedding):
         else:
             self.register_parameter("bias", None)
         self._packed: torch.Tensor | None = None
+        self._packed_quantized = None  # kernels.PackedLinearWeight of quantized rows
+        self._tied_embedding: VocabParallelEmbedding | None = None
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
         self._tied = True
+        self._tied_embedding = embedding
 
     def process_weights_after_loading(self) -> None:
+        source = self._tied_embedding or self
+        if source.quantized_rows is not None:
+            from llmctl.engine.layers.quantization.kernels import pack_groups
+
+            q, scales, zeros, bits, group_size = source.quantized_rows
+            self._packed_quantized = pack_groups(q, scales, zeros, bits, group_size)
+            if source is self:
+                self.quantized_rows = None  # the head's own rows: only the packed copy is used
+            return
         if _cpu_prepack_enabled(self.weight):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 64)
             if not getattr(self, "_tied", False):  # a tied weight still serves the embedding
@@ -72,7 +107,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """[num_rows, hidden_size] -> float32 logits [num_rows, vocab_size] on tp_rank 0 (the
         rank that samples); None on the other tensor-parallel ranks."""
-        if self._packed is not None:
+        if self._packed_quantized is not None:
+            logits = self._packed_quantized.matmul(hidden_states)
+            if self.bias is not None:
+                logits = logits + self.bias
+        elif self._packed is not None:
             logits = torch.ops.mkldnn._linear_pointwise(
                 hidden_states, self._packed, self.bias, "none", [], ""
             )

@@ -1,16 +1,15 @@
-"""GGUF files: dequantized once into a Hugging Face directory cached on local disk.
+"""GGUF files: their config and tokenizer, written once into a small cached directory.
 
-Parsing a GGUF file takes seconds (its tokenizer arrays are read value by value), and its
-quantized tensors cannot be sliced per tensor-parallel rank. So the first load converts it:
-config.json and the tokenizer (with its chat template) come from the GGUF metadata, the tensors are
-dequantized to float32, renamed to Hugging Face names and written as safetensors shards. Later loads
-(and every rank) read that directory. The cache key is the file's path, size and mtime.
+Parsing a GGUF file's metadata takes seconds (its tokenizer arrays are read value by value), so
+the first load writes config.json and the tokenizer (with its chat template) from the GGUF
+metadata into a directory that later loads (and every rank) read. The weights are not copied:
+they are read in place from the memory-mapped GGUF file (gguf_file.py), quantized tensors staying
+in their blocks. The cache key is the file's path, size and mtime.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -23,7 +22,6 @@ from llmctl.engine.model_shape import GGUF_ARCHITECTURES, GGUF_TOKENS, ModelShap
 
 # llama.cpp permutes the rows of q and k for these architectures; undo it.
 _PERMUTED_QK = ("llama", "mistral")
-_SHARD_BYTES = 2 << 30
 _COMPLETE_MARKER = ".llmctl-complete"
 
 ProgressFn = Callable[[int, int, str], None]
@@ -39,13 +37,14 @@ def cache_root() -> Path:
 
 def converted_dir(gguf_path: Path) -> Path:
     stat = gguf_path.stat()
-    key = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    # "config": the directory holds config and tokenizer only (older ones held float weights).
+    key = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:config"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_root() / f"{gguf_path.stem}-{digest}"
 
 
 def ensure_converted(gguf_path: Path, progress: ProgressFn | None = None) -> Path:
-    """Return a Hugging Face directory equivalent to `gguf_path`, converting it if needed."""
+    """Return the directory with `gguf_path`'s config.json and tokenizer, writing it if needed."""
     target = converted_dir(gguf_path)
     if (target / _COMPLETE_MARKER).exists():
         return target
@@ -103,9 +102,6 @@ def read_gguf_shape(path: Path) -> ModelShape:
 
 def _convert(gguf_path: Path, out: Path, progress: ProgressFn | None) -> None:
     import gguf
-    import numpy as np
-    import torch
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -147,48 +143,7 @@ def _convert(gguf_path: Path, out: Path, progress: ProgressFn | None) -> None:
     else:
         tokenizer.save_pretrained(out)
 
-    num_heads, num_kv_heads = shape.num_attention_heads, shape.num_kv_heads
-    shard: dict[str, torch.Tensor] = {}
-    shard_bytes = 0
-    weight_map: dict[str, str] = {}
-    shards: list[list[str]] = []
-    total = len(reader.tensors)
-
-    def flush() -> None:
-        nonlocal shard, shard_bytes
-        if not shard:
-            return
-        name = f"model-{len(shards) + 1:05d}.safetensors"
-        save_file(shard, str(out / name), metadata={"format": "pt"})
-        shards.append(list(shard))
-        for key in shard:
-            weight_map[key] = name
-        shard, shard_bytes = {}, 0
-
-    for i, tensor in enumerate(reader.tensors):
-        hf_name = _hf_name(arch, tensor.name)
-        if hf_name is None:
-            continue
-        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        weights = np.ascontiguousarray(weights, dtype=np.float32)
-        if arch in _PERMUTED_QK and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = num_heads if "attn_q" in tensor.name else num_kv_heads
-            weights = _unpermute_rotary_rows(weights, heads)
-        if arch == "gpt2" and tensor.name.endswith(_GPT2_CONV1D):
-            weights = np.ascontiguousarray(weights.T)  # GPT-2's Conv1D stores [in, out]
-        shard[hf_name] = torch.from_numpy(weights)
-        shard_bytes += weights.nbytes
-        if shard_bytes >= _SHARD_BYTES:
-            flush()
-        if progress:
-            progress(i + 1, total, "dequantizing GGUF")
-    flush()
-    if len(shards) == 1:
-        os.replace(out / "model-00001.safetensors", out / "model.safetensors")
-    else:
-        total_size = sum((out / f).stat().st_size for f in set(weight_map.values()))
-        index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    del progress  # writing the config takes no noticeable time after the parse
 
 
 _GPT2_CONV1D = (

@@ -12,6 +12,7 @@ from torch import nn
 from llmctl.engine.config import ModelConfig
 from llmctl.engine.distributed.partition import PipelineShard
 from llmctl.engine.errors import ModelLoadError
+from llmctl.engine.layers.quantization.linear_method import set_quant_config
 from llmctl.engine.model_loader.weights import CheckpointTensor, count_weights, iterate_weights
 from llmctl.engine.models.registry import get_model_class
 from llmctl.engine.platform import torch_dtype
@@ -40,6 +41,41 @@ def local_weights_path(model_config: ModelConfig) -> str:
     return resolve_model(model_config.model or None).path
 
 
+def local_gguf_path(model_config: ModelConfig) -> str:
+    """The GGUF file on this node (the same path on every node, resolved again on a node that
+    lacks it as the driver named it)."""
+    if os.path.isfile(model_config.gguf_file):
+        return model_config.gguf_file
+    from llmctl.engine.model_loader.source import resolve_model
+
+    return resolve_model(model_config.model or None).gguf_file or model_config.gguf_file
+
+
+def _checkpoint(model_config: ModelConfig) -> tuple[Iterator, int, str]:
+    """(name, tensor) pairs of the checkpoint, their count, and where they come from."""
+    if model_config.gguf_file:
+        from llmctl.engine.model_loader.gguf_file import (
+            gguf_architecture,
+            gguf_tensor_count,
+            iterate_gguf_weights,
+        )
+
+        path = local_gguf_path(model_config)
+        quant = model_config.quantization
+        shape = model_config.shape
+        weights = iterate_gguf_weights(
+            path,
+            gguf_architecture(path),
+            shape.num_attention_heads,
+            shape.num_kv_heads,
+            # The float path (no quantization, or int8/int4 of the dequantized file).
+            dequantize=quant is None or quant.method != "gguf",
+        )
+        return weights, gguf_tensor_count(path), path
+    path = local_weights_path(model_config)
+    return iterate_weights(path), count_weights(path), path
+
+
 def load_model(
     model_config: ModelConfig,
     shard: PipelineShard,
@@ -47,13 +83,17 @@ def load_model(
     progress: ProgressFn | None = None,
 ) -> nn.Module:
     model_class = get_model_class(model_config.architecture)
-    with torch.device(device), _default_dtype(torch_dtype(model_config.dtype)):
+    with (
+        torch.device(device),
+        _default_dtype(torch_dtype(model_config.dtype)),
+        set_quant_config(model_config.quantization),
+    ):
         model = model_class(model_config.hf_config, model_config.shape, shard)
-    path = local_weights_path(model_config)
-    weights = iterate_weights(path)
+    weights, total, path = _checkpoint(model_config)
     if progress is not None:
-        weights = _with_progress(weights, count_weights(path), progress)
-    loaded = model.load_weights(weights)
+        weights = _with_progress(weights, total, progress)
+    with torch.device(device), _default_dtype(torch_dtype(model_config.dtype)):
+        loaded = model.load_weights(weights)
     _check_all_loaded(model, loaded, path)
     unique = {id(p): p for p in model.parameters()}.values()
     # What this rank holds, before CPU repacking replaces some weights by packed copies.
@@ -62,6 +102,12 @@ def load_model(
         process = getattr(module, "process_weights_after_loading", None)
         if process is not None:
             process()
+    # Quantized weights are not parameters: count what their packed form holds.
+    model.loaded_weight_bytes += sum(
+        module.quant_method.nbytes
+        for module in model.modules()
+        if getattr(module, "quant_method", None) is not None
+    )
     return model.eval()
 
 

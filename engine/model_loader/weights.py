@@ -3,7 +3,8 @@
 `iterate_weights(directory)` yields (name, CheckpointTensor) for every tensor of a Hugging Face
 checkpoint: safetensors (one file or sharded with model.safetensors.index.json) or
 pytorch_model.bin (loaded with weights_only=True). Layer weight loaders call `narrow(...)` or
-`load()` on them.
+`load()` on them. A GGUF file's quantized tensors are QuantizedCheckpointTensor (raw blocks,
+model_loader/gguf_file.py), narrowed the same way before they are decoded.
 """
 
 from __future__ import annotations
@@ -51,6 +52,112 @@ class CheckpointTensor:
     def load(self):
         tensor = self._reader(tuple(slice(None) for _ in self._shape))
         return tensor.t() if self._transposed else tensor
+
+
+class QuantizedCheckpointTensor:
+    """A quantized GGUF tensor of logical shape [N, K]: its raw blocks, never dequantized whole.
+
+    `narrow` along dim 0 selects any rows; along dim 1 only whole blocks (a split inside one is a
+    ConfigError). `decode()` gives the packed form's parts (q, scales, zeros, bits, group_size);
+    `load()` the float32 weights (for a layer that keeps float weights).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        type_name: str,
+        shape: tuple[int, int],
+        blocks,  # numpy uint8 [N, bytes per row] (a view of the memory-mapped file)
+        *,
+        rows=None,  # numpy row indices (a permutation or a slice of them); None: all, in order
+        columns: tuple[int, int] | None = None,  # [start, end) in weights, on block boundaries
+        transposed: bool = False,
+    ):
+        import gguf
+
+        self.name = name
+        self.type_name = type_name
+        self._full_shape = tuple(shape)
+        self._blocks = blocks
+        self._rows = rows
+        self._columns = columns or (0, shape[1])
+        self._transposed = transposed
+        qtype = gguf.GGMLQuantizationType[type_name]
+        self.block_size, self.type_size = gguf.GGML_QUANT_SIZES[qtype]
+
+    def _replace(self, **changes) -> QuantizedCheckpointTensor:
+        kw = dict(rows=self._rows, columns=self._columns, transposed=self._transposed)
+        kw.update(changes)
+        return QuantizedCheckpointTensor(
+            self.name, self.type_name, self._full_shape, self._blocks, **kw
+        )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n = self._full_shape[0] if self._rows is None else len(self._rows)
+        shape = (n, self._columns[1] - self._columns[0])
+        return shape[::-1] if self._transposed else shape
+
+    @property
+    def T(self) -> QuantizedCheckpointTensor:  # noqa: N802 - mirrors torch.Tensor.T
+        # Only to undo a model's transposition (GPT-2's Conv1D): blocks run along K.
+        return self._replace(transposed=not self._transposed)
+
+    def _check_layout(self) -> None:
+        if self._transposed:
+            raise ModelLoadError(
+                f"{self.name}: a quantized {self.type_name} tensor cannot be read transposed",
+                "load this model from a float checkpoint",
+            )
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedCheckpointTensor:
+        import numpy as np
+
+        self._check_layout()
+        dim = dim % 2
+        if dim == 0:
+            rows = self._rows if self._rows is not None else np.arange(self._full_shape[0])
+            return self._replace(rows=rows[start : start + length])
+        first = self._columns[0] + start
+        if start % self.block_size or length % self.block_size or start + length > self.shape[1]:
+            from llmctl.engine.errors import ConfigError
+
+            raise ConfigError(
+                f"{self.name}: columns [{start}, {start + length}) do not fall on the "
+                f"{self.block_size}-weight blocks of its {self.type_name} quantization",
+                "use a tensor_parallel_size that splits the layer into whole blocks",
+            )
+        return self._replace(columns=(first, first + length))
+
+    def raw(self):
+        """numpy uint8 [rows, bytes]: the selected rows' blocks of the selected columns."""
+        import numpy as np
+
+        self._check_layout()
+        blocks = self._blocks
+        if self._columns != (0, self._full_shape[1]):
+            start = self._columns[0] // self.block_size * self.type_size
+            end = self._columns[1] // self.block_size * self.type_size
+            blocks = blocks[:, start:end]
+        if self._rows is not None:
+            blocks = blocks[self._rows]
+        return np.ascontiguousarray(blocks)
+
+    def decode(self):
+        """(q, scales, zeros, bits, group_size) of the selected part, as kernels.pack_groups
+        takes them; None when the type has no packed form (then `load()` it)."""
+        from llmctl.engine.model_loader.gguf_blocks import decode_blocks
+
+        return decode_blocks(self.raw(), self.type_name, self.shape[1])
+
+    def load(self):
+        """float32 [rows, columns] torch tensor of the selected part."""
+        import gguf
+        import numpy as np
+        import torch
+
+        w = gguf.quants.dequantize(self.raw(), gguf.GGMLQuantizationType[self.type_name])
+        return torch.from_numpy(np.ascontiguousarray(w.reshape(self.shape), dtype=np.float32))
 
 
 def weight_files(directory: str | os.PathLike) -> tuple[str, list[Path]]:

@@ -1,0 +1,181 @@
+"""The quantized linear method (vLLM's `quant_method`): a linear layer's weights kept packed.
+
+The model's QuantizationConfig is current while its layers are built (`set_quant_config`, as
+vLLM's current config); a linear layer built under one gets a PackedLinearMethod, which
+- takes the rows this rank's weight loader narrowed (a GGUF QuantizedCheckpointTensor, decoded
+  to q/scales/zeros; or float rows, quantized round-to-nearest for int8/int4), so each rank reads
+  and packs only its slice; fused layers (QKV, gate/up) store each sub-matrix at its row offset;
+- packs them after loading (`kernels.pack_groups`); sub-matrices of different formats (a
+  Q4_K_M file's Q6_K attn_v next to Q4_K q/k) stay separate packed weights, concatenated on output;
+- computes y = x W^T (+ b) with `packed.matmul`. Activations stay float.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from llmctl.engine.errors import ConfigError, ModelLoadError
+from llmctl.engine.layers.quantization.kernels import pack_groups
+from llmctl.engine.layers.quantization.quant_config import QuantizationConfig
+
+_current: QuantizationConfig | None = None
+
+
+@contextlib.contextmanager
+def set_quant_config(config: QuantizationConfig | None) -> Iterator[None]:
+    """Layers built inside read `config` with `current_quant_config()`."""
+    global _current
+    previous, _current = _current, config
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def current_quant_config() -> QuantizationConfig | None:
+    return _current
+
+
+def quantize_rtn(w: torch.Tensor, bits: int, group_size: int):
+    """Round-to-nearest per-group quantization of float rows [N, K] -> (q, scales, zeros).
+
+    int8: symmetric, q in [-127, 127], zeros None. int4: asymmetric, q in [0, 15],
+    W ~= q * scale + zero with zero the group's minimum."""
+    n, k = w.shape
+    if k % group_size:
+        raise ConfigError(
+            f"--quantization int{bits} quantizes groups of {group_size} input features, but a "
+            f"layer has {k}",
+            "run this model in float (leave out --quantization)",
+        )
+    groups = w.float().reshape(n, k // group_size, group_size)
+    if bits == 8:
+        scales = groups.abs().amax(dim=-1) / 127
+        scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+        q = torch.round(groups / scales.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+        return q.reshape(n, k), scales, None
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = (hi - lo) / 15
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    q = torch.round((groups - lo.unsqueeze(-1)) / scales.unsqueeze(-1)).clamp(0, 15)
+    return q.to(torch.uint8).reshape(n, k), scales, lo
+
+
+def dequantize_groups(q, scales, zeros, group_size: int) -> torch.Tensor:
+    """float32 W = q * scales + zeros, groups along the last dimension (the packing contract)."""
+    w = q.float() * scales.float().repeat_interleave(group_size, dim=-1)
+    if zeros is not None:
+        w += zeros.float().repeat_interleave(group_size, dim=-1)
+    return w
+
+
+class _FloatRows:
+    """Rows a quantized layer holds in float (a GGUF file's F16/F32 tensor)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+class PackedLinearMethod:
+    def __init__(self, config: QuantizationConfig):
+        self.config = config
+        self._pieces: list[tuple[int, tuple]] = []  # (first row, decoded rows)
+        self.parts: list = []  # packed weights, in output order
+
+    def create_weights(self, layer: torch.nn.Module) -> torch.nn.Parameter:
+        """The layer's `weight` parameter: an empty placeholder that carries the weight loader;
+        the packed weights are not parameters."""
+        return torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def store(self, layer: torch.nn.Module, row_start: int, loaded, what: str) -> None:
+        """Take rows [row_start, row_start + rows) of this rank's weight."""
+        from llmctl.engine.model_loader.weights import QuantizedCheckpointTensor
+
+        if not isinstance(loaded, (torch.Tensor, QuantizedCheckpointTensor)):
+            loaded = loaded.load()  # a whole CheckpointTensor (a replicated layer's)
+        expected_k = layer.input_size_per_partition
+        if loaded.shape[1] != expected_k or row_start + loaded.shape[0] > (
+            layer.output_size_per_partition
+        ):
+            raise ModelLoadError(
+                f"{what}: checkpoint shard has shape {tuple(loaded.shape)}, the model expects "
+                f"rows within {layer.output_size_per_partition} and {expected_k} columns",
+                "the weights do not match config.json; check that both come from the same model",
+            )
+        if isinstance(loaded, QuantizedCheckpointTensor):
+            decoded = loaded.decode()
+            piece = ("packed", *decoded) if decoded is not None else ("float", loaded.load())
+        elif self.config.bits is not None:
+            bits, group = self.config.bits, self.config.group_size
+            q, scales, zeros = quantize_rtn(loaded, bits, group)
+            piece = ("packed", q, scales, zeros, bits, group)
+        else:  # a float tensor in a GGUF file
+            piece = ("float", loaded.to(torch.get_default_dtype()))
+        self._pieces.append((row_start, piece))
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        pieces = sorted(self._pieces, key=lambda p: p[0])
+        self._pieces = []
+        rows = sum(_rows(p) for _, p in pieces)
+        if rows != layer.output_size_per_partition:
+            raise ModelLoadError(
+                f"{type(layer).__name__}: the checkpoint gave {rows} of its "
+                f"{layer.output_size_per_partition} output rows",
+                "the weight files are incomplete or belong to another model",
+            )
+        # Runs of pieces in one format are packed together.
+        runs: list[list[tuple]] = []
+        for _, piece in pieces:
+            if runs and _format(runs[-1][-1]) == _format(piece):
+                runs[-1].append(piece)
+            else:
+                runs.append([piece])
+        self.parts = [_pack(run) for run in runs]
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])  # [num_tokens, K]
+        if len(self.parts) == 1:
+            out = self.parts[0].matmul(x2)
+        else:
+            out = torch.cat([p.matmul(x2) for p in self.parts], dim=-1)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def _rows(piece: tuple) -> int:
+    return piece[1].shape[0]
+
+
+def _format(piece: tuple) -> tuple:
+    if piece[0] == "float":
+        return ("float",)
+    _, q, _, zeros, bits, group = piece
+    return ("packed", q.dtype, zeros is None, bits, group)
+
+
+def _pack(run: list[tuple]):
+    if run[0][0] == "float":
+        return _FloatRows(torch.cat([p[1] for p in run]) if len(run) > 1 else run[0][1])
+    _, _, _, zeros, bits, group = run[0]
+    q = torch.cat([p[1] for p in run])
+    scales = torch.cat([p[2] for p in run])
+    zeros = None if zeros is None else torch.cat([p[3] for p in run])
+    return pack_groups(q, scales, zeros, bits, group)

@@ -1,0 +1,134 @@
+"""QuantizationConfig: how a model's linear weights are stored (torch-free: the planner reads it).
+
+"gguf": the GGUF file's own block formats, read natively (chosen automatically for a quantized
+GGUF). "int8" / "int4": weight-only, per-group round-to-nearest quantization of a float checkpoint
+(`--quantization`). Embeddings of RTN models, norms and activations stay float.
+
+A row-parallel layer splits its input features (K) across tensor-parallel ranks; a split must fall
+on whole quantization groups (GGUF blocks), so `check_group_split` refuses a tp size that cuts one
+and names the sizes that do not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmctl.engine.errors import ConfigError, UnsupportedQuantizationError
+from llmctl.engine.model_shape import ModelShape
+
+QUANTIZATION_METHODS = ("int8", "int4")  # what --quantization accepts
+RTN_GROUP_SIZE = 32  # weights per scale for --quantization int8 / int4
+
+# GGUF tensor types llmctl reads: float ones load as float, quantized ones stay packed.
+GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
+GGUF_QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+# Weights per block of each quantized type: the granularity of a split along K.
+GGUF_BLOCK_SIZES = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q6_K": 256}
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    method: str  # "gguf", "int8" or "int4"
+    # int8/int4: weights per scale. gguf: the largest block of the file's quantized types (the
+    # granularity a tensor-parallel split along K must respect).
+    group_size: int = RTN_GROUP_SIZE
+    gguf_types: tuple[str, ...] = ()  # gguf: the quantized tensor types the file holds
+
+    def __post_init__(self) -> None:
+        if self.method not in ("gguf", *QUANTIZATION_METHODS):
+            raise ConfigError(
+                f"unknown quantization {self.method!r}",
+                f"use --quantization {' or '.join(QUANTIZATION_METHODS)}, or leave it out",
+            )
+        if self.method != "gguf" and self.group_size not in (32, 64, 128):
+            raise ConfigError(
+                f"quantization group size must be 32, 64 or 128, got {self.group_size}"
+            )
+        unsupported = sorted(set(self.gguf_types) - set(GGUF_QUANTIZED_TYPES))
+        if unsupported:
+            raise unsupported_gguf_types(unsupported)
+
+    @property
+    def bits(self) -> int | None:
+        """int8: 8, int4: 4; gguf: None (per tensor, from its type)."""
+        return {"int8": 8, "int4": 4}.get(self.method)
+
+    @classmethod
+    def for_gguf(cls, tensor_types: list[str] | tuple[str, ...]) -> QuantizationConfig | None:
+        """The config of a GGUF file holding tensors of these types (None: all float)."""
+        unsupported = sorted(set(tensor_types) - set(GGUF_QUANTIZED_TYPES + GGUF_FLOAT_TYPES))
+        if unsupported:
+            raise unsupported_gguf_types(unsupported)
+        quantized = tuple(sorted(set(tensor_types) & set(GGUF_QUANTIZED_TYPES)))
+        if not quantized:
+            return None
+        return cls("gguf", max(GGUF_BLOCK_SIZES[t] for t in quantized), quantized)
+
+
+def unsupported_gguf_types(types: list[str]) -> UnsupportedQuantizationError:
+    return UnsupportedQuantizationError(
+        f"GGUF tensor type {', '.join(types)} is not supported",
+        f"llmctl reads {', '.join(GGUF_QUANTIZED_TYPES + GGUF_FLOAT_TYPES)}; re-quantize the "
+        "model to one of them (e.g. llama-quantize ... Q4_K_M)",
+    )
+
+
+def resolve_quantization(
+    flag: str | None, gguf_config: QuantizationConfig | None
+) -> QuantizationConfig | None:
+    """The model's QuantizationConfig from --quantization and what the checkpoint holds."""
+    if flag is None:
+        return gguf_config
+    if flag not in QUANTIZATION_METHODS:
+        raise ConfigError(
+            f"unknown quantization {flag!r}",
+            f"use --quantization {' or '.join(QUANTIZATION_METHODS)}, or leave it out",
+        )
+    if gguf_config is not None:
+        raise ConfigError(
+            f"--quantization {flag} was given, but the GGUF file is already quantized "
+            f"({', '.join(gguf_config.gguf_types)})",
+            "drop --quantization: the file's own quantization is used",
+        )
+    return QuantizationConfig(flag)
+
+
+def _row_split_sizes(shape: ModelShape, tp: int) -> list[list[int]]:
+    """The per-rank input features of the row-parallel layers (o_proj, down_proj) at tp."""
+    from llmctl.engine.distributed.partition import column_shards, head_shards
+
+    heads = head_shards(shape.num_attention_heads, shape.num_kv_heads, tp)
+    return [
+        [h.num_q_heads * shape.head_dim for h in heads],
+        column_shards(shape.intermediate_size, tp, "MLP features"),
+    ]
+
+
+def _splits_on_groups(shape: ModelShape, tp: int, group_size: int) -> bool:
+    try:
+        return all(s % group_size == 0 for sizes in _row_split_sizes(shape, tp) for s in sizes)
+    except ConfigError:
+        return False
+
+
+def valid_group_tp_sizes(shape: ModelShape, group_size: int) -> list[int]:
+    return [
+        tp
+        for tp in range(1, shape.num_attention_heads + 1)
+        if _splits_on_groups(shape, tp, group_size)
+    ]
+
+
+def check_group_split(shape: ModelShape, tp: int, quant: QuantizationConfig | None) -> None:
+    """Refuse a tensor-parallel size whose row-parallel split cuts a quantization group."""
+    if quant is None or tp == 1 or _splits_on_groups(shape, tp, quant.group_size):
+        return
+    valid = valid_group_tp_sizes(shape, quant.group_size)
+    what = "GGUF blocks" if quant.method == "gguf" else f"--quantization {quant.method} groups"
+    raise ConfigError(
+        f"tensor_parallel_size={tp} would cut the {what} of {quant.group_size} weights: the "
+        f"row-parallel layers split {shape.intermediate_size} MLP features and "
+        f"{shape.num_attention_heads * shape.head_dim} attention features into "
+        f"{' and '.join(str(s) for s in _row_split_sizes(shape, tp))}",
+        f"use tensor_parallel_size {', '.join(map(str, valid))}, or --pipeline-parallel-size",
+    )
