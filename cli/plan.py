@@ -33,6 +33,12 @@ _SHARED = {
     "pipeline_parallel_size": dict(
         help="Evaluate this layout instead of choosing.", panel=None, default_help=""
     ),
+    "quantization": dict(
+        help="Plan the weights of a float checkpoint quantized: int8 or int4. Without it, a "
+        "model too big in float is planned quantized; a GGUF file in its own types.",
+        panel=_MEMORY,
+        default_help="",
+    ),
 }
 
 
@@ -79,7 +85,7 @@ def plan(
         typer.Option(help="Allow tensor parallel sizes that do not divide the heads."),
     ] = False,
     # The EngineArgs options of `plan` (@engine_options, restyled by _SHARED): dtype, lengths,
-    # memory, the step's size, the layout and the device.
+    # memory, quantization, the step's size, the layout and the device.
     engine: EngineKwargs = None,
     kv_cache_dtype: Annotated[
         str,
@@ -89,16 +95,6 @@ def plan(
         int,
         typer.Option(help="Requests of max-model-len the plan must hold.", rich_help_panel=_MEMORY),
     ] = 1,
-    # Plan-only until EngineArgs declares `quantization` (then @engine_options gives it).
-    quantization: Annotated[
-        str | None,
-        typer.Option(
-            help="Weight-only quantization of a float checkpoint: int8 or int4 (default: none; "
-            "a model too big in float is planned quantized).",
-            rich_help_panel=_MEMORY,
-            show_default=False,
-        ),
-    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Choose the TP x PP layout for MODEL on the inventory and predict its KV-cache capacity.
@@ -117,7 +113,7 @@ def plan(
         result = _make(
             model, inventory, nodes, gpus_per_node, gpu_memory_gib, interconnect, engine,
             kv_cache_dtype=kv_cache_dtype, min_concurrency=min_concurrency,
-            allow_uneven_tp=allow_uneven_tp, quantization=quantization,
+            allow_uneven_tp=allow_uneven_tp,
         )  # fmt: skip
     except Exception as exc:
         from llmctl.engine.errors import LLMCtlError

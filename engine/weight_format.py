@@ -6,7 +6,7 @@ A format stores `block_size` weights of a row in `block_bytes` bytes: a float dt
 one; GGML's Q4_1 packs 32 weights in 20 bytes (16 bytes of nibbles, a float16 scale and minimum);
 `--quantization int4` stores each group of 32 as nibbles plus a scale and a zero
 (`quantization_format`). A row of K weights takes ceil(K / block_size) blocks; a row-parallel
-split of K that cuts a block is refused (`cut_groups`).
+split of K that cuts a group is refused (`cut_groups`), as the engine refuses it.
 
 The tensors of one rank (`layer_tensors`, `embedding_tensors`, `head_tensors`) are ModelShape's
 parameter count broken down by role, split as the engine's layers split them: their sum is
@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from llmctl.engine.errors import ConfigError
+from llmctl.engine.layers.quantization.quant_config import QUANTIZATION_METHODS, RTN_GROUP_SIZE
 from llmctl.engine.model_shape import ModelShape
 
 # The roles of the matrices `--quantization` quantizes (weight-only: the decoder layers' linears;
@@ -66,9 +67,16 @@ class QuantizationScheme:
         return WeightFormat(self.name, self.group_size, self.group_bytes, quantized=True)
 
 
+# --quantization's schemes, the largest first, as the engine quantizes them (quantize_rtn in
+# engine/layers/quantization/linear_method.py): int8 symmetric, int4 with a zero per group.
 QUANTIZATION_SCHEMES = {
-    "int8": QuantizationScheme("int8", bits=8, group_size=32, zero_point=False),
-    "int4": QuantizationScheme("int4", bits=4, group_size=32, zero_point=True),
+    name: QuantizationScheme(
+        name,
+        bits=int(name.removeprefix("int")),
+        group_size=RTN_GROUP_SIZE,
+        zero_point=name == "int4",
+    )
+    for name in QUANTIZATION_METHODS
 }
 
 
@@ -219,26 +227,19 @@ class WeightFormats:
         return self.format_of(None, tensor)
 
     def cut_groups(self, shape: ModelShape, tp: int) -> list[str]:
-        """The row-parallel weights whose input split on some rank of `tp` cuts a quantization
-        block: "down (512 of 1536 inputs, Q4_K blocks of 256)"."""
+        """The row-parallel weights (o, down) whose input split on some rank of `tp` cuts a
+        quantization group: "down (384 of 1536 inputs; groups of 256)". The engine's rule
+        (quant_config.check_group_split): every row-parallel split falls on whole groups of the
+        largest block among the quantized formats."""
+        blocks = [fmt.block_size for _, fmt in self.by_role if fmt.quantized]
+        if not blocks:
+            return []
+        group = max(blocks)
         cuts: list[str] = []
-        if not self.quantized:
-            return cuts
-        cut_roles = set()
         for tp_rank in range(tp):
             for t in layer_tensors(shape, tp_rank, tp):
-                if not t.is_split or t.role in cut_roles:
-                    continue
-                for layer in range(shape.num_layers):
-                    fmt = self.format_of(layer, t)
-                    if fmt.quantized and t.cols % fmt.block_size:
-                        cut = (
-                            f"{t.role} ({t.cols} of {t.full_cols} inputs, {fmt.name} blocks of "
-                            f"{fmt.block_size})"
-                        )
-                        cuts.append(cut)
-                        cut_roles.add(t.role)
-                        break
+                if t.is_split and t.cols % group and not any(c.startswith(t.role) for c in cuts):
+                    cuts.append(f"{t.role} ({t.cols} of {t.full_cols} inputs; groups of {group})")
         return cuts
 
     def check_split(self, shape: ModelShape, tp: int, valid: Iterable[int]) -> None:

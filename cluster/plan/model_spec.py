@@ -151,19 +151,15 @@ def spec_from_gguf_reader(reader, name: str) -> ModelSpec:
     infos (the file is memory-mapped: no tensor data is read)."""
     import gguf
 
+    from llmctl.engine.layers.quantization.quant_config import QuantizationConfig
     from llmctl.engine.model_loader.gguf import gguf_shape
 
     try:
         shape = gguf_shape(reader)
     except ConfigError as exc:
         raise UnknownModelError(f"{name}: {exc.message}; it cannot be planned", exc.hint) from None
-    block_sizes = {t.name: sizes for t, sizes in gguf.constants.GGML_QUANT_SIZES.items()}
     types = [(t.name, t.tensor_type.name) for t in reader.tensors]
-    unknown = sorted({type_name for _, type_name in types} - set(block_sizes))
-    if unknown:
-        raise UnknownModelError(
-            f"{name}: GGML tensor type {unknown[0]} has no known block size; it cannot be planned",
-            "update the gguf package, or convert the file to another type",
-        )
+    QuantizationConfig.for_gguf([type_name for _, type_name in types])  # types the engine reads
+    block_sizes = {t.name: sizes for t, sizes in gguf.constants.GGML_QUANT_SIZES.items()}
     formats = gguf_weight_formats(dense_format("float32", 4), types, block_sizes)
     return ModelSpec(name=name, shape=shape, dtype="float32", weight_formats=formats)

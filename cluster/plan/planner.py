@@ -42,7 +42,7 @@ from llmctl.engine.config import (
 )
 from llmctl.engine.distributed import ranks as rank_mesh
 from llmctl.engine.distributed.partition import layer_partition, valid_tp_sizes
-from llmctl.engine.engine_args import cli_options, engine_args_to_argv, engine_default
+from llmctl.engine.engine_args import engine_args_to_argv, engine_default
 from llmctl.engine.errors import ConfigError
 from llmctl.engine.memory_profile import (
     CUDA_CONTEXT_BYTES,
@@ -87,7 +87,7 @@ class PlanOptions:
     device: str = "cuda"  # "cpu": plan for llmctl's CPU engine on this inventory's nodes
     kv_cache_space_gib: float | None = engine_default("kv_cache_space_gib")  # CPU, per rank
     # Weight-only quantization of a float checkpoint (int8, int4): `llmctl serve --quantization`.
-    quantization: str | None = None
+    quantization: str | None = engine_default("quantization")
 
     def __post_init__(self) -> None:
         check_gpu_memory_utilization(self.gpu_memory_utilization)
@@ -800,9 +800,10 @@ def _finish(ctx: _Ctx, chosen: _Eval, reasons, rejected, alternatives) -> Plan:
         "block_size": opts.block_size if opts.block_size != defaults.block_size else None,
         "max_num_seqs": opts.max_num_seqs if opts.max_num_seqs != defaults.max_num_seqs else None,
         "max_num_batched_tokens": opts.max_num_batched_tokens,
+        "quantization": opts.quantization,
     }
     serve = ["llmctl", "serve", spec.name, *engine_args_to_argv(layout, aliases=True)]
-    serve += engine_args_to_argv(engine) + _quantization_argv(opts.quantization)
+    serve += engine_args_to_argv(engine)
     commands = {"serve": " ".join(serve)}
     if nodes_used > 1:
         source = ctx.inventory.source if ctx.inventory.source != "<flags>" else "cluster.yaml"
@@ -836,15 +837,6 @@ def _finish(ctx: _Ctx, chosen: _Eval, reasons, rejected, alternatives) -> Plan:
         weight_format=ctx.weights.label(),
         weight_format_detail=ctx.weights.detail(spec.shape) if ctx.weights.quantized else "",
     )
-
-
-def _quantization_argv(quantization: str | None) -> list[str]:
-    """--quantization for `llmctl serve`: through EngineArgs' declaration once it has one."""
-    if quantization is None:
-        return []
-    if any(o.name == "quantization" for o in cli_options()):
-        return engine_args_to_argv({"quantization": quantization})
-    return ["--quantization", quantization]
 
 
 def _too_big(ctx: _Ctx, tried: list[_Eval], what: str) -> PlanError:

@@ -274,15 +274,21 @@ def test_a_gguf_is_planned_in_its_own_types_and_refuses_quantization():
 
 
 def test_a_tensor_parallel_split_that_cuts_gguf_blocks_is_refused():
-    # A Q4_K down_proj (blocks of 256 inputs): tp=2 gives each rank 768 of its 1536 inputs
-    # (3 blocks), tp=4 gives 384 (one and a half).
+    # A Q4_K down_proj: every row-parallel split must fall on whole blocks of 256 (as the engine
+    # requires of the file's largest block), and SmolLM2's o_proj has 576 inputs: tp=2 gives 384.
     spec = _gguf_spec("Q4_1", down="Q4_K")
     inventory = inventory_from_flags(1, 8, 24)
-    assert make_plan(spec, inventory, PlanOptions(tensor_parallel_size=2)).ranks
     with pytest.raises(ConfigError) as err:
-        make_plan(spec, inventory, PlanOptions(tensor_parallel_size=4))
-    assert "down (384 of 1536 inputs, Q4_K blocks of 256)" in err.value.message
-    assert err.value.hint == "use tensor_parallel_size 1, 2, 3, 6, or pipeline parallel"
+        make_plan(spec, inventory, PlanOptions(tensor_parallel_size=2))
+    assert "o (384 of 576 inputs; groups of 256)" in err.value.message
+    assert err.value.hint == "use tensor_parallel_size 1, or pipeline parallel"
+    # Q4_1's blocks of 32: tp=4 splits o_proj and down_proj on whole blocks, tp=5 does not.
+    q4_1 = _gguf_spec("Q4_1")
+    assert make_plan(q4_1, inventory, PlanOptions(tensor_parallel_size=4)).ranks
+    with pytest.raises(ConfigError) as err:
+        make_plan(q4_1, inventory, PlanOptions(tensor_parallel_size=5))
+    assert "down (308 of 1536 inputs; groups of 32)" in err.value.message
+    assert err.value.hint == "use tensor_parallel_size 1, 2, 3, 4, 6, 8, or pipeline parallel"
 
 
 def test_quantized_layouts_keep_whole_groups_on_every_rank():
@@ -302,4 +308,4 @@ def test_quantized_layouts_keep_whole_groups_on_every_rank():
             inventory,
             PlanOptions(max_model_len=4096, quantization="int4", tensor_parallel_size=3),
         )
-    assert "down (4779 of 14336 inputs, int4 blocks of 32)" in err.value.message
+    assert "down (4779 of 14336 inputs; groups of 32)" in err.value.message

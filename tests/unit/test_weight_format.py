@@ -119,9 +119,7 @@ def test_a_split_that_cuts_quantization_groups_names_the_valid_sizes(bundled):
     shape = spec.shape
     valid = valid_tp_sizes(shape.num_attention_heads, shape.num_kv_heads)
     # tp=5 gives down_proj 308 or 307 of its 1536 inputs: Q4_1's 32-weight blocks are cut.
-    assert spec.weight_formats.cut_groups(shape, 5) == [
-        "down (308 of 1536 inputs, Q4_1 blocks of 32)"
-    ]
+    assert spec.weight_formats.cut_groups(shape, 5) == ["down (308 of 1536 inputs; groups of 32)"]
     with pytest.raises(ConfigError) as err:
         spec.weight_formats.check_split(shape, 5, valid)
     assert err.value.message.startswith("tensor_parallel_size=5 cuts the quantization groups")
@@ -129,3 +127,14 @@ def test_a_split_that_cuts_quantization_groups_names_the_valid_sizes(bundled):
     # In float nothing is cut.
     assert WeightFormats(BF16).cut_groups(shape, 5) == []
     assert set(QUANTIZATION_SCHEMES) == {"int8", "int4"}
+
+
+@pytest.mark.parametrize("name", ["SmolLM2-135M-Instruct", "Llama-3.1-8B", "Llama-2-13B"])
+def test_the_plan_splits_quantized_weights_where_the_engine_does(name):
+    from llmctl.engine.layers.quantization.quant_config import valid_group_tp_sizes
+
+    shape = CATALOG[name].shape
+    weights = WeightFormats.for_quantization(BF16, "int4")
+    valid = valid_tp_sizes(shape.num_attention_heads, shape.num_kv_heads)
+    planned = [tp for tp in valid if not weights.cut_groups(shape, tp)]
+    assert planned == valid_group_tp_sizes(shape, QUANTIZATION_SCHEMES["int4"].group_size)
