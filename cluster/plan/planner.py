@@ -4,7 +4,9 @@ Pure: a ModelSpec and an Inventory in, a Plan out (no SSH, no torch, no mutation
 
 Memory per GPU is sized by the engine's own arithmetic (engine/memory_profile.py), on estimates
 of what the engine measures: the weights each rank really holds (ModelShape counts the engine's
-shards: its layers, the embedding on the first stage, the final norm and LM head on the last), the
+shards: its layers, the embedding on the first stage, the final norm and LM head on the last; in
+bytes of each weight's storage, engine/weight_format.py: the dtype, a GGUF file's blocks, or
+--quantization's groups), the
 peak activations of the profile step at max_num_batched_tokens, and the memory outside torch (the
 CUDA context, NCCL); the rest of gpu_memory_utilization x memory is KV cache. The KV cache has as
 many blocks as the rank with the fewest can hold, as the engine does. On the CPU the KV cache is
@@ -21,6 +23,9 @@ The rules, from vLLM's distributed-serving guide, then better:
      uneven tp (whole KV-head groups per rank, which our engine runs and vLLM cannot) is offered
      next to it as "llmctl only", and chosen with --allow-uneven-tp.
   4. Else across nodes: tp = GPUs per node, pp = the fewest nodes that fit.
+  5. A float checkpoint that no layout holds: the same rules on its weight-only quantization,
+     int8, else int4, printed with its --quantization flag. A quantized layout splits every
+     row-parallel layer's inputs on whole quantization groups, as the engine requires.
 Pipeline stages get an uneven layer split when it holds more KV cache (the first and last stages
 carry the embedding and LM head), printed as --pipeline-layer-partition.
 """
