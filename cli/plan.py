@@ -33,6 +33,12 @@ _SHARED = {
     "pipeline_parallel_size": dict(
         help="Evaluate this layout instead of choosing.", panel=None, default_help=""
     ),
+    "quantization": dict(
+        help="Plan the weights of a float checkpoint quantized: int8 or int4. Without it, a "
+        "model too big in float is planned quantized; a GGUF file in its own types.",
+        panel=_MEMORY,
+        default_help="",
+    ),
 }
 
 
@@ -79,7 +85,7 @@ def plan(
         typer.Option(help="Allow tensor parallel sizes that do not divide the heads."),
     ] = False,
     # The EngineArgs options of `plan` (@engine_options, restyled by _SHARED): dtype, lengths,
-    # memory, the step's size, the layout and the device.
+    # memory, quantization, the step's size, the layout and the device.
     engine: EngineKwargs = None,
     kv_cache_dtype: Annotated[
         str,
@@ -199,6 +205,7 @@ def _print_plan(console, plan) -> None:
             f"{r.num_blocks:,}",
         )
     console.print(table)
+    console.print(plan.weight_line, highlight=False)
     memory = plan.memory_lines()
     console.print(memory[0], highlight=False)
     for line in memory[1:]:

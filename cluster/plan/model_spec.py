@@ -14,6 +14,7 @@ from pathlib import Path
 from llmctl.cluster.errors import UnknownModelError
 from llmctl.engine.errors import ConfigError
 from llmctl.engine.model_shape import ModelShape
+from llmctl.engine.weight_format import WeightFormats, dense_format, gguf_weight_formats
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,13 @@ class ModelSpec:
     name: str
     shape: ModelShape
     dtype: str = "bfloat16"  # the checkpoint's
+    # A GGUF file's tensor types (its float tensors under `dtype`); None: all in `dtype`.
+    weight_formats: WeightFormats | None = None
+
+    @property
+    def prequantized(self) -> bool:
+        """The checkpoint's weights are already quantized (a GGUF of Q4_1, Q8_0, ... blocks)."""
+        return self.weight_formats is not None and self.weight_formats.quantized
 
     # The shape's sizes under the names the planner prints.
     @property
@@ -124,10 +132,34 @@ def load_model_spec(model: str | None) -> ModelSpec:
 
 
 def _from_gguf(path: Path, name: str) -> ModelSpec:
-    from llmctl.engine.model_loader.gguf import read_gguf_shape
+    import gguf
+
+    from llmctl.engine.errors import ModelLoadError
 
     try:
-        shape = read_gguf_shape(path)
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # the gguf package raises bare ValueError/KeyError on bad files
+        raise ModelLoadError(
+            f"{path} is not a readable GGUF file ({exc})",
+            "check that the download finished, or name another model",
+        ) from exc
+    return spec_from_gguf_reader(reader, name)
+
+
+def spec_from_gguf_reader(reader, name: str) -> ModelSpec:
+    """The shape from a gguf.GGUFReader's metadata, each tensor's GGML type from its tensor
+    infos (the file is memory-mapped: no tensor data is read)."""
+    import gguf
+
+    from llmctl.engine.layers.quantization.quant_config import QuantizationConfig
+    from llmctl.engine.model_loader.gguf import gguf_shape
+
+    try:
+        shape = gguf_shape(reader)
     except ConfigError as exc:
         raise UnknownModelError(f"{name}: {exc.message}; it cannot be planned", exc.hint) from None
-    return ModelSpec(name=name, shape=shape, dtype="float32")  # dequantized by the engine
+    types = [(t.name, t.tensor_type.name) for t in reader.tensors]
+    QuantizationConfig.for_gguf([type_name for _, type_name in types])  # types the engine reads
+    block_sizes = {t.name: sizes for t, sizes in gguf.constants.GGML_QUANT_SIZES.items()}
+    formats = gguf_weight_formats(dense_format("float32", 4), types, block_sizes)
+    return ModelSpec(name=name, shape=shape, dtype="float32", weight_formats=formats)

@@ -4,7 +4,9 @@ Pure: a ModelSpec and an Inventory in, a Plan out (no SSH, no torch, no mutation
 
 Memory per GPU is sized by the engine's own arithmetic (engine/memory_profile.py), on estimates
 of what the engine measures: the weights each rank really holds (ModelShape counts the engine's
-shards: its layers, the embedding on the first stage, the final norm and LM head on the last), the
+shards: its layers, the embedding on the first stage, the final norm and LM head on the last; in
+bytes of each weight's storage, engine/weight_format.py: the dtype, a GGUF file's blocks, or
+--quantization's groups), the
 peak activations of the profile step at max_num_batched_tokens, and the memory outside torch (the
 CUDA context, NCCL); the rest of gpu_memory_utilization x memory is KV cache. The KV cache has as
 many blocks as the rank with the fewest can hold, as the engine does. On the CPU the KV cache is
@@ -21,12 +23,16 @@ The rules, from vLLM's distributed-serving guide, then better:
      uneven tp (whole KV-head groups per rank, which our engine runs and vLLM cannot) is offered
      next to it as "llmctl only", and chosen with --allow-uneven-tp.
   4. Else across nodes: tp = GPUs per node, pp = the fewest nodes that fit.
+  5. A float checkpoint that no layout holds: the same rules on its weight-only quantization,
+     int8, else int4, printed with its --quantization flag. A quantized layout splits every
+     row-parallel layer's inputs on whole quantization groups, as the engine requires.
 Pipeline stages get an uneven layer split when it holds more KV cache (the first and last stages
 carry the embedding and LM head), printed as --pipeline-layer-partition.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -56,6 +62,12 @@ from llmctl.engine.memory_profile import (
     estimate_non_torch_bytes,
     profile_request_lengths,
 )
+from llmctl.engine.weight_format import (
+    QUANTIZATION_SCHEMES,
+    WeightFormats,
+    dense_format,
+    quantization_format,
+)
 
 _KV_DTYPES = {"auto": None, "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1,
               "fp8_e5m2": 1}  # fmt: skip
@@ -79,9 +91,13 @@ class PlanOptions:
     pipeline_layer_partition: tuple[int, ...] | None = None
     device: str = "cuda"  # "cpu": plan for llmctl's CPU engine on this inventory's nodes
     kv_cache_space_gib: float | None = engine_default("kv_cache_space_gib")  # CPU, per rank
+    # Weight-only quantization of a float checkpoint (int8, int4): `llmctl serve --quantization`.
+    quantization: str | None = engine_default("quantization")
 
     def __post_init__(self) -> None:
         check_gpu_memory_utilization(self.gpu_memory_utilization)
+        if self.quantization is not None:
+            quantization_format(self.quantization)
         SchedulerConfig(  # the engine's checks of the step's size
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens or self.max_num_seqs,
@@ -145,6 +161,14 @@ class Plan:
     gpu_memory_bytes: int = 0  # of one GPU (the smallest of the inventory)
     profile_num_tokens: int = 0  # the engine's profile step: tokens, and requests sampled
     profile_num_sampled: int = 0
+    quantization: str | None = None  # --quantization of the serve command
+    weight_format: str = ""  # what the weights are held in: "bfloat16", "int4", "Q4_1 GGUF"
+    weight_format_detail: str = ""  # by role, when quantized
+
+    @property
+    def weight_line(self) -> str:
+        """ "weights: 0.09 GiB per GPU (Q4_1 GGUF)": the most any GPU holds."""
+        return f"weights: {self.per_gpu_weight_gib:.2f} GiB per GPU ({self.weight_format})"
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -189,7 +213,7 @@ class Plan:
             f"sampled token each); estimated here for rank {worst.rank}, the one with the "
             "fewest blocks:",
             f"weights {_gib(worst.weight_bytes, 2)}: its layers, embedding and LM head in "
-            f"{self.dtype}",
+            + (self.weight_format_detail or self.dtype),
             f"peak activations {_gib(worst.activation_bytes, 2)}: per token the residual, hidden "
             "states, QKV and MLP intermediates; then the sampled rows' logits, in float32 with "
             f"the sampler's temporaries ({SAMPLER_BYTES_PER_LOGIT} bytes per vocabulary entry)",
@@ -216,6 +240,8 @@ class Plan:
             "max_concurrency": round(self.max_concurrency, 2),
             "distributed_executor_backend": self.distributed_executor_backend,
             "dtype": self.dtype,
+            "quantization": self.quantization,
+            "weight_format": self.weight_format,
             "kv_cache_dtype": self.kv_cache_dtype,
             "device": self.device,
             "gpu_memory_utilization": self.gpu_memory_utilization,
@@ -240,6 +266,7 @@ class _Ctx:
     options: PlanOptions
     dtype: str
     dtype_bytes: int
+    weights: WeightFormats  # each weight's storage: the dtype, GGUF blocks or quantized groups
     kv_bytes: int
     max_model_len: int
     gpu_gib: float  # memory of one device
@@ -255,6 +282,17 @@ def _resolve(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> _Ct
     dtype = resolve_dtype(normalize_dtype(options.dtype), options.device, _ckpt(spec.dtype))
     dtype_bytes = DTYPE_BYTES[dtype]
     kv_bytes = _KV_DTYPES[options.kv_cache_dtype] or dtype_bytes
+    dense = dense_format(dtype, dtype_bytes)
+    if spec.prequantized:
+        if options.quantization is not None:
+            raise ConfigError(
+                f"{spec.name} is already quantized ({spec.weight_formats.label()}); "
+                f"--quantization {options.quantization} quantizes float checkpoints",
+                "drop --quantization: the GGUF's own types are served as they are",
+            )
+        weights = spec.weight_formats.with_dense(dense)
+    else:
+        weights = WeightFormats.for_quantization(dense, options.quantization)
     max_len = options.max_model_len or spec.max_position_embeddings
     if max_len > spec.max_position_embeddings:
         raise ConfigError(
@@ -284,6 +322,7 @@ def _resolve(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> _Ct
         options=options,
         dtype=dtype,
         dtype_bytes=dtype_bytes,
+        weights=weights,
         kv_bytes=kv_bytes,
         max_model_len=max_len,
         gpu_gib=gpu_gib,
@@ -309,8 +348,8 @@ def _rank_memory(ctx: _Ctx, tp: int, pp: int, parts: list[int]) -> list[RankMemo
         layers = parts[pp_rank]
         first, last = pp_rank == 0, pp_rank == pp - 1
         for tp_rank, rank in enumerate(row):
-            params = shape.rank_params(layers, tp_rank, tp, is_first=first, is_last=last)
-            weights = params * ctx.dtype_bytes
+            span = (starts[pp_rank], starts[pp_rank] + layers)
+            weights = ctx.weights.rank_bytes(shape, span, tp_rank, tp, is_first=first, is_last=last)
             block = shape.kv_cache_bytes_per_block(
                 layers, tp_rank, tp, ctx.kv_bytes, opts.block_size
             )
@@ -422,10 +461,9 @@ def _balanced_partition(ctx: _Ctx, tp: int, pp: int) -> list[int] | None:
         first, last = stage == 0, stage == pp - 1
         per_rank = []
         for t in range(tp):
-            fixed = shape.rank_params(0, t, tp, is_first=first, is_last=last)
-            room = usable - _activation_bytes(ctx, t, tp, last) - non_torch
-            room -= fixed * ctx.dtype_bytes
-            layer_bytes = shape.layer_params(t, tp) * ctx.dtype_bytes
+            fixed = ctx.weights.rank_bytes(shape, (0, 0), t, tp, is_first=first, is_last=last)
+            room = usable - _activation_bytes(ctx, t, tp, last) - non_torch - fixed
+            layer_bytes = ctx.weights.max_layer_bytes(shape, t, tp)
             block = shape.kv_cache_bytes_per_block(1, t, tp, ctx.kv_bytes, opts.block_size)
             per_rank.append((room, layer_bytes, block))
         stages.append(per_rank)
@@ -505,7 +543,70 @@ def _gib(n: float, digits: int = 1) -> str:
 
 
 def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None = None) -> Plan:
+    """The layout for `spec` on `inventory`. A float checkpoint too big for the inventory gets the
+    layout of its weight-only quantization instead (int8, else int4), its reasons saying so and
+    its serve command carrying --quantization; PlanError when even int4 does not fit."""
     options = options or PlanOptions()
+    try:
+        return _choose(spec, inventory, options)
+    except PlanError as too_big:
+        if options.device == "cpu" or spec.prequantized:
+            raise
+        schemes = list(QUANTIZATION_SCHEMES)  # the largest first
+        smaller = schemes[schemes.index(options.quantization) + 1 :] if options.quantization else []
+        for scheme in smaller if options.quantization else schemes:
+            try:
+                plan = _choose(spec, inventory, dataclasses.replace(options, quantization=scheme))
+            except (PlanError, ConfigError):
+                continue
+            if options.quantization:  # asked for: proposed, not chosen
+                layout = _layout(plan.tensor_parallel_size, plan.pipeline_parallel_size)
+                hint = f"{too_big.hint}; --quantization {scheme} fits ({layout})"
+                raise PlanError(too_big.message, hint) from None
+            return _quantized_instead(plan, too_big, spec, inventory, options)
+        hint = f"{too_big.hint}; even --quantization {schemes[-1]} does not fit"
+        raise PlanError(too_big.message, hint) from None
+
+
+def _quantized_instead(
+    plan: Plan, too_big: PlanError, spec: ModelSpec, inventory: Inventory, options: PlanOptions
+) -> Plan:
+    """The quantized plan, its first reasons saying why it is quantized; the smaller schemes
+    that fit are offered next to it."""
+    scheme = QUANTIZATION_SCHEMES[plan.quantization]
+    reasons = (
+        f"too big in {plan.dtype}: {too_big.message}",
+        f"so weight-only {scheme.name} quantization (--quantization {scheme.name}): "
+        f"{_scheme_text(scheme)}; the embedding and LM head in {plan.dtype}",
+    )
+    alternatives = list(plan.alternatives)
+    schemes = list(QUANTIZATION_SCHEMES)
+    for smaller in schemes[schemes.index(scheme.name) + 1 :]:
+        try:
+            other = _choose(spec, inventory, dataclasses.replace(options, quantization=smaller))
+        except (PlanError, ConfigError):
+            continue
+        layout = _layout(other.tensor_parallel_size, other.pipeline_parallel_size)
+        ratio = other.kv_cache_tokens / max(plan.kv_cache_tokens, 1)
+        offer = (
+            f"{_scheme_text(QUANTIZATION_SCHEMES[smaller])}: {other.gpus_used} GPU(s), "
+            f"{ratio:.1f}x the KV cache"
+        )
+        alternatives.append((f"{layout} with --quantization {smaller}", offer))
+    return dataclasses.replace(
+        plan, reasons=reasons + plan.reasons, alternatives=tuple(alternatives)
+    )
+
+
+def _scheme_text(scheme) -> str:
+    """ "the linear layers in 4-bit groups of 32 with their scales, 0.75 bytes per weight"."""
+    return (
+        f"the linear layers in {scheme.bits}-bit groups of {scheme.group_size} with their scales, "
+        f"{scheme.format.bytes_per_weight:.4g} bytes per weight"
+    )
+
+
+def _choose(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> Plan:
     ctx = _resolve(spec, inventory, options)
     rejected: list[tuple[str, str]] = []
     alternatives: list[tuple[str, str]] = []
@@ -518,6 +619,7 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
                 f"({spec.num_kv_heads} KV heads)",
                 f"use one of {', '.join(map(str, valid))}",
             )
+        ctx.weights.check_split(spec.shape, tp, valid)
         chosen = _evaluate(ctx, tp, pp, options.pipeline_layer_partition)
         reasons = [f"{_layout(tp, pp)} as asked"]
         if _uneven_tp(spec, tp):
@@ -544,10 +646,18 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
         rejected.append((_layout(tp, pp), f"holds {held:,} KV tokens, needs {need:,}"))
         return None
 
+    def whole(tp: int) -> bool:
+        """Quantized weights: every rank's row-parallel inputs are whole quantization groups."""
+        return not ctx.weights.cut_groups(spec.shape, tp)
+
     def allowed(tp: int) -> bool:
-        return _even_tp(spec, tp) or (
-            options.allow_uneven_tp and tp in valid_tp_sizes(spec.num_heads, spec.num_kv_heads)
+        return whole(tp) and (
+            _even_tp(spec, tp)
+            or (options.allow_uneven_tp and tp in valid_tp_sizes(spec.num_heads, spec.num_kv_heads))
         )
+
+    def uneven_whole(tp: int) -> bool:
+        return whole(tp) and _uneven_tp(spec, tp)
 
     # 1. One GPU.
     chosen = attempt(1, 1)
@@ -555,7 +665,7 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
         reasons = [f"the model fits one GPU with {want}: no distributed inference needed"]
         if gpus > 1 and allowed(gpus):
             alternatives.append(_full_width(ctx, chosen, gpus))
-        elif gpus > 1 and _uneven_tp(spec, gpus):
+        elif gpus > 1 and uneven_whole(gpus):
             layout, offer = _full_width(ctx, chosen, gpus)
             alternatives.append((_llmctl_only(gpus), f"{offer}; {_uneven_split(spec, gpus)}"))
         return _finish(ctx, chosen, reasons, rejected, alternatives)
@@ -574,6 +684,10 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
                     return _finish(ctx, chosen, reasons, rejected, alternatives)
         else:
             for tp in range(2, gpus + 1):
+                cuts = ctx.weights.cut_groups(spec.shape, tp)
+                if cuts:
+                    rejected.append((_layout(tp, 1), f"cuts the quantization groups of {cuts[0]}"))
+                    continue
                 if not allowed(tp):
                     if _uneven_tp(spec, tp):
                         uneven = _evaluate(ctx, tp, 1)
@@ -610,7 +724,7 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
                         reasons.append(f"llmctl only: {_uneven_split(spec, tp)}")
                     if tp < gpus and allowed(gpus):
                         alternatives.append(_full_width(ctx, chosen, gpus))
-                    elif tp < gpus and _uneven_tp(spec, gpus):
+                    elif tp < gpus and uneven_whole(gpus):
                         layout, offer = _full_width(ctx, chosen, gpus)
                         offer = f"{offer}; {_uneven_split(spec, gpus)}"
                         alternatives.append((_llmctl_only(gpus), offer))
@@ -627,10 +741,10 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
                 + ("" if tp == gpus else f", the largest size <= {gpus} that divides the heads")
                 + f"), pipeline parallel across the {n} nodes (pp={n})",
             ]
-            if tp < gpus and _uneven_tp(spec, gpus):
-                uneven = _evaluate(ctx, gpus, n)
-                if uneven.fits(ctx):
-                    ratio = uneven.blocks / max(chosen.blocks, 1)
+            if tp < gpus and uneven_whole(gpus):
+                wider = _evaluate(ctx, gpus, n)
+                if wider.fits(ctx):
+                    ratio = wider.blocks / max(chosen.blocks, 1)
                     offer = f"every GPU of the {n} nodes: {ratio:.1f}x the KV cache"
                     alternatives.append(
                         (_llmctl_only(gpus, n), f"{offer}; {_uneven_split(spec, gpus)}")
@@ -691,6 +805,7 @@ def _finish(ctx: _Ctx, chosen: _Eval, reasons, rejected, alternatives) -> Plan:
         "block_size": opts.block_size if opts.block_size != defaults.block_size else None,
         "max_num_seqs": opts.max_num_seqs if opts.max_num_seqs != defaults.max_num_seqs else None,
         "max_num_batched_tokens": opts.max_num_batched_tokens,
+        "quantization": opts.quantization,
     }
     serve = ["llmctl", "serve", spec.name, *engine_args_to_argv(layout, aliases=True)]
     serve += engine_args_to_argv(engine)
@@ -723,6 +838,9 @@ def _finish(ctx: _Ctx, chosen: _Eval, reasons, rejected, alternatives) -> Plan:
         rejected=tuple(rejected),
         alternatives=tuple(alternatives),
         commands=commands,
+        quantization=opts.quantization,
+        weight_format=ctx.weights.label(),
+        weight_format_detail=ctx.weights.detail(spec.shape) if ctx.weights.quantized else "",
     )
 
 
@@ -730,7 +848,9 @@ def _too_big(ctx: _Ctx, tried: list[_Eval], what: str) -> PlanError:
     """How much memory is missing, and what would fit instead."""
     spec, opts = ctx.spec, ctx.options
     need_tokens = ctx.max_model_len * opts.min_concurrency
-    weights = spec.total_params() * ctx.dtype_bytes
+    weights = ctx.weights.rank_bytes(
+        spec.shape, (0, spec.num_layers), 0, 1, is_first=True, is_last=True
+    )
     kv = need_tokens * spec.shape.kv_bytes_per_token(spec.num_layers, 0, 1, ctx.kv_bytes)
     if opts.device == "cpu":
         best = max(tried, key=lambda e: e.blocks) if tried else None
@@ -750,19 +870,14 @@ def _too_big(ctx: _Ctx, tried: list[_Eval], what: str) -> PlanError:
     room = usable - per_gpu_overhead
     if room > 0:
         hints.append(f"about {math.ceil((weights + kv) / room)} GPUs of {ctx.gpu_gib:g} GiB")
-    for label, bytes_per in (("8-bit", 1), ("4-bit", 0.5)):
-        if weights / ctx.dtype_bytes * bytes_per + kv + per_gpu_overhead * gpus_total <= available:
-            hints.append(
-                f"{label} quantized weights ({_gib(weights / ctx.dtype_bytes * bytes_per)})"
-            )
-            break
     shorter = _longest_fitting_len(ctx, tried)
     if shorter:
         hints.append(f"--max-model-len {shorter}")
     message = (
         f"{spec.name} does not fit {what} with room for {opts.min_concurrency} request(s) of "
-        f"{ctx.max_model_len:,} tokens: weights {_gib(weights)} + KV cache {_gib(kv)} + "
-        f"activations and memory outside torch {_gib(per_gpu_overhead)} per GPU"
+        f"{ctx.max_model_len:,} tokens: weights {_gib(weights)} ({ctx.weights.label()}) + "
+        f"KV cache {_gib(kv)} + activations and memory outside torch "
+        f"{_gib(per_gpu_overhead)} per GPU"
     )
     if missing:
         message += f"; {_gib(missing)} more memory is needed"

@@ -96,3 +96,43 @@ def test_uneven_tp_is_printed_as_llmctl_only(invoke):
     assert "vLLM cannot run it" in also
     as_json = json.loads(invoke("plan", "Llama-3.1-8B", "--gpus-per-node", "3", "--json").stdout)
     assert as_json["alternatives"][0]["layout"] == "tp=3, pp=1 (llmctl only)"
+
+
+def test_a_model_too_big_in_float_is_planned_quantized(invoke):
+    result = invoke(
+        "plan", "Llama-2-13B", "--gpus-per-node", "1", "--gpu-memory-gib", "24",
+        env={"COLUMNS": "300"},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "weights: 13.90 GiB per GPU (int8)" in out
+    why = out[out.index("Why") : out.index("Also possible")]
+    assert "- too big in float16: Llama-2-13B does not fit 1 node(s) x 1 GPU(s) of 24 GiB" in why
+    assert "- so weight-only int8 quantization (--quantization int8)" in why
+    also = out[out.index("Also possible") : out.index("Run")]
+    assert "- tp=1, pp=1 with --quantization int4: the linear layers in 4-bit groups" in also
+    assert out.rstrip().endswith("llmctl serve Llama-2-13B --quantization int8")
+    as_json = invoke(
+        "plan", "Llama-2-13B", "--gpus-per-node", "1", "--gpu-memory-gib", "24",
+        "--quantization", "int4", "--json",
+    )  # fmt: skip
+    plan = json.loads(as_json.stdout)
+    assert (plan["quantization"], plan["weight_format"]) == ("int4", "int4")
+    assert plan["commands"]["serve"] == "llmctl serve Llama-2-13B --quantization int4"
+    bad = invoke("plan", "GPT-2", "--quantization", "int3")
+    assert bad.exit_code == 1
+    assert "unknown quantization 'int3'" in bad.stderr and "int8 or int4" in bad.stderr
+
+
+def test_the_bundled_gguf_is_planned_in_its_quantized_types(invoke):
+    from llmctl.engine.model_loader.default_model import default_model_path
+
+    result = invoke(
+        "plan", str(default_model_path()), "--gpus-per-node", "1", "--gpu-memory-gib", "24",
+        env={"COLUMNS": "300"},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "weights: 0.09 GiB per GPU (Q4_1 GGUF)" in out
+    assert "Q8_0 (embedding), Q4_1 (q, k, v, o, gate, up, down)" in out
+    assert "--quantization" not in out

@@ -89,11 +89,16 @@ def test_min_concurrency_needs_more_gpus():
 
 
 def test_too_big_says_what_is_missing_and_what_would_fit():
+    # Llama-3.1-70B (131 GiB in bfloat16) on 2 x 24 GiB: not even its 4-bit weights fit.
     with pytest.raises(PlanError) as err:
-        make_plan(CATALOG["Llama-3.1-70B"], inventory_from_flags(1, 4, 24), SHORT)
+        make_plan(CATALOG["Llama-3.1-70B"], inventory_from_flags(1, 2, 24), SHORT)
+    assert "weights 131.4 GiB (bfloat16)" in err.value.message
     assert "GiB more memory is needed" in err.value.message
     assert "GPUs of 24 GiB" in err.value.hint
-    assert "8-bit quantized weights" in err.value.hint
+    assert "even --quantization int4 does not fit" in err.value.hint
+    # On 4 x 24 GiB its 8-bit weights fit: that plan is proposed instead (test_plan_quantization).
+    plan = make_plan(CATALOG["Llama-3.1-70B"], inventory_from_flags(1, 4, 24), SHORT)
+    assert plan.quantization == "int8"
 
 
 def test_shorter_context_suggested_when_only_length_is_the_problem():
@@ -191,3 +196,116 @@ def test_across_nodes_the_uneven_full_width_is_offered_too():
     # One node's tp=3 is too small, and says so as the uneven layout it is.
     why = dict(plan.rejected)["tp=3, pp=1 (llmctl only)"]
     assert why.startswith("uneven tensor parallel holds") and why.endswith("needs 4,096")
+
+
+def test_a_float_model_too_big_for_the_inventory_is_planned_quantized():
+    # Llama-2-13B in float16 is 24.2 GiB: one 24 GiB GPU cannot hold it; its int8 weights fit.
+    spec = CATALOG["Llama-2-13B"]
+    plan = make_plan(spec, inventory_from_flags(1, 1, 24), PlanOptions())
+    assert (plan.tensor_parallel_size, plan.quantization) == (1, "int8")
+    assert plan.commands["serve"] == "llmctl serve Llama-2-13B --quantization int8"
+    assert plan.reasons[0].startswith("too big in float16: Llama-2-13B does not fit")
+    assert plan.reasons[1].startswith("so weight-only int8 quantization (--quantization int8)")
+    assert "1.125 bytes per weight" in plan.reasons[1]
+    # 8-bit groups of 32 with a float32 scale for the linears; the rest in float16.
+    linears = spec.num_layers * (4 * 5120 * 5120 + 3 * 5120 * 13824)
+    rest = spec.total_params() - linears
+    assert plan.ranks[0].weight_bytes == linears * 36 // 32 + 2 * rest
+    assert (
+        plan.weight_line == f"weights: {plan.ranks[0].weight_bytes / 2**30:.2f} GiB per GPU (int8)"
+    )
+    [(layout, offer)] = plan.alternatives
+    assert layout == "tp=1, pp=1 with --quantization int4"
+    assert "0.75 bytes per weight" in offer
+    # On 16 GiB only its 4-bit weights fit.
+    small = make_plan(spec, inventory_from_flags(1, 1, 16), PlanOptions())
+    assert small.quantization == "int4" and small.weight_format == "int4"
+    assert small.commands["serve"].endswith("--quantization int4")
+    # A float plan that fits stays float.
+    fits = make_plan(CATALOG["Llama-3.1-8B"], inventory_from_flags(1, 1, 24), SHORT)
+    assert fits.quantization is None and fits.weight_format == "bfloat16"
+    assert "--quantization" not in fits.commands["serve"]
+
+
+def test_asked_quantization_that_does_not_fit_proposes_the_smaller_one():
+    with pytest.raises(PlanError) as err:
+        make_plan(
+            CATALOG["Llama-2-13B"], inventory_from_flags(1, 1, 16), PlanOptions(quantization="int8")
+        )
+    assert "weights 13.9 GiB (int8)" in err.value.message
+    assert err.value.hint.endswith("--quantization int4 fits (tp=1, pp=1)")
+    with pytest.raises(ConfigError) as bad:
+        PlanOptions(quantization="fp4")
+    assert "int8 or int4" in bad.value.hint
+
+
+def _gguf_spec(type_name: str, down: str = "Q4_1") -> ModelSpec:
+    """SmolLM2 as a GGUF of `type_name` linears and `down` down_proj (what load_model_spec reads
+    from a file)."""
+    from llmctl.engine.weight_format import dense_format, gguf_weight_formats
+
+    shape = CATALOG["SmolLM2-135M-Instruct"].shape
+    names = [f"blk.{i}.{t}.weight" for i in range(shape.num_layers)
+             for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                       "ffn_down", "attn_norm", "ffn_norm")]  # fmt: skip
+    types = [(n, "F32" if "norm" in n else down if "down" in n else type_name) for n in names]
+    types += [
+        ("token_embd.weight", "Q8_0"),
+        ("output_norm.weight", "F32"),
+    ]
+    sizes = {"Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}
+    formats = gguf_weight_formats(dense_format("float32", 4), types, sizes)
+    return ModelSpec(name="smol.gguf", shape=shape, dtype="float32", weight_formats=formats)
+
+
+def test_a_gguf_is_planned_in_its_own_types_and_refuses_quantization():
+    spec = _gguf_spec("Q4_1")
+    plan = make_plan(spec, inventory_from_flags(1, 1, 24), PlanOptions(dtype="float32"))
+    assert plan.weight_format == "Q4_1 GGUF" and plan.quantization is None
+    assert plan.weight_line == "weights: 0.09 GiB per GPU (Q4_1 GGUF)"
+    assert "--quantization" not in plan.commands["serve"]
+    with pytest.raises(ConfigError) as err:
+        make_plan(spec, inventory_from_flags(1, 1, 24), PlanOptions(quantization="int4"))
+    assert err.value.message == (
+        "smol.gguf is already quantized (Q4_1 GGUF); --quantization int4 quantizes float "
+        "checkpoints"
+    )
+    assert err.value.hint.startswith("drop --quantization")
+
+
+def test_a_tensor_parallel_split_that_cuts_gguf_blocks_is_refused():
+    # A Q4_K down_proj: every row-parallel split must fall on whole blocks of 256 (as the engine
+    # requires of the file's largest block), and SmolLM2's o_proj has 576 inputs: tp=2 gives 384.
+    spec = _gguf_spec("Q4_1", down="Q4_K")
+    inventory = inventory_from_flags(1, 8, 24)
+    with pytest.raises(ConfigError) as err:
+        make_plan(spec, inventory, PlanOptions(tensor_parallel_size=2))
+    assert "o (384 of 576 inputs; groups of 256)" in err.value.message
+    assert err.value.hint == "use tensor_parallel_size 1, or pipeline parallel"
+    # Q4_1's blocks of 32: tp=4 splits o_proj and down_proj on whole blocks, tp=5 does not.
+    q4_1 = _gguf_spec("Q4_1")
+    assert make_plan(q4_1, inventory, PlanOptions(tensor_parallel_size=4)).ranks
+    with pytest.raises(ConfigError) as err:
+        make_plan(q4_1, inventory, PlanOptions(tensor_parallel_size=5))
+    assert "down (308 of 1536 inputs; groups of 32)" in err.value.message
+    assert err.value.hint == "use tensor_parallel_size 1, 2, 3, 4, 6, 8, or pipeline parallel"
+
+
+def test_quantized_layouts_keep_whole_groups_on_every_rank():
+    # Llama-3.1-8B's 14336 MLP features over tp=3: 4779, 4779 and 4778 down_proj inputs per
+    # rank, not whole groups of 32, so the uneven tp=3 offered in float is not offered in int4.
+    inventory = inventory_from_flags(1, 3, 80)
+    assert "tp=3, pp=1 (llmctl only)" in dict(
+        make_plan(CATALOG["Llama-3.1-8B"], inventory, SHORT).alternatives
+    )
+    int4 = make_plan(
+        CATALOG["Llama-3.1-8B"], inventory, PlanOptions(max_model_len=4096, quantization="int4")
+    )
+    assert int4.alternatives == ()
+    with pytest.raises(ConfigError) as err:
+        make_plan(
+            CATALOG["Llama-3.1-8B"],
+            inventory,
+            PlanOptions(max_model_len=4096, quantization="int4", tensor_parallel_size=3),
+        )
+    assert "down (4779 of 14336 inputs; groups of 32)" in err.value.message
