@@ -16,7 +16,7 @@ parameter count broken down by role, split as the engine's layers split them: th
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from llmctl.engine.errors import ConfigError
@@ -255,21 +255,27 @@ class WeightFormats:
 
 
 def gguf_weight_formats(
-    dense: WeightFormat,
-    tensor_types: Iterable[tuple[str, str]],
-    block_sizes: Mapping[str, tuple[int, int]],
+    dense: WeightFormat, tensor_types: Iterable[tuple[str, str]]
 ) -> WeightFormats:
-    """The formats of a GGUF file's quantized tensors: `tensor_types` gives (tensor name, GGML
-    type name) and `block_sizes` GGML's (weights, bytes) per block of each type
-    (gguf.constants.GGML_QUANT_SIZES). Float tensors (F32, F16, BF16) are left to `dense`: the
-    engine holds them in the model's dtype."""
+    """The formats of a GGUF file's quantized tensors as the engine holds them: `tensor_types`
+    gives (tensor name, GGML type name); each quantized type is repacked at load into groups of
+    `bits`-bit values with float32 scales (and zeros for 4 bits), PACKED_FORMATS in
+    engine/layers/quantization/gguf_quants.py. Float tensors (F32, F16, BF16) are left to
+    `dense`: the engine holds them in the model's dtype. A format's block is the file's (a
+    tensor-parallel split must fall on whole blocks: the engine narrows the raw blocks before
+    decoding them), its bytes what the engine holds for one block."""
+    from llmctl.engine.layers.quantization.gguf_quants import BLOCK_ELEMENTS, PACKED_FORMATS
+
     by_role = []
     for name, type_name in tensor_types:
         key = gguf_tensor_role(name)
         if key is None or type_name in _GGUF_FLOAT_TYPES:
             continue
-        size, nbytes = block_sizes[type_name]
-        by_role.append((key, WeightFormat(type_name, size, nbytes, quantized=True)))
+        bits, group = PACKED_FORMATS[type_name]
+        block = BLOCK_ELEMENTS[type_name]
+        scales = QUANTIZATION_SCALE_BYTES * (2 if bits == 4 else 1)
+        held = block * bits // 8 + block // group * scales
+        by_role.append((key, WeightFormat(type_name, block, held, quantized=True)))
     return WeightFormats(dense, tuple(by_role), "GGUF")
 
 

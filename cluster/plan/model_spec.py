@@ -105,10 +105,14 @@ def load_model_spec(model: str | None) -> ModelSpec:
     """A catalog name, a Hugging Face directory, a .gguf file, or None (the bundled default)."""
     from llmctl.cluster.plan.catalog import CATALOG, find_in_catalog
 
-    if model is None:
-        from llmctl.engine.model_loader.default_model import DEFAULT_MODEL_NAME
+    if model is None:  # the bundled GGUF as the engine loads it; the catalog's entry without it
+        from llmctl.engine.errors import ModelNotFoundError
+        from llmctl.engine.model_loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 
-        return CATALOG[DEFAULT_MODEL_NAME]
+        try:
+            return spec_from_gguf(default_model_path(), DEFAULT_MODEL_NAME)
+        except ModelNotFoundError:
+            return CATALOG[DEFAULT_MODEL_NAME]
     path = Path(model).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         try:
@@ -121,7 +125,7 @@ def load_model_spec(model: str | None) -> ModelSpec:
         found = sorted(path.glob("*.gguf"))
         gguf_file = found[0] if len(found) == 1 else None
     if gguf_file is not None and gguf_file.is_file():
-        return _from_gguf(gguf_file, model)
+        return spec_from_gguf(gguf_file, model)
     spec = find_in_catalog(model)
     if spec is not None:
         return spec
@@ -131,35 +135,17 @@ def load_model_spec(model: str | None) -> ModelSpec:
     )
 
 
-def _from_gguf(path: Path, name: str) -> ModelSpec:
-    import gguf
-
-    from llmctl.engine.errors import ModelLoadError
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # the gguf package raises bare ValueError/KeyError on bad files
-        raise ModelLoadError(
-            f"{path} is not a readable GGUF file ({exc})",
-            "check that the download finished, or name another model",
-        ) from exc
-    return spec_from_gguf_reader(reader, name)
-
-
-def spec_from_gguf_reader(reader, name: str) -> ModelSpec:
-    """The shape from a gguf.GGUFReader's metadata, each tensor's GGML type from its tensor
-    infos (the file is memory-mapped: no tensor data is read)."""
-    import gguf
-
+def spec_from_gguf(path: str | Path, name: str) -> ModelSpec:
+    """The shape from the GGUF's metadata and each tensor's type, read from the file's header
+    alone (no tensor data, no tokenizer decoding: milliseconds)."""
     from llmctl.engine.layers.quantization.quant_config import QuantizationConfig
-    from llmctl.engine.model_loader.gguf import gguf_shape
+    from llmctl.engine.model_loader.gguf_file import read_gguf_metadata
 
+    metadata, types = read_gguf_metadata(path)
     try:
-        shape = gguf_shape(reader)
+        shape = ModelShape.from_gguf_metadata(metadata, tuple(n for n, _ in types))
     except ConfigError as exc:
         raise UnknownModelError(f"{name}: {exc.message}; it cannot be planned", exc.hint) from None
-    types = [(t.name, t.tensor_type.name) for t in reader.tensors]
     QuantizationConfig.for_gguf([type_name for _, type_name in types])  # types the engine reads
-    block_sizes = {t.name: sizes for t, sizes in gguf.constants.GGML_QUANT_SIZES.items()}
-    formats = gguf_weight_formats(dense_format("float32", 4), types, block_sizes)
+    formats = gguf_weight_formats(dense_format("float32", 4), types)
     return ModelSpec(name=name, shape=shape, dtype="float32", weight_formats=formats)

@@ -27,6 +27,7 @@ _SCALARS = {
     0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"
 }  # fmt: skip
 _STRING, _ARRAY = 8, 9
+_ARRAY_VALUES = 1024  # longer arrays are read as their length (the vocabulary: 49152 strings)
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,9 @@ def read_gguf_tensors(path: str | Path) -> list[GGUFTensorInfo]:
 
 
 def _parse_header(mv: memoryview) -> tuple[list[tuple[str, list[int], int, int]], int, dict]:
-    """(tensor infos (name, dims, type, offset), data start, the general.* string values)."""
+    """(tensor infos (name, dims, type, offset), data start, the metadata: scalars and strings
+    by value, arrays of up to _ARRAY_VALUES scalars as lists, longer arrays (the tokenizer's
+    vocabulary) by their length)."""
     if bytes(mv[:4]) != b"GGUF":
         raise ValueError("no GGUF magic")
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", mv, 4)
@@ -95,7 +98,7 @@ def _parse_header(mv: memoryview) -> tuple[list[tuple[str, list[int], int, int]]
         raise ValueError(f"GGUF version {version} is too old")
     pos = 24
     alignment = 32
-    general: dict[str, str] = {}
+    metadata: dict[str, object] = {}
 
     def string(pos: int) -> tuple[str, int]:
         (n,) = struct.unpack_from("<Q", mv, pos)
@@ -121,10 +124,19 @@ def _parse_header(mv: memoryview) -> tuple[list[tuple[str, list[int], int, int]]
         key, pos = string(pos)
         (type_id,) = struct.unpack_from("<I", mv, pos)
         pos += 4
+        if type_id in _SCALARS:
+            (metadata[key],) = struct.unpack_from("<" + _SCALARS[type_id], mv, pos)
+        elif type_id == _STRING:
+            metadata[key] = string(pos)[0]
+        elif type_id == _ARRAY:
+            item, count = struct.unpack_from("<IQ", mv, pos)
+            if item in _SCALARS and count <= _ARRAY_VALUES:
+                fmt = f"<{count}{_SCALARS[item]}"
+                metadata[key] = list(struct.unpack_from(fmt, mv, pos + 12))
+            else:
+                metadata[key] = count
         if key == "general.alignment" and type_id in _SCALARS:
-            (alignment,) = struct.unpack_from("<" + _SCALARS[type_id], mv, pos)
-        elif key.startswith("general.") and type_id == _STRING:
-            general[key] = string(pos)[0]
+            alignment = int(metadata[key])
         pos = skip(type_id, pos)
     infos = []
     for _ in range(n_tensors):
@@ -135,7 +147,22 @@ def _parse_header(mv: memoryview) -> tuple[list[tuple[str, list[int], int, int]]
         type_id, offset = struct.unpack_from("<IQ", mv, pos)
         pos += 12
         infos.append((name, dims, type_id, offset))
-    return infos, -(-pos // alignment) * alignment, general
+    return infos, -(-pos // alignment) * alignment, metadata
+
+
+def read_gguf_metadata(path: str | Path) -> tuple[dict, list[tuple[str, str]]]:
+    """The metadata (see _parse_header) and each tensor's (name, GGML type name), from the
+    header alone: what planning needs, in milliseconds."""
+    import gguf
+
+    _, infos, _, metadata = _open(path)
+    types = []
+    for name, _, type_id, _ in infos:
+        try:
+            types.append((name, gguf.GGMLQuantizationType(type_id).name))
+        except ValueError:
+            types.append((name, f"type {type_id}"))
+    return metadata, types
 
 
 def gguf_tensor_count(path: str | Path) -> int:

@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
-import gguf
+import math
+
 import pytest
 
 from llmctl.cluster.plan.catalog import CATALOG
-from llmctl.cluster.plan.model_spec import spec_from_gguf_reader
+from llmctl.cluster.plan.model_spec import spec_from_gguf
 from llmctl.engine.distributed.partition import layer_partition, valid_tp_sizes
 from llmctl.engine.errors import ConfigError
+from llmctl.engine.layers.quantization.gguf_quants import PACKED_FORMATS, packed_nbytes
 from llmctl.engine.model_loader.default_model import default_model_path
+from llmctl.engine.model_loader.gguf_file import read_gguf_tensors
 from llmctl.engine.weight_format import (
     QUANTIZATION_SCHEMES,
     WeightFormats,
@@ -70,25 +73,33 @@ def test_quantization_holds_the_linears_in_groups_and_the_rest_in_the_dtype():
 
 @pytest.fixture(scope="module")
 def bundled():
-    """The bundled GGUF's ModelSpec, and its tensors as gguf's reader gives them (reading the
-    file's header takes seconds: once per module)."""
-    path = str(default_model_path())
-    reader = gguf.GGUFReader(path)
-    return spec_from_gguf_reader(reader, path), {t.name: t for t in reader.tensors}
+    """The bundled GGUF's ModelSpec, and the bytes the engine holds for each of its tensors:
+    quantized ones repacked (PACKED_FORMATS), float ones in float32."""
+    path = default_model_path()
+    held = {}
+    for t in read_gguf_tensors(path):
+        rows, cols = (t.shape[0], math.prod(t.shape[1:])) if len(t.shape) > 1 else (t.shape[0], 1)
+        if t.type_name == "F32":
+            held[t.name] = (4 * rows * cols, False)
+        else:
+            held[t.name] = (packed_nbytes(rows, cols, *PACKED_FORMATS[t.type_name]), True)
+    return spec_from_gguf(path, str(path)), held
 
 
-def test_bundled_gguf_bytes_are_its_tensors_bytes(bundled):
-    """SmolLM2-135M Q4_1: Q4_1 linears, a Q8_0 (tied) embedding, float32 norms."""
-    spec, tensors = bundled
+def test_bundled_gguf_bytes_are_what_the_engine_packs(bundled):
+    """SmolLM2-135M Q4_1: Q4_1 linears, a Q8_0 (tied) embedding, float32 norms; the engine
+    repacks Q4_1 into 4-bit groups of 32 with a float32 scale and zero, Q8_0 into 8-bit groups
+    with a scale (tests/engine/test_plan_predictions.py checks these against a loaded engine)."""
+    spec, held = bundled
     shape, weights = spec.shape, spec.weight_formats
-    nbytes = {name: int(t.n_bytes) for name, t in tensors.items()}
+    nbytes = {name: n for name, (n, _) in held.items()}
     assert weights.label() == "Q4_1 GGUF"
     assert weights.detail(shape) == (
         "Q8_0 (embedding), Q4_1 (q, k, v, o, gate, up, down), float32 (the rest)"
     )
     layers = shape.num_layers
 
-    # tp=1, pp=1: the whole file.
+    # tp=1, pp=1: every tensor once (the tied LM head is the embedding's packed weight).
     whole = weights.rank_bytes(shape, (0, layers), 0, 1, is_first=True, is_last=True)
     assert whole == sum(nbytes.values())
 
@@ -106,8 +117,8 @@ def test_bundled_gguf_bytes_are_its_tensors_bytes(bundled):
 
     # tp=3 (9 heads on 3 KV heads, 1536 MLP features, 49152 tokens: all divide by 3): every
     # matrix a third on each rank, the norms whole.
-    split = sum(n for name, n in nbytes.items() if tensors[name].tensor_type.name != "F32")
-    replicated = sum(n for name, n in nbytes.items() if tensors[name].tensor_type.name == "F32")
+    split = sum(n for name, (n, quantized) in held.items() if quantized)
+    replicated = sum(n for name, (n, quantized) in held.items() if not quantized)
     assert split % 3 == 0
     for tp_rank in range(3):
         got = weights.rank_bytes(shape, (0, layers), tp_rank, 3, is_first=True, is_last=True)

@@ -49,6 +49,9 @@ _FORMATS: dict[int, tuple[str, int, int]] = {
     14: ("Q6_K", QK_K, 210),
 }
 
+# GGML type name -> elements per block (a row split must fall on whole blocks).
+BLOCK_ELEMENTS = {name: block for name, block, _ in _FORMATS.values()}
+
 
 def supported_types() -> list[str]:
     """Names of the GGUF quantized types that run natively."""
@@ -64,12 +67,19 @@ def block_size(ggml_type: int) -> int:
     return _format(ggml_type, "tensor")[1]
 
 
+# GGML type name -> (bits, group_size) of the packed weight it becomes in memory.
+PACKED_FORMATS = {
+    "Q4_0": (4, 32),
+    "Q4_1": (4, 32),
+    "Q8_0": (8, 32),
+    "Q4_K": (4, 32),
+    "Q6_K": (8, 16),
+}
+
+
 def packed_format(ggml_type: int) -> tuple[int, int]:
     """(bits, group_size) of the packed weight a GGUF type becomes (see the table above)."""
-    name = _format(ggml_type, "tensor")[0]
-    return {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32), "Q4_K": (4, 32), "Q6_K": (8, 16)}[
-        name
-    ]
+    return PACKED_FORMATS[_format(ggml_type, "tensor")[0]]
 
 
 def packed_nbytes(n: int, k: int, bits: int, group_size: int) -> int:
