@@ -129,11 +129,12 @@ class LlamaCppRunner:
         b.n_tokens = len(items)
         if L.llama_decode(ctx, b) != 0:
             raise SystemExit("llama_decode failed")
-        n_out = sum(1 for item in items if item[3])
-        if not n_out:
-            return []
-        logits = np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(n_out, self.n_vocab))
-        return logits.argmax(axis=1).tolist()
+        rows = [i for i, item in enumerate(items) if item[3]]
+        shape = (self.n_vocab,)
+        return [
+            int(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=shape).argmax())
+            for i in rows
+        ]
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         L = self.L
@@ -331,7 +332,9 @@ def main() -> None:
             for engine in ("llmctl", rival):
                 for t in threads:
                     print(f"  running {engine}, threads {t} ...", file=sys.stderr, flush=True)
-                    rows[(engine, t)] = run_child(engine, t, path)
+                    rows[(engine, t)] = r = run_child(engine, t, path)
+                    done = ", ".join(f"{w} {r[w]['tok_s']:.1f} tok/s" for w in workloads)
+                    print(f"    start {r['start_s']:.1f} s, {done}", file=sys.stderr, flush=True)
             if not args.no_cold and rival == "llamacpp":
                 for engine in ("llmctl", rival):
                     with tempfile.TemporaryDirectory() as cache:
