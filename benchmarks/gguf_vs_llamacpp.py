@@ -1,0 +1,348 @@
+"""llmctl vs llama.cpp on the same GGUF file and the same token ids, one run (issue 15).
+
+Workloads, greedy, EOS ignored, each engine in its own fresh process:
+    W1  1 prompt x 32 token ids -> 128 tokens   (single-stream decode; output tok/s)
+    W2  64 prompts x 32 -> 128 tokens            (batched decode; output tok/s)
+    W3  16 prompts x 512 -> 1 token              (prefill; prompt tok/s)
+    start-up: process start to the first token, cold (llmctl: an empty LLMCTL_CACHE_DIR, so the
+    first run after install: GGUF conversion, kernel build) and warm; peak RSS after W1 (start-up
+    + single stream).
+Each side runs with its own defaults and again with 2 threads (OMP_NUM_THREADS=2 for llmctl and
+transformers; n_threads = n_threads_batch = 2 for llama.cpp). llmctl is driven through its public
+API only, LLM(model=path_to_gguf), so it measures whichever GGUF path the tree has. llama.cpp is
+driven through llama-cpp-python's low-level API (llama_batch + llama_decode with one sequence id per
+prompt, a unified KV cache, greedy argmax on its logits): its batched API.
+
+The float path is compared the same way against Hugging Face transformers: both load the GGUF's
+weights dequantized to a Hugging Face directory (written once by transformers, cached), llmctl as
+LLM(model=that_dir), transformers with generate().
+
+    python benchmarks/gguf_vs_llamacpp.py --setup     # once: pip install llama-cpp-python
+    python benchmarks/gguf_vs_llamacpp.py             # everything (bundled SmolLM2 Q4_1)
+    python benchmarks/gguf_vs_llamacpp.py --gguf model.gguf --workloads W1 --threads 2 --no-float
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WORKLOADS = {"W1": (1, 32, 128), "W2": (64, 32, 128), "W3": (16, 512, 1)}  # batch, prompt, out
+REQUIREMENTS = HERE / "requirements-llamacpp.txt"
+
+
+# -- children: one engine each ------------------------------------------------------------------
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class LlmctlRunner:
+    def __init__(self, model: str) -> None:
+        from llmctl.engine import LLM, SamplingParams
+
+        self.llm = LLM(model=model, use_tqdm_on_load=False)
+        self.params = SamplingParams(temperature=0, ignore_eos=True)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        self.llm.llm_engine.scheduler.block_manager.reset_prefix_cache()  # no reuse between runs
+        params = self.params.replace(max_tokens=max_tokens)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+class TransformersRunner:
+    def __init__(self, model: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model).eval()
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        ids = self.torch.tensor(prompts)
+        with self.torch.inference_mode():
+            out = self.model.generate(
+                ids,
+                attention_mask=self.torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        return out[:, ids.shape[1] :].tolist()
+
+
+class LlamaCppRunner:
+    """llama.cpp's batched decoding: every live sequence's token in one llama_batch per step."""
+
+    def __init__(self, model: str, threads: int | None) -> None:
+        import llama_cpp as L
+
+        self.L = L
+        L.llama_backend_init()
+        self.model = L.llama_model_load_from_file(model.encode(), L.llama_model_default_params())
+        if not self.model:
+            raise SystemExit(f"llama.cpp cannot load {model}")
+        self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        # llama-cpp-python's Llama() defaults: half the cores decode, all of them prefill
+        cores = os.cpu_count() or 1
+        self.n_threads = threads or max(cores // 2, 1)
+        self.n_threads_batch = threads or cores
+        self.n_batch = 2048
+        self.ctx, self.ctx_key = None, None
+
+    def _context(self, num_seqs: int, tokens_per_seq: int):
+        L = self.L
+        key = (num_seqs, tokens_per_seq)
+        if self.ctx_key != key:
+            if self.ctx is not None:
+                L.llama_free(self.ctx)
+            params = L.llama_context_default_params()
+            params.n_ctx = -(-num_seqs * tokens_per_seq // 256) * 256
+            params.n_batch = self.n_batch
+            params.n_seq_max = num_seqs
+            params.kv_unified = True  # sequences share the cache, as llmctl's paged blocks do
+            params.n_threads, params.n_threads_batch = self.n_threads, self.n_threads_batch
+            self.ctx, self.ctx_key = L.llama_init_from_model(self.model, params), key
+            self.batch = L.llama_batch_init(max(self.n_batch, num_seqs), 0, 1)
+        return self.ctx
+
+    def _decode(self, ctx, items: list[tuple[int, int, int, bool]]) -> list[int]:
+        """items: (seq, pos, token, wants_logits); returns the greedy token of each logits row."""
+        import numpy as np
+
+        L, b = self.L, self.batch
+        for i, (seq, pos, token, logits) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(items)
+        if L.llama_decode(ctx, b) != 0:
+            raise SystemExit("llama_decode failed")
+        rows = [i for i, item in enumerate(items) if item[3]]
+        shape = (self.n_vocab,)
+        return [
+            int(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=shape).argmax())
+            for i in rows
+        ]
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        L = self.L
+        ctx = self._context(len(prompts), len(prompts[0]) + max_tokens)
+        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        items = [
+            (s, pos, tok, pos == len(p) - 1)
+            for s, p in enumerate(prompts)
+            for pos, tok in enumerate(p)
+        ]
+        last = []
+        for start in range(0, len(items), self.n_batch):
+            last += self._decode(ctx, items[start : start + self.n_batch])
+        outputs = [[t] for t in last]
+        for step in range(1, max_tokens):
+            steps = [(s, len(p) + step - 1, outputs[s][-1], True) for s, p in enumerate(prompts)]
+            for s, token in enumerate(self._decode(ctx, steps)):
+                outputs[s].append(token)
+        return outputs
+
+
+def child(args) -> dict:
+    spawned = float(os.environ["BENCH_SPAWNED_AT"])
+    spec = json.loads(Path(args.spec).read_text())
+    threads = None if args.threads == "default" else int(args.threads)
+    if args.child == "llmctl":
+        runner = LlmctlRunner(spec["model"])
+    elif args.child == "transformers":
+        runner = TransformersRunner(spec["model"])
+    else:
+        runner = LlamaCppRunner(spec["model"], threads)
+    first = runner.generate([spec["prompts"]["W1"][0]], 1)
+    result = {"start_s": time.time() - spawned, "first": first[0]}
+    if args.start_only:
+        return result
+    for name in spec["workloads"]:
+        prompts, out_len = spec["prompts"][name], WORKLOADS[name][2]
+        times = []
+        for _ in range(spec["repeats"]):
+            start = time.perf_counter()
+            outputs = runner.generate(prompts, out_len)
+            times.append(time.perf_counter() - start)
+        tokens = len(prompts) * len(prompts[0]) if name == "W3" else sum(map(len, outputs))
+        result[name] = {"tok_s": tokens / min(times), "first_ids": outputs[0]}
+        if name == "W1":
+            result["rss_w1_mb"] = _peak_rss_mb()
+    result["rss_mb"] = _peak_rss_mb()
+    return result
+
+
+# -- the parent: set-up, runs, table ------------------------------------------------------------
+
+
+def run_child(engine: str, threads: str, spec_path: Path, env_extra=None, start_only=False) -> dict:
+    cmd = [sys.executable, __file__, "--child", engine, "--threads", threads]
+    cmd += ["--spec", str(spec_path)] + (["--start-only"] if start_only else [])
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env_extra or {})}
+    if threads != "default":
+        env["OMP_NUM_THREADS"] = threads
+    env["BENCH_SPAWNED_AT"] = repr(time.time())
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr[-4000:])
+        raise SystemExit(f"{engine} (threads {threads}) failed")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def make_prompts(vocab: int, seed: int = 0) -> dict[str, list[list[int]]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    # ids from 100 up: no special tokens (EOS, chat markers) inside a prompt
+    return {
+        name: rng.integers(100, vocab, (batch, plen)).tolist()
+        for name, (batch, plen, _) in WORKLOADS.items()
+    }
+
+
+def gguf_vocab_size(path: Path) -> int:
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields["tokenizer.ggml.tokens"]
+    return len(field.data)
+
+
+def float_directory(gguf: Path) -> Path:
+    """The GGUF dequantized into a Hugging Face directory by transformers (cached)."""
+    root = Path(os.environ.get("LLMCTL_CACHE_DIR") or Path.home() / ".cache" / "llmctl")
+    out = root / "bench" / f"{gguf.stem}-float32"
+    if not (out / "model.safetensors").exists():
+        print(f"writing the dequantized float32 weights to {out} (once)", file=sys.stderr)
+        # save_pretrained refuses a model loaded from GGUF; its weights are plain float tensors
+        code = (
+            "import sys, os; from transformers import AutoModelForCausalLM, AutoTokenizer;"
+            "from safetensors.torch import save_model; g, n, o = sys.argv[1:];"
+            "m = AutoModelForCausalLM.from_pretrained(g, gguf_file=n); os.makedirs(o);"
+            "m.config.__dict__.pop('quantization_config', None);"
+            "m.config.architectures = [type(m).__name__]; m.config.save_pretrained(o);"
+            "m.generation_config.save_pretrained(o);"
+            "save_model(m, os.path.join(o, 'model.safetensors'), metadata={'format': 'pt'});"
+            "AutoTokenizer.from_pretrained(g, gguf_file=n).save_pretrained(o)"
+        )
+        subprocess.run(
+            [sys.executable, "-c", code, str(gguf.parent), gguf.name, str(out)], check=True
+        )
+    return out
+
+
+def first_difference(a: list[int], b: list[int]) -> str:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return f"first differs at token {i}"
+    return "identical"
+
+
+def _fmt(value, unit="") -> str:
+    return "-" if value is None else f"{value:.1f}{unit}" if value < 100 else f"{value:.0f}{unit}"
+
+
+def print_table(title: str, rows: dict, pairs: list[tuple[str, str]], workloads) -> None:
+    print(f"\n{title}")
+    head = ["engine", "threads", "start cold s", "start warm s"]
+    head += [f"{w} tok/s" for w in workloads] + ["peak RSS W1 MB"]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for (engine, threads), r in rows.items():
+        cells = [engine, threads, _fmt(r.get("cold_s")), _fmt(r["start_s"])]
+        cells += [_fmt(r[w]["tok_s"]) for w in workloads] + [_fmt(r.get("rss_w1_mb"))]
+        print("| " + " | ".join(cells) + " |")
+    for ours, theirs in pairs:
+        for threads in sorted({t for _, t in rows}):
+            a, b = rows.get((ours, threads)), rows.get((theirs, threads))
+            if not a or not b:
+                continue
+            ratios = [f"{w} {a[w]['tok_s'] / b[w]['tok_s']:.2f}x" for w in workloads]
+            ratios.append(f"warm start {a['start_s'] / b['start_s']:.1f}x as long")
+            if "rss_w1_mb" in a:
+                ratios.append(f"RSS {a['rss_w1_mb'] / b['rss_w1_mb']:.1f}x")
+            print(f"  {ours} / {theirs}, threads {threads}: " + ", ".join(ratios))
+            if "W1" in workloads:
+                same = first_difference(a["W1"]["first_ids"], b["W1"]["first_ids"])
+                print(f"    W1 greedy tokens: {same}")
+
+
+def setup() -> None:
+    cmd = [sys.executable, "-m", "pip", "install", "-r", str(REQUIREMENTS)]
+    print("building llama-cpp-python from source (several minutes): " + " ".join(cmd))
+    subprocess.run(cmd, check=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--setup", action="store_true", help="install llama-cpp-python, then exit")
+    parser.add_argument("--gguf", type=Path, help="default: the bundled SmolLM2-135M Q4_1")
+    parser.add_argument("--workloads", default="W1,W2,W3")
+    parser.add_argument("--threads", default="default,2", help="comma list: default and/or N")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--no-cold", action="store_true", help="skip the cold start-up runs")
+    parser.add_argument("--no-float", action="store_true", help="skip llmctl float vs transformers")
+    parser.add_argument("--no-llamacpp", action="store_true", help="skip llmctl vs llama.cpp")
+    parser.add_argument("--child", choices=["llmctl", "llamacpp", "transformers"], help="internal")
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    parser.add_argument("--start-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    if args.setup:
+        setup()
+        return
+    if args.gguf is None:
+        from llmctl.engine.model_loader.default_model import default_model_path
+
+        args.gguf = default_model_path()
+    gguf = args.gguf.resolve()
+    workloads = [w.strip() for w in args.workloads.split(",")]
+    threads = [t.strip() for t in args.threads.split(",")]
+    prompts = make_prompts(gguf_vocab_size(gguf))
+    print(f"{gguf.name}; workloads {', '.join(f'{w} {WORKLOADS[w]}' for w in workloads)}")
+    with tempfile.TemporaryDirectory() as tmp:
+
+        def spec(model: Path) -> Path:
+            path = Path(tmp) / f"spec-{abs(hash(str(model)))}.json"
+            body = {"model": str(model), "prompts": prompts, "workloads": workloads}
+            path.write_text(json.dumps({**body, "repeats": args.repeats}))
+            return path
+
+        sections = []
+        if not args.no_llamacpp:
+            sections.append(("GGUF: llmctl LLM(model=gguf) vs llama.cpp", gguf, "llamacpp"))
+        if not args.no_float:
+            sections.append(("Float path: llmctl vs transformers", float_directory(gguf), None))
+        for title, model, rival in sections:
+            rival = rival or "transformers"
+            path, rows = spec(model), {}
+            for engine in ("llmctl", rival):
+                for t in threads:
+                    print(f"  running {engine}, threads {t} ...", file=sys.stderr, flush=True)
+                    rows[(engine, t)] = r = run_child(engine, t, path)
+                    done = ", ".join(f"{w} {r[w]['tok_s']:.1f} tok/s" for w in workloads)
+                    print(f"    start {r['start_s']:.1f} s, {done}", file=sys.stderr, flush=True)
+            if not args.no_cold and rival == "llamacpp":
+                for engine in ("llmctl", rival):
+                    with tempfile.TemporaryDirectory() as cache:
+                        env = {"LLMCTL_CACHE_DIR": cache}
+                        cold = run_child(engine, threads[0], path, env, start_only=True)
+                    rows[(engine, threads[0])]["cold_s"] = cold["start_s"]
+            print_table(title, rows, [("llmctl", rival)], workloads)
+
+
+if __name__ == "__main__":
+    main()
