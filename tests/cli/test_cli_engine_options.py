@@ -185,9 +185,11 @@ def test_a_new_field_is_a_new_option_everywhere(command, served, generated, monk
     assert argv == ["--max-logprobs", "5"]
 
 
-# Flags the engine's messages name that are not llmctl's: the worker's own argv, `ray start`,
-# pip, and the docstrings and f-strings of engine_args.py.
-_NOT_LLMCTL = {"--fd", "--num-gpus", "--no-deps", "--field-name", "--x", "--no-x", "--no"}
+# Flags the engine's messages name that are not llmctl's: the worker's and the kernel builds' own
+# argv, `ray start`, pip, and the docstrings and f-strings of engine_args.py.
+_NOT_LLMCTL = {
+    "--fd", "--build", "--num-gpus", "--no-deps", "--field-name", "--x", "--no-x", "--no"
+}  # fmt: skip
 
 
 def test_every_flag_the_engine_names_exists(invoke):
