@@ -26,6 +26,7 @@ every worker and raises EngineDeadError naming the rank. Workers die with the en
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import logging
 import os
@@ -39,7 +40,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -60,6 +61,27 @@ _POLL_S = 0.5
 _READY_TIMEOUT_S = float(os.environ.get("LLMCTL_WORKER_START_TIMEOUT", "900"))
 _SHUTDOWN_GRACE_S = 5.0
 _PR_SET_PDEATHSIG = 1
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block until its end, then raise
+    KeyboardInterrupt: sends of one call to every rank, and one message's read, are not cut.
+    Only in the main thread with Python's default handler (a handler of the caller is left)."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    caught: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if caught:
+            raise KeyboardInterrupt
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -172,11 +194,12 @@ class MultiprocExecutor(Executor):
         call_id = self._next_call_id
         self._next_call_id += 1
         payload = pickle.dumps(("call", call_id, method, args, kwargs or {}))
-        for rank, conn in enumerate(self.conns):
-            try:
-                conn.send_bytes(payload)
-            except OSError:
-                self._fail(rank)
+        with _ctrl_c_deferred():  # every rank gets the call, or a collective waits forever
+            for rank, conn in enumerate(self.conns):
+                try:
+                    conn.send_bytes(payload)
+                except OSError:
+                    self._fail(rank)
         return _PendingCall(self, call_id)
 
     def _collect(self, call_id: int, timeout: float | None = None) -> list[Any]:
@@ -190,7 +213,8 @@ class MultiprocExecutor(Executor):
                     self._time_out(missing, timeout)
             for rank in self._ready_or_dead(missing, poll_s):
                 try:
-                    message = self.conns[rank].recv()
+                    with _ctrl_c_deferred():  # a message read in part would break the stream
+                        message = self.conns[rank].recv()
                 except (EOFError, OSError):
                     self._fail(rank)
                 kind, reply_id = message[0], message[1]
