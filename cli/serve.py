@@ -171,9 +171,9 @@ def _serve_on_cluster(
     inv = load_inventory(inventory_path)
     log = lambda line: stderr_console().print(f"[dim]{line}[/dim]")  # noqa: E731
     with Cluster(inv, log=log) as cluster:
-        server = HeadServer(inv, cluster.transports[inv.head.host], cluster.container)
+        head = HeadServer(inv, cluster.transports[inv.head.host], cluster.container)
         if stop:
-            stopped = server.stop()
+            stopped = head.stop()
             stdout_console().print(f"cluster {inv.name}: " + ("server stopped" if stopped
                                    else "no server was running"))  # fmt: skip
             return
@@ -190,7 +190,7 @@ def _serve_on_cluster(
             f"pp={layout.pipeline_parallel_size} ({layout.reason}) in {cluster.container} "
             f"on {inv.head.host}"
         )
-        state = server.start(record, wait_s=wait, log=log)
+        state = head.start(record, wait_s=wait, log=log)
     stdout_console().print(
         f"cluster {inv.name}: serving {model} (tp={record.tensor_parallel_size}, "
         f"pp={record.pipeline_parallel_size}, pid {state.pid}) at {record.endpoint(inv.head.ip)}"
