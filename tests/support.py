@@ -160,3 +160,15 @@ def free_gpu_memory() -> None:
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+def default_signals() -> None:
+    """preexec_fn for a process that a test interrupts, as a terminal would: SIGINT, SIGHUP and
+    SIGTERM back to their defaults. A suite started under `nohup` or as a background job (`&`)
+    runs with SIGHUP and SIGINT ignored, which every child inherits: Python then installs no
+    KeyboardInterrupt handler and bash cannot trap SIGHUP, so the signal the test sends would
+    be lost and the test would time out."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)

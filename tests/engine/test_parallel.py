@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from support import VOCAB, alive, live_pids
+from support import VOCAB, alive, default_signals, live_pids
 
 from llmctl.engine import LLM, SamplingParams
 from llmctl.engine.errors import ConfigError, EngineDeadError
@@ -212,6 +212,7 @@ def _run_script(body: str, path) -> subprocess.Popen:
         text=True,
         env={**os.environ, "LLMCTL_CPU_DEVICES": "2"},
         start_new_session=True,  # its own session, like a program started from a shell
+        preexec_fn=default_signals,  # Ctrl-C reaches it even if this suite runs under nohup
     )
 
 

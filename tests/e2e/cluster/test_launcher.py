@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support import default_signals
 
 ROOT = Path(__file__).resolve().parents[3]
 LLMCTL = str(Path(sys.executable).parent / "llmctl")
@@ -306,7 +307,7 @@ def spawn_on(host, argv: list[str], log: Path) -> subprocess.Popen:
     with log.open("wb") as out:
         return subprocess.Popen(
             [*host.nsenter(), *argv], env=env, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=default_signals,  # SIGHUP reaches the script
         )  # fmt: skip
 
 
