@@ -4,9 +4,8 @@ parallel inside each), and the official openai client gets the offline engine's 
 Then the worker's container is killed while a request runs: /health turns 503, the request fails,
 `cluster status` names the node.
 
-The first test serves the bundled GGUF file, which each node converts into its own cache; the
-second serves the same weights as the Hugging Face directory the conversion made on this
-machine (the same path on every host), sparing three more conversions."""
+Both tests serve the bundled GGUF file (the same path on every host), which each rank reads in
+place: its own slice of the quantized weights, no converted copy on any node."""
 
 from __future__ import annotations
 
