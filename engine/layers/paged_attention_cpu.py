@@ -21,25 +21,29 @@ If it cannot be built, paged_decode_attention_sdpa does the work and one warning
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from llmctl.engine.layers.cpu_extension import (
+    build_root as _build_root,
+)
+from llmctl.engine.layers.cpu_extension import (
+    build_spec,
+    compile_extension,
+    first_error_line,
+)
 
 logger = logging.getLogger("llmctl")
 
 _SOURCE = Path(__file__).with_suffix(".cpp")
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _MAX_HEAD_DIM = 256  # kMaxHeadDim in the kernel
-_BUILT_MARKER = "built.ok"
+_PREFIX = "llmctl_paged_attention"
 
 
 def paged_decode_attention(
@@ -132,7 +136,7 @@ def _kernel() -> Callable[..., torch.Tensor] | None:
         logger.warning(
             "CPU paged attention kernel unavailable, decoding with gather + "
             "scaled_dot_product_attention instead: %s",
-            _first_error_line(e),
+            first_error_line(e),
         )
         logger.debug("building the CPU paged attention kernel failed", exc_info=True)
         return None
@@ -144,118 +148,12 @@ def build_kernel(march: str = "native", extra_cflags: tuple[str, ...] = ()) -> C
     Each flag set gets its own extension name and op namespace, so several builds can be
     loaded in one process (the tests load a portable build next to the native one).
     """
-    from torch.utils import cpp_extension
-
-    name, cflags, ldflags = _build_spec(march, extra_cflags)
-    build_dir = _build_root() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    library = build_dir / f"{name}.so"
-    with _exclusive(build_dir.with_suffix(".lock")):
-        if (build_dir / _BUILT_MARKER).exists() and library.exists():
-            torch.ops.load_library(str(library))
-        else:
-            # torch's own lock is a file that a killed build leaves behind, after which every
-            # load() waits forever. Builders of this directory all hold the flock above, so a
-            # lock file found here is stale.
-            with contextlib.suppress(FileNotFoundError):
-                (build_dir / "lock").unlink()
-            compiler = os.environ.get("CXX", "c++")  # what cpp_extension runs
-            if not shutil.which(compiler):
-                raise RuntimeError(f"no C++ compiler ({compiler}) on PATH; install g++")
-            logger.info("Compiling the CPU paged attention kernel (once) into %s", build_dir)
-            with _ninja_on_path(), _build_spinner():
-                cpp_extension.load(
-                    name=name,
-                    sources=[str(_SOURCE)],
-                    extra_cflags=[*cflags, f"-DLLMCTL_OP_NAMESPACE={name}"],
-                    extra_ldflags=ldflags,
-                    build_directory=str(build_dir),
-                    is_python_module=False,
-                    verbose=False,
-                )
-            (build_dir / _BUILT_MARKER).touch()
+    name = compile_extension(_SOURCE, _PREFIX, "CPU paged attention kernel", march, extra_cflags)
     return getattr(torch.ops, name).paged_decode_attention
 
 
 def _build_spec(march: str, extra_cflags: tuple[str, ...]) -> tuple[str, list[str], list[str]]:
-    """(extension name, cflags, ldflags); the name hashes everything the binary depends on."""
-    from llmctl.engine.platform import cpu_flags
-
-    cflags = ["-O3", f"-march={march}", "-fopenmp", *extra_cflags]
-    ldflags = ["-fopenmp"]  # resolves to the libgomp torch already loaded (same soname)
-    key = hashlib.sha256(_SOURCE.read_bytes())
-    for part in (
-        " ".join(cflags),
-        " ".join(ldflags),
-        torch.__version__,
-        sys.version,
-        " ".join(sorted(cpu_flags())),
-    ):
-        key.update(b"\0" + part.encode())
-    return f"llmctl_paged_attention_{key.hexdigest()[:16]}", cflags, ldflags
-
-
-def _build_root() -> Path:
-    from torch.utils.cpp_extension import get_default_build_root
-
-    if os.environ.get("LLMCTL_CACHE_DIR"):
-        return Path(os.environ["LLMCTL_CACHE_DIR"]) / "torch_extensions"
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    """An flock: held by one process at a time, released by the kernel if that process dies."""
-    import fcntl
-
-    with open(lock_path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
-def _ninja_on_path() -> Iterator[None]:
-    """load() runs `ninja` from PATH; the venv's ninja is not on it unless the venv is active."""
-    if shutil.which("ninja"):
-        yield
-        return
-    candidates = [Path(sys.executable).parent]
-    with contextlib.suppress(ImportError):
-        import ninja
-
-        candidates.insert(0, Path(ninja.BIN_DIR))
-    old = os.environ.get("PATH", "")
-    os.environ["PATH"] = os.pathsep.join([*map(str, candidates), old])
-    try:
-        yield
-    finally:
-        os.environ["PATH"] = old
-
-
-@contextlib.contextmanager
-def _build_spinner() -> Iterator[None]:
-    """On a terminal, a spinner with the elapsed time while the compiler runs (10-20 s)."""
-    from llmctl.engine.progress import stderr_console
-
-    console = stderr_console()
-    if not console.is_terminal:
-        yield
-        return
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as bar:
-        bar.add_task("Compiling the CPU paged attention kernel (once per machine)", total=None)
-        yield
-
-
-def _first_error_line(e: Exception) -> str:
-    lines = str(e).splitlines() or [type(e).__name__]
-    errors = [line.strip() for line in lines if "error:" in line]
-    return (errors or lines)[0][:300]
+    return build_spec(_SOURCE, _PREFIX, march, extra_cflags)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,9 +27,7 @@ dequantizes tiles and calls F.linear (correct, slower at decode); one warning sa
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +39,7 @@ import torch.nn.functional as F
 logger = logging.getLogger("llmctl")
 
 _SOURCE = Path(__file__).with_name("quantized_matmul_cpu.cpp")
-_BUILT_MARKER = "built.ok"
+_PREFIX = "llmctl_quantized_matmul"
 SMALL_BATCH = 32  # rows of x up to which the fused kernels beat dequantize + GEMM (measured)
 _TILE_BYTES = 1 << 20  # float32 bytes of W expanded per tile on the batched path
 
@@ -195,7 +193,7 @@ def _kernel() -> Any | None:
 
 @functools.cache
 def _kernel_once() -> Any | None:
-    from llmctl.engine.layers.paged_attention_cpu import _first_error_line
+    from llmctl.engine.layers.cpu_extension import first_error_line
 
     try:
         return build_kernel()
@@ -203,7 +201,7 @@ def _kernel_once() -> Any | None:
         logger.warning(
             "CPU quantized matmul kernel unavailable, dequantizing tiles for torch's matmul "
             "instead (slower decode): %s",
-            _first_error_line(e),
+            first_error_line(e),
         )
         logger.debug("building the CPU quantized matmul kernel failed", exc_info=True)
         return None
@@ -213,59 +211,13 @@ def build_kernel(march: str = "native", extra_cflags: tuple[str, ...] = ()) -> A
     """Compile (or reuse) the kernels for -march=`march`; returns their op namespace
     (`.int8_group_mm`, `.int4_group_mm`, `.dequantize_rows`). Built once per source, flags,
     torch, Python and CPU features, in the paged-attention kernel's cache directory."""
-    import contextlib
-    import os
-    import shutil
+    from llmctl.engine.layers.cpu_extension import build_spec, compile_extension
 
-    from torch.utils import cpp_extension
-
-    from llmctl.engine.layers.paged_attention_cpu import _build_root, _exclusive, _ninja_on_path
-
-    name, cflags, ldflags = _build_spec(march, extra_cflags)
+    name = build_spec(_SOURCE, _PREFIX, march, extra_cflags)[0]
     if hasattr(torch.ops, name) and hasattr(getattr(torch.ops, name), "int8_group_mm"):
         return getattr(torch.ops, name)
-    build_dir = _build_root() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    library = build_dir / f"{name}.so"
-    with _exclusive(build_dir.with_suffix(".lock")):
-        if (build_dir / _BUILT_MARKER).exists() and library.exists():
-            torch.ops.load_library(str(library))
-        else:
-            with contextlib.suppress(FileNotFoundError):  # a killed build's stale lock
-                (build_dir / "lock").unlink()
-            compiler = os.environ.get("CXX", "c++")
-            if not shutil.which(compiler):
-                raise RuntimeError(f"no C++ compiler ({compiler}) on PATH; install g++")
-            logger.info("Compiling the CPU quantized matmul kernel (once) into %s", build_dir)
-            with _ninja_on_path():
-                cpp_extension.load(
-                    name=name,
-                    sources=[str(_SOURCE)],
-                    extra_cflags=[*cflags, f"-DLLMCTL_OP_NAMESPACE={name}"],
-                    extra_ldflags=ldflags,
-                    build_directory=str(build_dir),
-                    is_python_module=False,
-                    verbose=False,
-                )
-            (build_dir / _BUILT_MARKER).touch()
+    compile_extension(_SOURCE, _PREFIX, "CPU quantized matmul kernel", march, extra_cflags)
     return getattr(torch.ops, name)
-
-
-def _build_spec(march: str, extra_cflags: tuple[str, ...]) -> tuple[str, list[str], list[str]]:
-    from llmctl.engine.platform import cpu_flags
-
-    cflags = ["-O3", f"-march={march}", "-fopenmp", *extra_cflags]
-    ldflags = ["-fopenmp"]
-    key = hashlib.sha256(_SOURCE.read_bytes())
-    for part in (
-        " ".join(cflags),
-        " ".join(ldflags),
-        torch.__version__,
-        sys.version,
-        " ".join(sorted(cpu_flags())),
-    ):
-        key.update(b"\0" + part.encode())
-    return f"llmctl_quantized_matmul_{key.hexdigest()[:16]}", cflags, ldflags
 
 
 if __name__ == "__main__":

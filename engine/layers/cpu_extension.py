@@ -1,0 +1,146 @@
+"""Building the CPU kernels (paged attention, quantized matmul): one C++ source compiled once per
+machine with torch.utils.cpp_extension into a cache directory, then loaded as torch ops.
+
+Each build's name hashes everything the binary depends on (source, flags, torch, Python, the CPU's
+features), so several builds load side by side in one process and a changed machine rebuilds.
+Builders of one directory serialise on an flock, which the kernel releases if a builder dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("llmctl")
+
+_BUILT_MARKER = "built.ok"
+
+
+def build_spec(
+    source: Path, prefix: str, march: str, extra_cflags: tuple[str, ...]
+) -> tuple[str, list[str], list[str]]:
+    """(extension name, cflags, ldflags); the name hashes everything the binary depends on."""
+    from llmctl.engine.platform import cpu_flags
+
+    cflags = ["-O3", f"-march={march}", "-fopenmp", *extra_cflags]
+    ldflags = ["-fopenmp"]  # resolves to the libgomp torch already loaded (same soname)
+    key = hashlib.sha256(source.read_bytes())
+    for part in (
+        " ".join(cflags),
+        " ".join(ldflags),
+        torch.__version__,
+        sys.version,
+        " ".join(sorted(cpu_flags())),
+    ):
+        key.update(b"\0" + part.encode())
+    return f"{prefix}_{key.hexdigest()[:16]}", cflags, ldflags
+
+
+def compile_extension(
+    source: Path, prefix: str, what: str, march: str, extra_cflags: tuple[str, ...]
+) -> str:
+    """Compile (or load the cached build of) `source` for -march=`march`; returns its op
+    namespace name (`getattr(torch.ops, name)`). `what` names the kernel in the log and the
+    spinner. Raises when it cannot be built (no compiler, ninja or header)."""
+    from torch.utils import cpp_extension
+
+    name, cflags, ldflags = build_spec(source, prefix, march, extra_cflags)
+    build_dir = build_root() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    library = build_dir / f"{name}.so"
+    with exclusive(build_dir.with_suffix(".lock")):
+        if (build_dir / _BUILT_MARKER).exists() and library.exists():
+            torch.ops.load_library(str(library))
+        else:
+            # torch's own lock is a file that a killed build leaves behind, after which every
+            # load() waits forever. Builders of this directory all hold the flock above, so a
+            # lock file found here is stale.
+            with contextlib.suppress(FileNotFoundError):
+                (build_dir / "lock").unlink()
+            compiler = os.environ.get("CXX", "c++")  # what cpp_extension runs
+            if not shutil.which(compiler):
+                raise RuntimeError(f"no C++ compiler ({compiler}) on PATH; install g++")
+            logger.info("Compiling the %s (once) into %s", what, build_dir)
+            with ninja_on_path(), build_spinner(what):
+                cpp_extension.load(
+                    name=name,
+                    sources=[str(source)],
+                    extra_cflags=[*cflags, f"-DLLMCTL_OP_NAMESPACE={name}"],
+                    extra_ldflags=ldflags,
+                    build_directory=str(build_dir),
+                    is_python_module=False,
+                    verbose=False,
+                )
+            (build_dir / _BUILT_MARKER).touch()
+    return name
+
+
+def build_root() -> Path:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if os.environ.get("LLMCTL_CACHE_DIR"):
+        return Path(os.environ["LLMCTL_CACHE_DIR"]) / "torch_extensions"
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: Path) -> Iterator[None]:
+    """An flock: held by one process at a time, released by the kernel if that process dies."""
+    import fcntl
+
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def ninja_on_path() -> Iterator[None]:
+    """load() runs `ninja` from PATH; the venv's ninja is not on it unless the venv is active."""
+    if shutil.which("ninja"):
+        yield
+        return
+    candidates = [Path(sys.executable).parent]
+    with contextlib.suppress(ImportError):
+        import ninja
+
+        candidates.insert(0, Path(ninja.BIN_DIR))
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([*map(str, candidates), old])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
+@contextlib.contextmanager
+def build_spinner(what: str) -> Iterator[None]:
+    """On a terminal, a spinner with the elapsed time while the compiler runs (10-40 s)."""
+    from llmctl.engine.progress import stderr_console
+
+    console = stderr_console()
+    if not console.is_terminal:
+        yield
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        bar.add_task(f"Compiling the {what} (once per machine)", total=None)
+        yield
+
+
+def first_error_line(e: Exception) -> str:
+    lines = str(e).splitlines() or [type(e).__name__]
+    errors = [line.strip() for line in lines if "error:" in line]
+    return (errors or lines)[0][:300]
