@@ -63,9 +63,9 @@ from llmctl.cluster.launch.up_diff import Action, Keep, diff, removal
 from llmctl.cluster.launch.up_executor import (
     RAY_WAIT_S,
     UpFailed,
+    carry_out_removal,
     execute,
     ray_nodes,
-    remove,
     verify_ray,
 )
 
@@ -304,13 +304,7 @@ class Cluster:
                 env_file = env_file_path(transport.home(), self.inventory.name, node.ip)
                 state = inspect_container(transport, self.container)
                 action = removal(node.host, self.container, state, env_file)
-                if action is None:
-                    row.action = "absent"
-                elif dry_run:
-                    row.action = f"would {action.verb}"
-                else:
-                    remove(transport, action)
-                    row.action = "removed"
+                row.action = carry_out_removal(transport, action, dry_run)
             except ClusterError as exc:
                 row.action, row.error = "failed", exc.message
             return row

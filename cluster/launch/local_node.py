@@ -21,7 +21,12 @@ from llmctl.cluster.launch.node_launch import (
 from llmctl.cluster.launch.probe import docker_problem, inspect_container, probe_node
 from llmctl.cluster.launch.transport import LocalTransport, Transport
 from llmctl.cluster.launch.up_diff import Keep, node_action, removal
-from llmctl.cluster.launch.up_executor import RAY_WAIT_S, remove, start, wait_for_ray
+from llmctl.cluster.launch.up_executor import (
+    RAY_WAIT_S,
+    carry_out_removal,
+    start,
+    wait_for_ray,
+)
 
 
 def up_local(
@@ -92,13 +97,7 @@ def down_local(transport: Transport, *, dry_run: bool = False) -> Report:
             commands.docker_rm_argv(name)
         ]
         action = removal(transport.name, name, inspect_container(transport, name))
-        if action is None:
-            row.action = "absent"
-        elif dry_run:
-            row.action = f"would {action.verb}"
-        else:
-            remove(transport, action)
-            row.action = "removed"
-            report.changed = True
+        row.action = carry_out_removal(transport, action, dry_run)
+        report.changed |= row.action == "removed"
         report.rows.append(row)
     return report

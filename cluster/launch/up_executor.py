@@ -87,6 +87,16 @@ def remove(transport: Transport, action: Remove) -> None:
         transport.run(["rm", "-f", "--", action.env_file])
 
 
+def carry_out_removal(transport: Transport, action: Remove | None, dry_run: bool) -> str:
+    """`cluster down` on one node: what its report row says (absent, would remove, removed)."""
+    if action is None:
+        return "absent"
+    if dry_run:
+        return f"would {action.verb}"
+    remove(transport, action)
+    return "removed"
+
+
 def wait_for_ray(transport: Transport, launch: NodeLaunch, wait_s: float) -> None:
     """Until `ray status` answers inside the container; its exit or the timeout is an error."""
     deadline = time.monotonic() + wait_s
