@@ -16,6 +16,7 @@ properties (`rope_scaling`). A missing attribute raises AttributeError, as on th
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -52,6 +53,19 @@ class HFConfigView:
     def __repr__(self) -> str:
         return f"HFConfigView({self._config_class})"
 
+    def to_json(self) -> str:
+        """The view as JSON (torch dtypes by name), for `from_json` in a later process."""
+        attributes = {k: v for k, v in vars(self).items() if k != "_config_class"}
+        return json.dumps(
+            {"config_class": self._config_class, "attributes": attributes}, default=_dtype_name
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> HFConfigView:
+        """The view `to_json` wrote; reading it imports neither transformers nor torch."""
+        data = json.loads(text, object_hook=_dtype_of)
+        return cls(data["attributes"], data["config_class"])
+
 
 def for_workers(engine_config: EngineConfig) -> EngineConfig:
     """The engine config as worker processes receive it: its Hugging Face config as a view."""
@@ -72,3 +86,17 @@ def _plain(value: Any) -> bool:
     if isinstance(value, dict):
         return all(_plain(k) and _plain(v) for k, v in value.items())
     return type(value).__module__ == "torch" and type(value).__name__ == "dtype"
+
+
+def _dtype_name(value: Any) -> dict:
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+        return {"__torch_dtype__": str(value).removeprefix("torch.")}
+    raise TypeError(f"{type(value).__name__} is not plain data")
+
+
+def _dtype_of(obj: dict) -> Any:
+    if set(obj) == {"__torch_dtype__"}:
+        import torch
+
+        return getattr(torch, obj["__torch_dtype__"])
+    return obj

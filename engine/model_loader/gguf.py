@@ -133,6 +133,9 @@ def _convert(gguf_path: Path, out: Path, progress: ProgressFn | None) -> None:
     config.architectures = [GGUF_ARCHITECTURES.get(model_type, GGUF_ARCHITECTURES[arch])]
     config.dtype = "float32"
     config.save_pretrained(out)
+    from llmctl.engine.model_loader.source import write_config_view
+
+    write_config_view(config, out)  # later loads read this, without importing transformers
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
