@@ -108,3 +108,13 @@ def tune_cpu_allocator() -> None:
         libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1)
     except (OSError, AttributeError):
         logger.debug("mallopt unavailable; leaving the allocator as it is")
+
+
+def release_free_heap() -> None:
+    """Give the heap's free pages back to the kernel (glibc's malloc_trim), once, after loading:
+    with the thresholds above the heap never shrinks by itself, so the load's temporaries (GGUF
+    blocks decoded while packing, checkpoint shards) would stay resident for the whole run."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

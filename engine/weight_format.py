@@ -259,12 +259,16 @@ def gguf_weight_formats(
 ) -> WeightFormats:
     """The formats of a GGUF file's quantized tensors as the engine holds them: `tensor_types`
     gives (tensor name, GGML type name); each quantized type is repacked at load into groups of
-    `bits`-bit values with float32 scales (and zeros for 4 bits), PACKED_FORMATS in
+    `bits`-bit values with scales (and zeros for 4 bits), PACKED_FORMATS in
     engine/layers/quantization/gguf_quants.py. Float tensors (F32, F16, BF16) are left to
     `dense`: the engine holds them in the model's dtype. A format's block is the file's (a
     tensor-parallel split must fall on whole blocks: the engine narrows the raw blocks before
     decoding them), its bytes what the engine holds for one block."""
-    from llmctl.engine.layers.quantization.gguf_quants import BLOCK_ELEMENTS, PACKED_FORMATS
+    from llmctl.engine.layers.quantization.gguf_quants import (
+        BLOCK_ELEMENTS,
+        PACKED_FORMATS,
+        scale_bytes,
+    )
 
     by_role = []
     for name, type_name in tensor_types:
@@ -273,7 +277,7 @@ def gguf_weight_formats(
             continue
         bits, group = PACKED_FORMATS[type_name]
         block = BLOCK_ELEMENTS[type_name]
-        scales = QUANTIZATION_SCALE_BYTES * (2 if bits == 4 else 1)
+        scales = scale_bytes(type_name) * (2 if bits == 4 else 1)
         held = block * bits // 8 + block // group * scales
         by_role.append((key, WeightFormat(type_name, block, held, quantized=True)))
     return WeightFormats(dense, tuple(by_role), "GGUF")

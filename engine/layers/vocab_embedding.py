@@ -16,7 +16,7 @@ from torch import nn
 from llmctl.engine.distributed.parallel_state import get_tp_group
 from llmctl.engine.distributed.partition import column_shards, offsets
 from llmctl.engine.layers.linear import _copy_into, _cpu_prepack_enabled
-from llmctl.engine.layers.quantization.kernels import PackedLinearWeight, pack_groups
+from llmctl.engine.layers.quantization.kernels import PackedLinearWeight
 from llmctl.engine.model_loader.weights import CheckpointTensor, QuantizedCheckpointTensor
 
 
@@ -42,12 +42,8 @@ class VocabParallelEmbedding(nn.Module):
         rows = self.vocab_end - self.vocab_start
         shard = loaded.narrow(0, self.vocab_start, rows)
         if isinstance(shard, QuantizedCheckpointTensor):
-            decoded = shard.decode()
-            if decoded is not None and shard.shape == tuple(param.shape):
-                decoded = [
-                    x.to(param.device) if isinstance(x, torch.Tensor) else x for x in decoded
-                ]
-                self.packed = pack_groups(*decoded)
+            if shard.shape == tuple(param.shape):
+                self.packed = shard.decode().to(param.device)
                 param.data = param.data.new_empty(0)  # the float rows are never materialised
                 return
             shard = shard.load()

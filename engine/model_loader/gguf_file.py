@@ -15,6 +15,7 @@ bytes; an array is u32 element type + u64 count + elements.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,7 +43,9 @@ def _open(path: str | Path):
     import numpy as np
 
     try:
-        buf = np.memmap(str(path), dtype=np.uint8, mode="r")
+        with open(path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        buf = np.frombuffer(mapped, dtype=np.uint8)
         return (buf, *_parse_header(memoryview(buf)))
     except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:
         raise ModelLoadError(
@@ -201,6 +204,31 @@ def iterate_gguf_weights(
         tensor = QuantizedCheckpointTensor(hf_name, t.type_name, t.shape, t.data, rows=rows)
         # GPT-2's model transposes Conv1D weights on loading; GGUF already stores [out, in].
         yield hf_name, (tensor.T if conv1d else tensor)
+        drop_mapped_pages(t.data)  # the layer has packed its copy
+
+
+def drop_mapped_pages(data) -> None:
+    """Take a tensor's pages of the mapped file out of this process's resident set, once its
+    layer holds its own copy: the whole file would otherwise count towards the peak RSS (a later
+    read, if any, faults them in again from the page cache)."""
+    base = data
+    while base is not None and not isinstance(base, mmap.mmap):
+        # numpy views -> the frombuffer array -> its memoryview -> the mmap
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    if base is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = data.__array_interface__["data"][0] - base_address(base)
+    first = start - start % mmap.PAGESIZE
+    end = start + data.nbytes
+    last = end - end % mmap.PAGESIZE  # the pages wholly inside the tensor
+    if last > first:
+        base.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
+def base_address(mapped: mmap.mmap) -> int:
+    import numpy as np
+
+    return np.frombuffer(mapped, dtype=np.uint8).__array_interface__["data"][0]
 
 
 def _float_reader(t: GGUFTensorInfo, rows):

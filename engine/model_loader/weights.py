@@ -58,7 +58,7 @@ class QuantizedCheckpointTensor:
     """A quantized GGUF tensor of logical shape [N, K]: its raw blocks, never dequantized whole.
 
     `narrow` along dim 0 selects any rows; along dim 1 only whole blocks (a split inside one is a
-    ConfigError). `decode()` gives the packed form's parts (q, scales, zeros, bits, group_size);
+    ConfigError). `decode()` gives the packed weight (kernels.PackedLinearWeight);
     `load()` the float32 weights (for a layer that keeps float weights).
     """
 
@@ -144,11 +144,17 @@ class QuantizedCheckpointTensor:
         return np.ascontiguousarray(blocks)
 
     def decode(self):
-        """(q, scales, zeros, bits, group_size) of the selected part, as kernels.pack_groups
-        takes them; None when the type has no packed form (then `load()` it)."""
-        from llmctl.engine.model_loader.gguf_blocks import decode_blocks
+        """The selected part as a kernels.PackedLinearWeight (Q4_0/Q4_1 bytes copied as they
+        are, no [N, K] intermediate). A type without a kernel raises ModelLoadError naming the
+        supported ones."""
+        import gguf
 
-        return decode_blocks(self.raw(), self.type_name, self.shape[1])
+        from llmctl.engine.layers.quantization.gguf_quants import pack_gguf
+        from llmctl.engine.model_loader.gguf_file import drop_mapped_pages
+
+        n, k = self.shape
+        qtype = int(gguf.GGMLQuantizationType[self.type_name])
+        return pack_gguf(self.raw(), qtype, n, k, self.name, release=drop_mapped_pages)
 
     def load(self):
         """float32 [rows, columns] torch tensor of the selected part."""

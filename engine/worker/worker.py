@@ -15,6 +15,7 @@ import resource
 
 import torch
 
+from llmctl.engine import platform
 from llmctl.engine.config import EngineConfig
 from llmctl.engine.distributed import parallel_state, ranks
 from llmctl.engine.distributed.partition import pipeline_shard
@@ -45,8 +46,6 @@ class Worker:
         self._pending_sends: list = []
 
     def init_device(self) -> None:
-        from llmctl.engine import platform
-
         pc = self.config.parallel_config
         device = self.config.device_config.device
         if device == "cpu":
@@ -79,6 +78,7 @@ class Worker:
         device = self.config.device_config.device
         if device == "cpu":
             model = load_model(mc, shard, device, progress)
+            platform.release_free_heap()
         else:
             free_before = torch.cuda.mem_get_info()[0]
             try:

@@ -133,6 +133,6 @@ def test_the_bundled_gguf_is_planned_in_its_quantized_types(invoke):
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     out = result.stdout
-    assert "weights: 0.10 GiB per GPU (Q4_1 GGUF)" in out  # as the engine repacks it
+    assert "weights: 0.09 GiB per GPU (Q4_1 GGUF)" in out  # as the engine repacks it
     assert "Q8_0 (embedding), Q4_1 (q, k, v, o, gate, up, down)" in out
     assert "--quantization" not in out

@@ -88,7 +88,9 @@ def test_gguf_packed_matmul_matches_reference(kernel, qtype, n, k, m, dtype):
     assert torch.equal(packed.dequantize(), reference)
     bits, group_size = gguf_quants.packed_format(qtype)
     assert (packed.bits, packed.group_size) == (bits, group_size)
-    assert packed.nbytes == gguf_quants.packed_nbytes(n, k, bits, group_size)
+    scale_bytes = gguf_quants.scale_bytes(qtype.name)  # the file's fp16 scales kept as float16
+    assert packed.scales.element_size() == scale_bytes
+    assert packed.nbytes == gguf_quants.packed_nbytes(n, k, bits, group_size, scale_bytes)
     assert_matmul_close(packed, reference, m, dtype)
 
 

@@ -261,7 +261,7 @@ def test_a_gguf_is_planned_in_its_own_types_and_refuses_quantization():
     spec = _gguf_spec("Q4_1")
     plan = make_plan(spec, inventory_from_flags(1, 1, 24), PlanOptions(dtype="float32"))
     assert plan.weight_format == "Q4_1 GGUF" and plan.quantization is None
-    assert plan.weight_line == "weights: 0.10 GiB per GPU (Q4_1 GGUF)"  # as repacked in memory
+    assert plan.weight_line == "weights: 0.09 GiB per GPU (Q4_1 GGUF)"  # as repacked in memory
     assert "--quantization" not in plan.commands["serve"]
     with pytest.raises(ConfigError) as err:
         make_plan(spec, inventory_from_flags(1, 1, 24), PlanOptions(quantization="int4"))

@@ -11,7 +11,11 @@ from llmctl.cluster.plan.catalog import CATALOG
 from llmctl.cluster.plan.model_spec import spec_from_gguf
 from llmctl.engine.distributed.partition import layer_partition, valid_tp_sizes
 from llmctl.engine.errors import ConfigError
-from llmctl.engine.layers.quantization.gguf_quants import PACKED_FORMATS, packed_nbytes
+from llmctl.engine.layers.quantization.gguf_quants import (
+    PACKED_FORMATS,
+    packed_nbytes,
+    scale_bytes,
+)
 from llmctl.engine.model_loader.default_model import default_model_path
 from llmctl.engine.model_loader.gguf_file import read_gguf_tensors
 from llmctl.engine.weight_format import (
@@ -82,14 +86,16 @@ def bundled():
         if t.type_name == "F32":
             held[t.name] = (4 * rows * cols, False)
         else:
-            held[t.name] = (packed_nbytes(rows, cols, *PACKED_FORMATS[t.type_name]), True)
+            bits_group = PACKED_FORMATS[t.type_name]
+            held[t.name] = (packed_nbytes(rows, cols, *bits_group, scale_bytes(t.type_name)), True)
     return spec_from_gguf(path, str(path)), held
 
 
 def test_bundled_gguf_bytes_are_what_the_engine_packs(bundled):
     """SmolLM2-135M Q4_1: Q4_1 linears, a Q8_0 (tied) embedding, float32 norms; the engine
-    repacks Q4_1 into 4-bit groups of 32 with a float32 scale and zero, Q8_0 into 8-bit groups
-    with a scale (tests/engine/test_plan_predictions.py checks these against a loaded engine)."""
+    repacks Q4_1 into 4-bit groups of 32 with the file's float16 scale and zero, Q8_0 into
+    8-bit groups with its float16 scale (tests/engine/test_plan_predictions.py checks these
+    against a loaded engine)."""
     spec, held = bundled
     shape, weights = spec.shape, spec.weight_formats
     nbytes = {name: n for name, (n, _) in held.items()}

@@ -20,6 +20,7 @@ scales.) Nibbles are returned one element per byte; kernels.pack_groups repacks 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -75,6 +76,14 @@ PACKED_FORMATS = {
     "Q4_K": (4, 32),
     "Q6_K": (8, 16),
 }
+# Types whose scales (and zeros) are the file's own fp16 values, kept as float16 (exact, half the
+# bytes); the K-quants' scales are products (d * a 6-bit scale), kept as float32.
+FP16_SCALE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def scale_bytes(type_name: str) -> int:
+    """Bytes of one scale (or zero) of the packed weight a GGUF type becomes."""
+    return 2 if type_name in FP16_SCALE_TYPES else 4
 
 
 def packed_format(ggml_type: int) -> tuple[int, int]:
@@ -82,11 +91,11 @@ def packed_format(ggml_type: int) -> tuple[int, int]:
     return PACKED_FORMATS[_format(ggml_type, "tensor")[0]]
 
 
-def packed_nbytes(n: int, k: int, bits: int, group_size: int) -> int:
+def packed_nbytes(n: int, k: int, bits: int, group_size: int, scale_bytes: int = 4) -> int:
     """Bytes a packed [n, k] weight holds in memory (PackedLinearWeight.nbytes), for planning:
-    q at bits / 8 bytes a weight, float32 scales, and float32 zeros for 4 bits."""
+    q at bits / 8 bytes a weight, scales, and zeros for 4 bits (`scale_bytes` each)."""
     groups = n * (k // group_size)
-    return n * k * bits // 8 + 4 * groups * (2 if bits == 4 else 1)
+    return n * k * bits // 8 + scale_bytes * groups * (2 if bits == 4 else 1)
 
 
 def unpack_blocks(
@@ -115,29 +124,53 @@ def unpack_blocks(
 
 
 def pack_gguf(
-    raw: np.ndarray, ggml_type: int, n: int, k: int, name: str = "tensor"
+    raw: np.ndarray,
+    ggml_type: int,
+    n: int,
+    k: int,
+    name: str = "tensor",
+    release: Callable[[np.ndarray], None] | None = None,
 ) -> PackedLinearWeight:
     """The packed weight the quantized layers hold: unpack_blocks, then kernels.pack_groups.
 
     Q4_0 and Q4_1 store their nibbles in the kernel's own order, so their bytes are copied as
-    they are (no [N, K] intermediate).
+    they are (no [N, K] intermediate), as are Q8_0's int8 values; these three keep their fp16
+    scales as float16. They are copied a few rows at a time, and `release` (if given) is called
+    with the rows of `raw` already copied: a memory-mapped file's pages can leave the resident
+    set as they are read, not after the whole tensor.
     """
     import torch
 
     from llmctl.engine.layers.quantization.kernels import PackedLinearWeight, pack_groups
 
     type_name, block, type_size = _format(ggml_type, name)
-    if type_name in ("Q4_0", "Q4_1") and k % block == 0:
-        blocks = np.asarray(raw).reshape(-1).view(np.uint8)
-        if blocks.size == n * (k // block) * type_size:
-            blocks = blocks.reshape(-1, type_size)
-            head = type_size - 16  # d (Q4_0) or d, m (Q4_1) before the 16 nibble bytes
-            d = _f16(blocks[:, :2]).reshape(n, k // 32)
-            zeros = -8 * d if type_name == "Q4_0" else _f16(blocks[:, 2:4]).reshape(n, k // 32)
-            qweight = np.ascontiguousarray(blocks[:, head:]).reshape(n, k // 2)
-            return PackedLinearWeight(
-                n, k, 4, 32, torch.from_numpy(qweight), torch.from_numpy(d), torch.from_numpy(zeros)
-            )
+    blocks = np.asarray(raw).reshape(-1).view(np.uint8)
+    if (
+        type_name in ("Q4_0", "Q4_1", "Q8_0")
+        and k % block == 0
+        and blocks.size == n * (k // block) * type_size
+    ):
+        rows = blocks.reshape(n, k // block, type_size)
+        groups = k // 32
+        d = np.empty((n, groups), np.float16)
+        m = np.empty((n, groups), np.float16) if type_name == "Q4_1" else None
+        q = np.empty((n, k // 2 if type_name != "Q8_0" else k), np.uint8)
+        head = type_size - (16 if type_name != "Q8_0" else 32)  # d (and m) before the values
+        step = max(1, (1 << 20) // (rows.shape[1] * type_size))  # ~1 MiB of the file at a time
+        for start in range(0, n, step):
+            part = rows[start : start + step]
+            d[start : start + step] = part[:, :, :2].copy().view(np.float16)[..., 0]
+            if m is not None:
+                m[start : start + step] = part[:, :, 2:4].copy().view(np.float16)[..., 0]
+            q[start : start + step] = part[:, :, head:].reshape(part.shape[0], -1)
+            if release is not None:
+                release(part)
+        scales = torch.from_numpy(d)
+        if type_name == "Q8_0":
+            return PackedLinearWeight(n, k, 8, 32, torch.from_numpy(q.view(np.int8)), scales, None)
+        # Q4_0's zero, -8 d, is exact in float16 (a power-of-two multiple)
+        zeros = torch.from_numpy(m) if m is not None else -8 * scales
+        return PackedLinearWeight(n, k, 4, 32, torch.from_numpy(q), scales, zeros)
     g = unpack_blocks(raw, ggml_type, n, k, name)
     zeros = None if g.zeros is None else torch.from_numpy(g.zeros)
     return pack_groups(

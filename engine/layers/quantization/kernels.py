@@ -26,6 +26,7 @@ dequantizes tiles and calls F.linear (correct, slower at decode); one warning sa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -50,7 +51,8 @@ class PackedLinearWeight:
 
     qweight: bits=8: int8 [N, K]; bits=4: uint8 [N, K // 2], each 32-element chunk of a row in
     16 bytes, byte j = q[j] | q[j + 16] << 4 (GGUF's Q4_0 nibble order).
-    scales, zeros: float32 [N, K // group_size]; zeros is None for bits=8.
+    scales, zeros: [N, K // group_size], float32, or float16 where those are exact (GGUF's
+    Q4_0, Q4_1 and Q8_0 scales); zeros is None for bits=8 and of the scales' dtype otherwise.
     """
 
     out_features: int  # N
@@ -63,6 +65,18 @@ class PackedLinearWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., K] float -> [..., N] in x's dtype (computed in float32)."""
+        op = _loaded_op
+        if (
+            op is not None
+            and x.dim() == 2
+            and x.shape[0] <= SMALL_BATCH
+            and x.dtype == torch.float32
+            and x.is_cpu
+            and x.is_contiguous()
+        ):  # decode: straight to the kernel (a decode step makes ~4 of these calls a layer)
+            if self.bits == 8:
+                return op.int8_group_mm(x, self.qweight, self.scales, self.group_size)
+            return op.int4_group_mm(x, self.qweight, self.scales, self.zeros, self.group_size)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
         op = _kernel() if x2.device.type == "cpu" else None
@@ -100,6 +114,39 @@ class PackedLinearWeight:
         )
         return rows.dequantize().reshape(*ids.shape, self.in_features)
 
+    def to(self, device: torch.device | str) -> PackedLinearWeight:
+        """This weight on `device` (itself when it is there already)."""
+        if self.qweight.device == torch.device(device):
+            return self
+        z = None if self.zeros is None else self.zeros.to(device)
+        return dataclasses.replace(
+            self, qweight=self.qweight.to(device), scales=self.scales.to(device), zeros=z
+        )
+
+    @classmethod
+    def cat(cls, parts: list[PackedLinearWeight]) -> PackedLinearWeight:
+        """The rows of `parts` (one format, one K) stacked in order: a fused layer's weight."""
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        if any(
+            (p.in_features, p.bits, p.group_size)
+            != (first.in_features, first.bits, first.group_size)
+            or (p.zeros is None) != (first.zeros is None)
+            for p in parts
+        ):
+            raise ValueError("packed parts differ in format or in_features")
+        zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
+        return cls(
+            sum(p.out_features for p in parts),
+            first.in_features,
+            first.bits,
+            first.group_size,
+            torch.cat([p.qweight for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            zeros,
+        )
+
     @property
     def nbytes(self) -> int:
         """Bytes this weight holds in memory (packed data, scales and zeros)."""
@@ -129,9 +176,9 @@ class PackedLinearWeight:
         if self.bits == 4:  # [rows, K/32, 16] bytes -> [rows, K/32, 2, 16] nibbles
             b = q.view(q.shape[0], -1, 16)
             q = torch.stack([b & 0x0F, b >> 4], dim=2).reshape(q.shape[0], -1)
-        w = q.to(torch.float32).view(q.shape[0], -1, g) * self.scales[start:end, :, None]
+        w = q.to(torch.float32).view(q.shape[0], -1, g) * self.scales[start:end, :, None].float()
         if self.zeros is not None:
-            w += self.zeros[start:end, :, None]
+            w += self.zeros[start:end, :, None].float()
         return w.view(q.shape[0], -1)
 
 
@@ -143,7 +190,8 @@ def pack_groups(
     group_size: int,
 ) -> PackedLinearWeight:
     """q: [N, K] integer (uint8 in [0, 15] for 4 bits, int8 for 8 bits); scales, zeros:
-    [N, K // group_size] float. K must be a multiple of group_size; for 4 bits group_size must be a
+    [N, K // group_size] float (float16 kept as it is, else float32; zeros take the scales' dtype).
+    K must be a multiple of group_size; for 4 bits group_size must be a
     multiple of 32. Raises ValueError otherwise. The inputs are not kept (q is repacked)."""
     n, k = q.shape
     if bits not in (4, 8):
@@ -154,7 +202,9 @@ def pack_groups(
         raise ValueError(f"4-bit group_size={group_size} is not a multiple of 32")
     if tuple(scales.shape) != (n, k // group_size):
         raise ValueError(f"scales has shape {tuple(scales.shape)}, expected {(n, k // group_size)}")
-    scales = scales.to(torch.float32).contiguous()
+    if scales.dtype != torch.float16:
+        scales = scales.to(torch.float32)
+    scales = scales.contiguous()
     if bits == 8:
         if zeros is not None:
             raise ValueError("8-bit weights are symmetric: zeros must be None")
@@ -162,7 +212,7 @@ def pack_groups(
     else:
         if zeros is None:
             raise ValueError("4-bit weights need zeros (use -8 * scales for a symmetric format)")
-        zeros = zeros.to(torch.float32).contiguous()
+        zeros = zeros.to(scales.dtype).contiguous()
         nibbles = q.to(torch.uint8).reshape(n, k // 32, 2, 16)
         qweight = (nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
     return PackedLinearWeight(n, k, bits, group_size, qweight, scales, zeros)
@@ -186,9 +236,14 @@ def build_in_background() -> threading.Thread:
 _build_lock = threading.Lock()
 
 
+_loaded_op: Any | None = None  # the kernels' ops once loaded: the decode path's fast check
+
+
 def _kernel() -> Any | None:
+    global _loaded_op
     with _build_lock:  # one build per process; later calls return the cached op at once
-        return _kernel_once()
+        _loaded_op = _kernel_once()
+        return _loaded_op
 
 
 @functools.cache

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from llmctl.engine.errors import ConfigError, ModelLoadError
-from llmctl.engine.layers.quantization.kernels import pack_groups
+from llmctl.engine.layers.quantization.kernels import PackedLinearWeight, pack_groups
 from llmctl.engine.layers.quantization.quant_config import QuantizationConfig
 
 _current: QuantizationConfig | None = None
@@ -107,12 +107,11 @@ class PackedLinearMethod:
                 "the weights do not match config.json; check that both come from the same model",
             )
         if isinstance(loaded, QuantizedCheckpointTensor):
-            decoded = loaded.decode()
-            piece = ("packed", *decoded) if decoded is not None else ("float", loaded.load())
+            piece = ("packed", loaded.decode())
         elif self.config.bits is not None:
             bits, group = self.config.bits, self.config.group_size
             q, scales, zeros = quantize_rtn(loaded, bits, group)
-            piece = ("packed", q, scales, zeros, bits, group)
+            piece = ("packed", pack_groups(q, scales, zeros, bits, group))
         else:  # a float tensor in a GGUF file
             piece = ("float", loaded.to(torch.get_default_dtype()))
         self._pieces.append((row_start, piece))
@@ -145,6 +144,8 @@ class PackedLinearMethod:
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
+        if len(self.parts) == 1 and bias is None and x.dim() == 2:
+            return self.parts[0].matmul(x)  # the decode path: no reshapes
         x2 = x.reshape(-1, x.shape[-1])  # [num_tokens, K]
         if len(self.parts) == 1:
             out = self.parts[0].matmul(x2)
@@ -160,25 +161,21 @@ class PackedLinearMethod:
 
 
 def _rows(piece: tuple) -> int:
-    return piece[1].shape[0]
+    return piece[1].out_features if piece[0] == "packed" else piece[1].shape[0]
 
 
 def _format(piece: tuple) -> tuple:
     if piece[0] == "float":
         return ("float",)
-    _, q, _, zeros, bits, group = piece
-    return ("packed", q.dtype, zeros is None, bits, group)
+    w = piece[1]
+    return ("packed", w.bits, w.group_size, w.zeros is None)
 
 
 def _to(piece: tuple, device: torch.device) -> tuple:
-    return tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in piece)
+    return (piece[0], piece[1].to(device))
 
 
 def _pack(run: list[tuple]):
     if run[0][0] == "float":
         return _FloatRows(torch.cat([p[1] for p in run]) if len(run) > 1 else run[0][1])
-    _, _, _, zeros, bits, group = run[0]
-    q = torch.cat([p[1] for p in run])
-    scales = torch.cat([p[2] for p in run])
-    zeros = None if zeros is None else torch.cat([p[3] for p in run])
-    return pack_groups(q, scales, zeros, bits, group)
+    return PackedLinearWeight.cat([p[1] for p in run])

@@ -8,7 +8,8 @@
 //   int4: qp  [N, K / 2] uint8; each 32-element chunk of a row is 16 bytes, byte j holding element
 //         j in its low nibble and element j + 16 in its high nibble (GGUF's Q4_0 order), so one
 //         16-byte load gives two contiguous 16-element halves. g is a multiple of 32.
-//   scales, zeros: [N, K / g] float32.
+//   scales, zeros: [N, K / g], both float32 or both float16 (GGUF's Q4_0, Q4_1 and Q8_0 keep the
+//         file's own fp16 values: half the bytes, exact).
 //
 // Decode (small M) is bound by the bytes of W read: each thread owns a range of output rows and
 // reads each weight byte once, dequantizing it in registers for all M activation rows. The zero
@@ -20,6 +21,7 @@
 // runs it (the build cache key hashes the CPU's flags), with a scalar path for anything else.
 
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
@@ -43,6 +45,16 @@
 
 namespace {
 
+// A scale or zero as float: float32 as it is, float16 widened (F16C where the CPU has it).
+inline float ld(const float* p, int64_t i) { return p[i]; }
+inline float ld(const c10::Half* p, int64_t i) {
+#if defined(__F16C__)
+  return _cvtsh_ss(p[i].x);
+#else
+  return static_cast<float>(p[i]);
+#endif
+}
+
 constexpr int kMaxRows = 4;  // activation rows handled per pass over a weight row
 
 #if defined(LLMCTL_Q_AVX2) || defined(LLMCTL_Q_AVX512)
@@ -60,8 +72,8 @@ inline __m256 u8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi
 // One weight row against R activation rows: out[r] = sum_k x[r, k] * W[k] (zero term excluded).
 // Per group, two independent FMA chains per row of x sum q * x unscaled; the group's sum then
 // enters the row total with one FMA by the scale, the only dependency carried across groups.
-template <int R>
-void row_int8(const int8_t* q, const float* scales, const float* x, int64_t ldx, int64_t K,
+template <int R, typename S>
+void row_int8(const int8_t* q, const S* scales, const float* x, int64_t ldx, int64_t K,
               int64_t g, float* out) {
   const int64_t G = K / g;
 #if defined(LLMCTL_Q_AVX512)
@@ -81,7 +93,7 @@ void row_int8(const int8_t* q, const float* scales, const float* x, int64_t ldx,
           pb[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * ldx + k + 16), pb[r]);
         }
       }
-      const __m512 s = _mm512_set1_ps(scales[gi]);
+      const __m512 s = _mm512_set1_ps(ld(scales, gi));
       for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(pa[r], pb[r]), s, acc[r]);
     }
     for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
@@ -104,7 +116,7 @@ void row_int8(const int8_t* q, const float* scales, const float* x, int64_t ldx,
           pb[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * ldx + k + 8), pb[r]);
         }
       }
-      const __m256 s = _mm256_set1_ps(scales[gi]);
+      const __m256 s = _mm256_set1_ps(ld(scales, gi));
       for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_add_ps(pa[r], pb[r]), s, acc[r]);
     }
     for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
@@ -116,14 +128,14 @@ void row_int8(const int8_t* q, const float* scales, const float* x, int64_t ldx,
     for (int64_t gi = 0; gi < G; ++gi) {
       float part = 0.f;
       for (int64_t k = gi * g; k < (gi + 1) * g; ++k) part += x[r * ldx + k] * float(q[k]);
-      total += part * scales[gi];
+      total += part * ld(scales, gi);
     }
     out[r] = total;
   }
 }
 
-template <int R>
-void row_int4(const uint8_t* qp, const float* scales, const float* x, int64_t ldx, int64_t K,
+template <int R, typename S>
+void row_int4(const uint8_t* qp, const S* scales, const float* x, int64_t ldx, int64_t K,
               int64_t g, float* out) {
   const int64_t G = K / g;
 #if defined(LLMCTL_Q_AVX512)
@@ -143,7 +155,7 @@ void row_int4(const uint8_t* qp, const float* scales, const float* x, int64_t ld
         pb[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + r * ldx + k + 16), pb[r]);
       }
     }
-    const __m512 s = _mm512_set1_ps(scales[gi]);
+    const __m512 s = _mm512_set1_ps(ld(scales, gi));
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(pa[r], pb[r]), s, acc[r]);
   }
   for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
@@ -170,7 +182,7 @@ void row_int4(const uint8_t* qp, const float* scales, const float* x, int64_t ld
         pb[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), pb[r]);
       }
     }
-    const __m256 s = _mm256_set1_ps(scales[gi]);
+    const __m256 s = _mm256_set1_ps(ld(scales, gi));
     for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_add_ps(pa[r], pb[r]), s, acc[r]);
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
@@ -186,7 +198,7 @@ void row_int4(const uint8_t* qp, const float* scales, const float* x, int64_t ld
           part += x[r * ldx + k + 16 + j] * float(b[j] >> 4);
         }
       }
-      total += part * scales[gi];
+      total += part * ld(scales, gi);
     }
     out[r] = total;
   }
@@ -194,6 +206,20 @@ void row_int4(const uint8_t* qp, const float* scales, const float* x, int64_t ld
 }
 
 // sum_i a[i] * b[i]: the zero term, zeros[n, :] . xsum[m, :]
+inline float dot(const c10::Half* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float total = 0.f;
+#if (defined(LLMCTL_Q_AVX2) || defined(LLMCTL_Q_AVX512)) && defined(__F16C__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    __m256 av = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i)));
+    acc = _mm256_fmadd_ps(av, _mm256_loadu_ps(b + i), acc);
+  }
+  total = hsum(acc);
+#endif
+  for (; i < n; ++i) total += ld(a, i) * b[i];
+  return total;
+}
 inline float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   float total = 0.f;
@@ -206,45 +232,51 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return total;
 }
 
+template <typename S>
 struct Int8Row {
   const int8_t* q;
-  const float* scales;
+  const S* scales;
   int64_t K, G, g;
   template <int R>
   void call(int64_t n, const float* x, int64_t ldx, float* out) const {
-    row_int8<R>(q + n * K, scales + n * G, x, ldx, K, g, out);
+    row_int8<R, S>(q + n * K, scales + n * G, x, ldx, K, g, out);
   }
 };
 
+template <typename S>
 struct Int4Row {
   const uint8_t* qp;
-  const float* scales;
+  const S* scales;
   int64_t K, G, g;
   template <int R>
   void call(int64_t n, const float* x, int64_t ldx, float* out) const {
-    row_int4<R>(qp + n * (K / 2), scales + n * G, x, ldx, K, g, out);
+    row_int4<R, S>(qp + n * (K / 2), scales + n * G, x, ldx, K, g, out);
   }
 };
+
+bool is_scale_dtype(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf;
+}
 
 void check_common(const at::Tensor& x, const at::Tensor& scales, int64_t N, int64_t K, int64_t g) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " features, the weight ", K);
   TORCH_CHECK(g > 0 && K % g == 0, "K=", K, " is not a multiple of group_size=", g);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.size(0) == N && scales.size(1) == K / g,
-              "scales must be contiguous float32 [N, K / group_size]");
+  TORCH_CHECK(is_scale_dtype(scales) && scales.is_contiguous() && scales.size(0) == N &&
+                  scales.size(1) == K / g,
+              "scales must be contiguous float32 or float16 [N, K / group_size]");
 }
 
-// rows [begin, end) of y for activation rows handled R at a time
-template <typename RowFn>
-at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes,
-                    const at::Tensor& zeros, const RowFn& row) {
+// rows [begin, end) of y for activation rows handled R at a time; zp: [N, G] zeros or nullptr
+template <typename S, typename RowFn>
+at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes, const S* zp,
+                    const RowFn& row) {
   const int64_t M = x.size(0), K = x.size(1), G = K / g;
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const bool has_zeros = zeros.defined();
+  const bool has_zeros = zp != nullptr;
   at::Tensor xsum;
   if (has_zeros) {  // [M, G]: per-group sums of x, for the zero term
     xsum = at::empty({M, G}, x.options());
@@ -256,7 +288,6 @@ at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes
         s[m * G + gi] = t;
       }
   }
-  const float* zp = has_zeros ? zeros.data_ptr<float>() : nullptr;
   const float* sp = has_zeros ? xsum.data_ptr<float>() : nullptr;
   // >= 128 KiB of packed weight per task (~10 us of reading): a small matrix stays on one
   // thread, where waking the others would cost more than it saves (much more on a busy machine).
@@ -293,8 +324,13 @@ at::Tensor int8_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Ten
   const int64_t N = q.size(0), K = q.size(1), G = K / group_size;
   check_common(x, scales, N, K, group_size);
   const int8_t* qb = q.data_ptr<int8_t>();
+  if (scales.scalar_type() == at::kHalf) {
+    const c10::Half* sb = scales.data_ptr<c10::Half>();
+    return run_rows<c10::Half>(x, N, group_size, K, nullptr,
+                               Int8Row<c10::Half>{qb, sb, K, G, group_size});
+  }
   const float* sb = scales.data_ptr<float>();
-  return run_rows(x, N, group_size, K, at::Tensor(), Int8Row{qb, sb, K, G, group_size});
+  return run_rows<float>(x, N, group_size, K, nullptr, Int8Row<float>{qb, sb, K, G, group_size});
 }
 
 at::Tensor int4_group_mm(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& scales,
@@ -304,22 +340,29 @@ at::Tensor int4_group_mm(const at::Tensor& x, const at::Tensor& qp, const at::Te
   TORCH_CHECK(group_size % 32 == 0, "int4 group_size must be a multiple of 32");
   const int64_t N = qp.size(0), K = qp.size(1) * 2, G = K / group_size;
   check_common(x, scales, N, K, group_size);
-  TORCH_CHECK(zeros.scalar_type() == at::kFloat && zeros.is_contiguous() &&
+  TORCH_CHECK(zeros.scalar_type() == scales.scalar_type() && zeros.is_contiguous() &&
                   zeros.sizes() == scales.sizes(),
-              "zeros must be contiguous float32 shaped like scales");
+              "zeros must be contiguous, shaped like scales and of their dtype");
   const uint8_t* qb = qp.data_ptr<uint8_t>();
+  if (scales.scalar_type() == at::kHalf) {
+    const c10::Half* sb = scales.data_ptr<c10::Half>();
+    return run_rows<c10::Half>(x, N, group_size, K / 2, zeros.data_ptr<c10::Half>(),
+                               Int4Row<c10::Half>{qb, sb, K, G, group_size});
+  }
   const float* sb = scales.data_ptr<float>();
-  return run_rows(x, N, group_size, K / 2, zeros, Int4Row{qb, sb, K, G, group_size});
+  return run_rows<float>(x, N, group_size, K / 2, zeros.data_ptr<float>(),
+                         Int4Row<float>{qb, sb, K, G, group_size});
 }
 
 // Rows [n0, n1) of W into w (row-major, K floats a row), on the calling thread.
-void dequantize_into(const at::Tensor& q, const float* sp, const float* zp, int64_t bits,
+template <typename S>
+void dequantize_into(const at::Tensor& q, const S* sp, const S* zp, int64_t bits,
                      int64_t group_size, int64_t K, int64_t n0, int64_t n1, float* wp) {
   const int64_t G = K / group_size;
   for (int64_t n = n0; n < n1; ++n) {
     float* wr = wp + (n - n0) * K;
     for (int64_t gi = 0; gi < G; ++gi) {
-      const float s = sp[n * G + gi], z = zp ? zp[n * G + gi] : 0.f;
+      const float s = ld(sp, n * G + gi), z = zp ? ld(zp, n * G + gi) : 0.f;
       const int64_t k0 = gi * group_size, k1 = k0 + group_size;
       if (bits == 8) {
         const int8_t* qr = q.data_ptr<int8_t>() + n * K;
@@ -356,11 +399,12 @@ void dequantize_into(const at::Tensor& q, const float* sp, const float* zp, int6
 void check_dequant(const at::Tensor& q, const at::Tensor& scales,
                    const std::optional<at::Tensor>& zeros, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(q.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kFloat,
-              "q and scales must be contiguous, scales float32");
+  TORCH_CHECK(q.is_contiguous() && scales.is_contiguous() && is_scale_dtype(scales),
+              "q and scales must be contiguous, scales float32 or float16");
   TORCH_CHECK(q.scalar_type() == (bits == 4 ? at::kByte : at::kChar), "q has the wrong dtype");
-  TORCH_CHECK(!zeros.has_value() || (zeros->is_contiguous() && zeros->scalar_type() == at::kFloat),
-              "zeros must be contiguous float32");
+  TORCH_CHECK(!zeros.has_value() ||
+                  (zeros->is_contiguous() && zeros->scalar_type() == scales.scalar_type()),
+              "zeros must be contiguous and of the scales' dtype");
 }
 
 // Rows [n0, n1) of W in float32: embedding rows and references.
@@ -370,13 +414,18 @@ at::Tensor dequantize_rows(const at::Tensor& q, const at::Tensor& scales,
   check_dequant(q, scales, zeros, bits);
   const int64_t N = q.size(0), K = bits == 4 ? q.size(1) * 2 : q.size(1);
   TORCH_CHECK(0 <= n0 && n0 <= n1 && n1 <= N, "row range out of bounds");
-  at::Tensor w = at::empty({n1 - n0, K}, scales.options());
+  at::Tensor w = at::empty({n1 - n0, K}, scales.options().dtype(at::kFloat));
   float* wp = w.data_ptr<float>();
-  const float* sp = scales.data_ptr<float>();
-  const float* zp = zeros.has_value() ? zeros->data_ptr<float>() : nullptr;
-  at::parallel_for(n0, n1, 16, [&](int64_t begin, int64_t end) {
-    dequantize_into(q, sp, zp, bits, group_size, K, begin, end, wp + (begin - n0) * K);
-  });
+  auto run = [&](auto* sp, auto* zp) {
+    at::parallel_for(n0, n1, 16, [&](int64_t begin, int64_t end) {
+      dequantize_into(q, sp, zp, bits, group_size, K, begin, end, wp + (begin - n0) * K);
+    });
+  };
+  if (scales.scalar_type() == at::kHalf) {
+    run(scales.data_ptr<c10::Half>(), zeros.has_value() ? zeros->data_ptr<c10::Half>() : nullptr);
+  } else {
+    run(scales.data_ptr<float>(), zeros.has_value() ? zeros->data_ptr<float>() : nullptr);
+  }
   return w;
 }
 
@@ -394,22 +443,27 @@ at::Tensor tiled_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Te
   TORCH_CHECK(tile_rows > 0, "tile_rows must be positive");
   const int64_t M = x.size(0), tiles = (N + tile_rows - 1) / tile_rows;
   at::Tensor yt = at::empty({N, M}, x.options());  // W x^T: each tile owns whole rows
-  const float* sp = scales.data_ptr<float>();
-  const float* zp = zeros.has_value() ? zeros->data_ptr<float>() : nullptr;
   const at::Tensor xt = x.t();
   // The engine runs under torch.inference_mode(): the worker threads must be in it too, or
   // mm_out into yt (an inference tensor) is refused there.
   const bool inference_mode = c10::InferenceMode::is_enabled();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    c10::InferenceMode guard(inference_mode);
-    at::Tensor w = at::empty({tile_rows, K}, x.options());
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * tile_rows, n1 = std::min(N, n0 + tile_rows);
-      dequantize_into(q, sp, zp, bits, group_size, K, n0, n1, w.data_ptr<float>());
-      at::Tensor out = yt.narrow(0, n0, n1 - n0);
-      at::mm_out(out, w.narrow(0, 0, n1 - n0), xt);
-    }
-  });
+  auto run = [&](auto* sp, auto* zp) {
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      c10::InferenceMode guard(inference_mode);
+      at::Tensor w = at::empty({tile_rows, K}, x.options());
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n0 = t * tile_rows, n1 = std::min(N, n0 + tile_rows);
+        dequantize_into(q, sp, zp, bits, group_size, K, n0, n1, w.data_ptr<float>());
+        at::Tensor out = yt.narrow(0, n0, n1 - n0);
+        at::mm_out(out, w.narrow(0, 0, n1 - n0), xt);
+      }
+    });
+  };
+  if (scales.scalar_type() == at::kHalf) {
+    run(scales.data_ptr<c10::Half>(), zeros.has_value() ? zeros->data_ptr<c10::Half>() : nullptr);
+  } else {
+    run(scales.data_ptr<float>(), zeros.has_value() ? zeros->data_ptr<float>() : nullptr);
+  }
   return yt.t().contiguous();
 }
 
