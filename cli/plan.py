@@ -13,6 +13,7 @@ from rich.table import Table
 
 from llmctl.cli.console import stdout_console
 from llmctl.cli.engine_options import EngineKwargs, engine_options
+from llmctl.cluster.plan import manifests as kube
 from llmctl.engine.errors import ConfigError
 
 app = typer.Typer()
@@ -114,7 +115,7 @@ def plan(
     ] = None,  # fmt: skip
     image: Annotated[
         str, typer.Option(help="--emit: the container image.", rich_help_panel=_KUBE)
-    ] = "llmctl:latest",
+    ] = kube.DEFAULT_IMAGE,
     name: Annotated[
         str | None,
         typer.Option(
@@ -127,8 +128,9 @@ def plan(
         str | None, typer.Option(help="--emit: their namespace.", rich_help_panel=_KUBE)
     ] = None,
     port: Annotated[
-        int, typer.Option(help="--emit: the serving port.", rich_help_panel=_KUBE)
-    ] = 8000,
+        int,
+        typer.Option(help="--emit: the serving port (and its probes').", rich_help_panel=_KUBE),
+    ] = kube.DEFAULT_PORT,
     model_path: Annotated[
         str | None,
         typer.Option(
@@ -155,17 +157,18 @@ def plan(
     ] = None,  # fmt: skip
     shm_size: Annotated[
         str, typer.Option(help="--emit: the size of /dev/shm.", rich_help_panel=_KUBE)
-    ] = "10Gi",
+    ] = kube.DEFAULT_SHM_SIZE,
     socket_ifname: Annotated[
         str,
         typer.Option(
             help="--emit: NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME.", rich_help_panel=_KUBE
         ),
-    ] = "eth0",  # fmt: skip
+    ] = kube.DEFAULT_SOCKET_IFNAME,  # fmt: skip
     master_port: Annotated[
         int | None,
         typer.Option(
-            help="--emit lws: the rendezvous port of the leader. (default: 29500)",
+            help="--emit lws: the rendezvous port of the leader. "
+            f"(default: {kube.DEFAULT_MASTER_PORT})",
             rich_help_panel=_KUBE,
             show_default=False,
         ),
@@ -189,13 +192,11 @@ def plan(
     if list_models:
         _print_catalog(console, CATALOG, json_output)
         return
-    kube = None
+    kube_opts = None
     if emit is not None:
-        from llmctl.cluster.plan.manifests import kube_options
-
         if json_output:
             raise ConfigError("--json and --emit both choose what plan prints", "keep one")
-        kube = kube_options(
+        kube_opts = kube.kube_options(
             emit, model, name=name, model_path=model_path, model_host_path=model_host_path,
             model_pvc=model_pvc, image=image, namespace=namespace, port=port, shm_size=shm_size,
             socket_ifname=socket_ifname, master_port=master_port, ray_version=ray_version,
@@ -216,24 +217,22 @@ def plan(
         raise
     if json_output:
         console.out(json.dumps(result.to_json(), indent=2), highlight=False)
-    elif kube is not None and output is None:
-        _emit(console, result, kube, None)
-    elif kube is not None:
-        wrote = _emit(console, result, kube, output)
+    elif kube_opts is not None and output is None:
+        _emit(console, result, kube_opts, None)
+    elif kube_opts is not None:
+        wrote = _emit(console, result, kube_opts, output)
         _print_plan(console, result)
-        console.print(wrote, highlight=False)
+        console.print(wrote, highlight=False, soft_wrap=True)
     else:
         _print_plan(console, result)
 
 
-def _emit(console, plan, kube, output: str | None) -> str:
+def _emit(console, plan, options, output: str | None) -> str:
     """The manifests as YAML on stdout, or in `output` (then: the line that says so)."""
     from pathlib import Path
 
-    from llmctl.cluster.plan.manifests import manifests, to_yaml
-
-    objects = manifests(plan, kube)
-    text = to_yaml(objects)
+    objects = kube.manifests(plan, options)
+    text = kube.to_yaml(objects)
     if output is None:
         console.out(text, highlight=False, end="")
         return ""
