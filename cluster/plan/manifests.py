@@ -341,6 +341,8 @@ def leader_worker_set(plan, opts: KubeOptions) -> dict:
         "metadata": _metadata(opts),
         "spec": {
             "replicas": 1,
+            # The workers start with the leader pod, not once it is ready: it is ready only
+            # after every node's ranks joined it.
             "startupPolicy": "LeaderCreated",
             "leaderWorkerTemplate": template,
         },
@@ -368,10 +370,13 @@ def leader_service(opts: KubeOptions) -> dict:
 
 def head_script(serve: list[str]) -> str:
     """The head container's shell: KubeRay's `ray start` (it blocks) in the background, then
-    `llmctl serve` once Ray answers; the container lives as long as the server."""
+    `llmctl serve` once Ray answers; the container lives as long as the server, and exits if
+    `ray start` does before Ray answers. KubeRay writes the command for a shell (its
+    --resources='{...}' is quoted): eval, not word splitting."""
     return (
-        "ulimit -n 65536; $KUBERAY_GEN_RAY_START_CMD & "
-        "until ray status >/dev/null 2>&1; do sleep 1; done; exec " + shlex.join(serve)
+        'ulimit -n 65536; eval "$KUBERAY_GEN_RAY_START_CMD" & ray_start=$!; '
+        "until ray status >/dev/null 2>&1; do kill -0 $ray_start || exit 1; sleep 1; done; "
+        "exec " + shlex.join(serve)
     )
 
 
@@ -380,7 +385,9 @@ def ray_cluster(plan, opts: KubeOptions) -> dict:
     nodes = plan.nodes_used
     serve = serve_argv(plan, opts, "ray", host="0.0.0.0", port=opts.port)
     timeout = {"LLMCTL_RAY_PLACEMENT_TIMEOUT": str(RAY_PLACEMENT_TIMEOUT_S)}
-    shell = ["/bin/bash", "-lc", "--"]
+    # Not a login shell (-l, as KubeRay's examples): Debian's /etc/profile resets PATH, which
+    # loses the image's /opt/llmctl/bin (templates/Dockerfile).
+    shell = ["/bin/bash", "-c", "--"]
     # KubeRay copies it to the pods: their command is ours, its `ray start` in an env variable.
     overwrite = {"ray.io/overwrite-container-cmd": "true"}
     head = container("ray-head", plan, opts, command=shell, args=[head_script(serve)],
@@ -390,7 +397,7 @@ def ray_cluster(plan, opts: KubeOptions) -> dict:
         spec = {"rayVersion": opts.ray_version, **spec}
     if nodes > 1:
         worker = container("ray-worker", plan, opts, command=shell,
-                           args=["ulimit -n 65536; exec $KUBERAY_GEN_RAY_START_CMD"],
+                           args=['ulimit -n 65536; eval "exec $KUBERAY_GEN_RAY_START_CMD"'],
                            serving=False)  # fmt: skip
         spec["workerGroupSpecs"] = [
             {

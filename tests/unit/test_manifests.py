@@ -9,6 +9,11 @@ as pods, the GPUs per pod, the env, the probes and the model.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+
 import pytest
 import yaml
 from k8s_schemas import errors
@@ -149,7 +154,7 @@ def test_ray_cluster_carries_the_plan(layout):
     assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
     check_probes(head, 8000)
     (script,) = head["args"]
-    assert script.startswith("ulimit -n 65536; $KUBERAY_GEN_RAY_START_CMD & ")
+    assert script.startswith('ulimit -n 65536; eval "$KUBERAY_GEN_RAY_START_CMD" & ray_start=$!; ')
     serve = serve_argv(plan, opts, "ray", host="0.0.0.0", port=8000)
     assert script.endswith("; exec " + " ".join(serve))
     assert flag(serve, "-tp") == (str(tp) if tp > 1 else None)
@@ -163,7 +168,7 @@ def test_ray_cluster_carries_the_plan(layout):
     assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == nodes - 1
     worker = the_container(group["template"])
     assert worker["resources"]["limits"] == {"nvidia.com/gpu": gpus}
-    assert worker["args"] == ["ulimit -n 65536; exec $KUBERAY_GEN_RAY_START_CMD"]
+    assert worker["args"] == ['ulimit -n 65536; eval "exec $KUBERAY_GEN_RAY_START_CMD"']
 
 
 def test_the_schema_check_refuses_what_kubernetes_would():
@@ -230,3 +235,42 @@ def test_ranks_that_do_not_split_over_the_nodes_are_refused():
     assert (plan.gpus_used, plan.nodes_used) == (9, 2)
     with pytest.raises(ConfigError, match="9 ranks do not split evenly over 2 nodes"):
         manifests(plan, KubeOptions(kind="lws", name="x"))
+
+
+def _run_head_script(tmp_path, ray_start: str) -> subprocess.CompletedProcess:
+    """The head's script in bash, with `ray` and `llmctl` stand-ins on PATH: `ray status`
+    answers once `ready` exists; `llmctl` records its arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ray").write_text(f'#!/bin/sh\n[ "$1" = status ] && [ -e {tmp_path}/ready ]\n')
+    (bin_dir / "llmctl").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {tmp_path}/argv\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    (cluster,) = manifests(plan_for("1gpu"), kube_options("raycluster", "/models/my model"))
+    (head,) = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    (script,) = head["args"]  # the pod's command, as its container runs it
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+           "KUBERAY_GEN_RAY_START_CMD": ray_start}  # fmt: skip
+    process = subprocess.Popen([*head["command"], script], env=env,
+                               start_new_session=True)  # fmt: skip
+    try:
+        process.wait(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # the background `ray start` stand-in
+    return process
+
+
+def test_head_script_serves_once_ray_answers(tmp_path):
+    # `ray start --block` stand-in: Ray answers after a moment, and the process stays.
+    process = _run_head_script(tmp_path, f"sh -c 'sleep 0.3; touch {tmp_path}/ready; sleep 30'")
+    assert process.returncode == 0
+    assert (tmp_path / "argv").read_text().splitlines() == [
+        "serve", "/models/my model", "--host", "0.0.0.0", "--port", "8000",
+    ]  # fmt: skip
+
+
+def test_head_script_exits_when_ray_start_fails(tmp_path):
+    process = _run_head_script(tmp_path, "false")
+    assert process.returncode == 1
+    assert not (tmp_path / "argv").exists()
