@@ -237,7 +237,7 @@ def test_ranks_that_do_not_split_over_the_nodes_are_refused():
         manifests(plan, KubeOptions(kind="lws", name="x"))
 
 
-def _run_head_script(tmp_path, ray_start: str) -> subprocess.CompletedProcess:
+def _run_head_script(tmp_path, ray_start: str) -> subprocess.Popen:
     """The head's script in bash, with `ray` and `llmctl` stand-ins on PATH: `ray status`
     answers once `ready` exists; `llmctl` records its arguments."""
     bin_dir = tmp_path / "bin"
