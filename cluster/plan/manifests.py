@@ -40,7 +40,7 @@ from llmctl.engine.engine_args import SERVE, SERVER, EngineArgs, engine_args_to_
 EMIT_KINDS = ("lws", "raycluster", "kuberay")  # kuberay: the RayCluster (see above)
 DEFAULT_IMAGE = "llmctl:latest"  # `llmctl image build`'s default tag
 DEFAULT_PORT = 8000
-DEFAULT_MASTER_PORT = 29500
+DEFAULT_MASTER_PORT = 29501  # the mp backend's own default (ParallelConfig.master_port)
 DEFAULT_SHM_SIZE = "10Gi"
 DEFAULT_SOCKET_IFNAME = "eth0"  # a pod's interface on the cluster network
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -307,6 +307,14 @@ def _metadata(opts: KubeOptions) -> dict:
 def leader_worker_set(plan, opts: KubeOptions) -> dict:
     """One group of plan.nodes_used pods: the leader serves, the workers run their ranks."""
     nodes = plan.nodes_used
+    pp = plan.pipeline_parallel_size
+    if nodes > 1 and pp % nodes:
+        raise ConfigError(
+            f"tp={plan.tensor_parallel_size} x pp={pp} on {nodes} nodes: the mp backend runs "
+            "whole pipeline stages on each node, and pp does not divide over the nodes",
+            f"use a -pp divisible by {nodes} (tp = GPUs per node, pp = nodes), or --emit "
+            "raycluster (Ray places any layout)",
+        )
     listen = {"host": "0.0.0.0", "port": opts.port}
     if nodes == 1:
         leader_argv = serve_argv(plan, opts, plan.distributed_executor_backend, **listen)

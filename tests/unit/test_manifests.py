@@ -127,7 +127,7 @@ def test_leader_worker_set_carries_the_plan(layout):
         assert flag(command, "--distributed-executor-backend") == "mp"
         assert flag(command, "--nnodes") == str(nodes)
         assert flag(command, "--master-addr") == "$(LWS_LEADER_ADDRESS)"
-        assert flag(command, "--master-port") == "29500"
+        assert flag(command, "--master-port") == "29501"
         assert flag(command, "--max-model-len") == "8192"  # the plan's engine options too
     assert flag(argv, "--node-rank") == "0" and "--headless" not in argv
     assert flag(wargv, "--node-rank") == "$(LWS_WORKER_INDEX)" and "--headless" in wargv
@@ -234,7 +234,23 @@ def test_ranks_that_do_not_split_over_the_nodes_are_refused():
     )  # fmt: skip
     assert (plan.gpus_used, plan.nodes_used) == (9, 2)
     with pytest.raises(ConfigError, match="9 ranks do not split evenly over 2 nodes"):
-        manifests(plan, KubeOptions(kind="lws", name="x"))
+        manifests(plan, KubeOptions(kind="raycluster", name="x"))
+
+
+def test_lws_refuses_nodes_that_would_split_a_stage():
+    """The mp backend runs whole pipeline stages per node; Ray places any layout."""
+    plan = make_plan(
+        load_model_spec("Llama-3.1-70B"), inventory_from_flags(2, 8, 80.0, "nvlink"),
+        PlanOptions(tensor_parallel_size=4, pipeline_parallel_size=3),
+    )  # fmt: skip
+    assert (plan.gpus_used, plan.nodes_used) == (12, 2)
+    with pytest.raises(ConfigError) as info:
+        manifests(plan, kube_options("lws", "Llama-3.1-70B"))
+    assert "tp=4 x pp=3 on 2 nodes" in info.value.message
+    assert "use a -pp divisible by 2" in info.value.hint and "--emit raycluster" in info.value.hint
+    (cluster,) = manifests(plan, kube_options("raycluster", "Llama-3.1-70B"))
+    assert errors(cluster) == []
+    assert cluster["spec"]["workerGroupSpecs"][0]["replicas"] == 1
 
 
 def _run_head_script(tmp_path, ray_start: str) -> subprocess.Popen:
