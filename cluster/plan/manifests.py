@@ -129,6 +129,13 @@ class KubeOptions:
                 f"--model-path {self.model_path!r} is not an absolute path",
                 "give the model's path inside the pod, e.g. /models/Llama-3.1-8B",
             )
+        volume = self.model_host_path or self.model_pvc
+        if volume and self.model_path and posixpath.dirname(self.model_path) == "/":
+            raise ConfigError(
+                f"--model-path {self.model_path} is at the root: its volume would be mounted "
+                "over the pod's /",
+                f"put it in a directory, e.g. --model-path /models{self.model_path}",
+            )
         for label, port in (("--port", self.port), ("--master-port", self.master_port)):
             if port is not None and not 0 < port < 65536:
                 raise ConfigError(f"{label} {port} is not a port", f"use {label} 1-65535")

@@ -217,6 +217,7 @@ def test_local_model_is_mounted_at_its_own_path(tmp_path):
         ("lws", {"model_host_path": "/data", "model_pvc": "models"},
          "--model-host-path and --model-pvc both", "keep one"),
         ("lws", {"model_path": "models/x"}, "is not an absolute path", "/models/"),
+        ("lws", {"model_path": "/llama"}, "is at the root", "--model-path /models/llama"),
         ("lws", {"port": 70000}, "--port 70000 is not a port", "1-65535"),
     ],
 )  # fmt: skip
