@@ -13,10 +13,13 @@ from rich.table import Table
 
 from llmctl.cli.console import stdout_console
 from llmctl.cli.engine_options import EngineKwargs, engine_options
+from llmctl.cluster.plan import manifests as kube
+from llmctl.engine.errors import ConfigError
 
 app = typer.Typer()
 _INVENTORY = "Inventory"
 _MEMORY = "Memory"
+_KUBE = "Kubernetes (--emit)"
 
 
 # The options plan shares with the engine, restyled for planning (their flags stay the engine's).
@@ -96,6 +99,86 @@ def plan(
         typer.Option(help="Requests of max-model-len the plan must hold.", rich_help_panel=_MEMORY),
     ] = 1,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    emit: Annotated[
+        str | None,
+        typer.Option(
+            help="Write the plan as Kubernetes manifests: lws (a LeaderWorkerSet, mp backend "
+            "across nodes) or raycluster (KubeRay's RayCluster, ray backend; also: kuberay).",
+            rich_help_panel=_KUBE,
+        ),
+    ] = None,
+    output: Annotated[
+        str | None,
+        typer.Option(
+            "--output", "-o", help="--emit: the YAML file (default: stdout).", rich_help_panel=_KUBE
+        ),
+    ] = None,  # fmt: skip
+    image: Annotated[
+        str, typer.Option(help="--emit: the container image.", rich_help_panel=_KUBE)
+    ] = kube.DEFAULT_IMAGE,
+    name: Annotated[
+        str | None,
+        typer.Option(
+            help="--emit: the objects' name (default: llmctl-MODEL).",
+            rich_help_panel=_KUBE,
+            show_default=False,
+        ),
+    ] = None,  # fmt: skip
+    namespace: Annotated[
+        str | None, typer.Option(help="--emit: their namespace.", rich_help_panel=_KUBE)
+    ] = None,
+    port: Annotated[
+        int,
+        typer.Option(help="--emit: the serving port (and its probes').", rich_help_panel=_KUBE),
+    ] = kube.DEFAULT_PORT,
+    model_path: Annotated[
+        str | None,
+        typer.Option(
+            help="--emit: the model's path in the pod (default: a local MODEL's own path, else "
+            "/models/MODEL).",
+            rich_help_panel=_KUBE,
+            show_default=False,
+        ),
+    ] = None,
+    model_host_path: Annotated[
+        str | None,
+        typer.Option(
+            help="--emit: the node's directory mounted at the model's directory (default: the "
+            "same path).",
+            rich_help_panel=_KUBE,
+            show_default=False,
+        ),
+    ] = None,
+    model_pvc: Annotated[
+        str | None,
+        typer.Option(
+            help="--emit: a PersistentVolumeClaim holding the model instead.", rich_help_panel=_KUBE
+        ),
+    ] = None,  # fmt: skip
+    shm_size: Annotated[
+        str, typer.Option(help="--emit: the size of /dev/shm.", rich_help_panel=_KUBE)
+    ] = kube.DEFAULT_SHM_SIZE,
+    socket_ifname: Annotated[
+        str,
+        typer.Option(
+            help="--emit: NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME.", rich_help_panel=_KUBE
+        ),
+    ] = kube.DEFAULT_SOCKET_IFNAME,  # fmt: skip
+    master_port: Annotated[
+        int | None,
+        typer.Option(
+            help="--emit lws: the rendezvous port of the leader. "
+            f"(default: {kube.DEFAULT_MASTER_PORT})",
+            rich_help_panel=_KUBE,
+            show_default=False,
+        ),
+    ] = None,  # fmt: skip
+    ray_version: Annotated[
+        str | None,
+        typer.Option(
+            help="--emit raycluster: the image's Ray version, for KubeRay.", rich_help_panel=_KUBE
+        ),
+    ] = None,  # fmt: skip
 ) -> None:
     """Choose the TP x PP layout for MODEL on the inventory and predict its KV-cache capacity.
 
@@ -109,6 +192,15 @@ def plan(
     if list_models:
         _print_catalog(console, CATALOG, json_output)
         return
+    kube_opts = None
+    if emit is not None:
+        if json_output:
+            raise ConfigError("--json and --emit both choose what plan prints", "keep one")
+        kube_opts = kube.kube_options(
+            emit, model, name=name, model_path=model_path, model_host_path=model_host_path,
+            model_pvc=model_pvc, image=image, namespace=namespace, port=port, shm_size=shm_size,
+            socket_ifname=socket_ifname, master_port=master_port, ray_version=ray_version,
+        )  # fmt: skip
     try:
         result = _make(
             model, inventory, nodes, gpus_per_node, gpu_memory_gib, interconnect, engine,
@@ -125,8 +217,33 @@ def plan(
         raise
     if json_output:
         console.out(json.dumps(result.to_json(), indent=2), highlight=False)
+    elif kube_opts is not None and output is None:
+        _emit(console, result, kube_opts, None)
+    elif kube_opts is not None:
+        wrote = _emit(console, result, kube_opts, output)
+        _print_plan(console, result)
+        console.print(wrote, highlight=False, soft_wrap=True)
     else:
         _print_plan(console, result)
+
+
+def _emit(console, plan, options, output: str | None) -> str:
+    """The manifests as YAML on stdout, or in `output` (then: the line that says so)."""
+    from pathlib import Path
+
+    objects = kube.manifests(plan, options)
+    text = kube.to_yaml(objects)
+    if output is None:
+        console.out(text, highlight=False, end="")
+        return ""
+    try:
+        Path(output).write_text(text)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write {output}: {exc.strerror}", "give a writable --output"
+        ) from None
+    kinds = ", ".join(o["kind"] for o in objects)
+    return f"[bold]Wrote[/] {output} ({kinds}): kubectl apply -f {output}"
 
 
 def _make(model, inventory, nodes, gpus, memory, interconnect, engine: EngineKwargs,

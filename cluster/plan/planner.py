@@ -156,6 +156,9 @@ class Plan:
     rejected: tuple[tuple[str, str], ...]  # (layout, why not)
     alternatives: tuple[tuple[str, str], ...] = ()  # (layout, what it offers)
     commands: dict[str, str] = field(default_factory=dict)
+    # The EngineArgs keywords of commands["serve"], layout first (None: the engine's default):
+    # what a Kubernetes manifest's `llmctl serve` gives (cluster/plan/manifests.py).
+    serve_args: dict[str, object] = field(default_factory=dict)
     device: str = "cuda"
     gpu_memory_utilization: float = 0.9
     gpu_memory_bytes: int = 0  # of one GPU (the smallest of the inventory)
@@ -838,6 +841,7 @@ def _finish(ctx: _Ctx, chosen: _Eval, reasons, rejected, alternatives) -> Plan:
         rejected=tuple(rejected),
         alternatives=tuple(alternatives),
         commands=commands,
+        serve_args={**layout, **engine},
         quantization=opts.quantization,
         weight_format=ctx.weights.label(),
         weight_format_detail=ctx.weights.detail(spec.shape) if ctx.weights.quantized else "",

@@ -1,0 +1,432 @@
+"""Kubernetes manifests from a Plan: pure builders of plain dicts; the CLI dumps them as YAML.
+
+Two ways to run a plan's layout on Kubernetes:
+  - `lws`: a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1), one group of `nodes` pods per
+    replica, on the mp backend across nodes. The leader (pod 0) runs
+        llmctl serve MODEL -tp T -pp P ... --nnodes N --node-rank 0
+            --master-addr $(LWS_LEADER_ADDRESS) --master-port PORT --host 0.0.0.0 --port 8000
+    and each worker the same with --node-rank $(LWS_WORKER_INDEX) --headless (Kubernetes expands
+    $(VAR) from the env LWS injects into every container). One node: the leader alone, the plan's
+    own backend. A Service selects the leaders.
+  - `raycluster` (or `kuberay`): a KubeRay RayCluster (ray.io/v1), a head pod and nodes-1 worker
+    pods, on the ray backend. The head runs the `ray start` KubeRay generates
+    ($KUBERAY_GEN_RAY_START_CMD, with the ray.io/overwrite-container-cmd annotation), waits for
+    Ray, then runs `llmctl serve`; its ranks go wherever Ray places them, the head first, as with
+    `llmctl serve -i`. (A RayService would need a Ray Serve application; llmctl's server is a
+    process, so the RayCluster it runs on is what is emitted.)
+
+Every pod gets the node's GPUs (`nvidia.com/gpu` limits = the plan's GPUs per node), /dev/shm as a
+memory-backed emptyDir (NCCL and torch share memory through it), VLLM_HOST_IP from the pod's IP
+and NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME set to the pod's interface, and the model read-only
+(a hostPath or a PersistentVolumeClaim holding it, mounted at its directory). The serving
+container has readiness and liveness probes on /health of the serving port, behind a startup
+probe that gives the model time to load. Every `llmctl serve` flag is spelled by
+engine_args_to_argv from the plan's EngineArgs keywords.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from llmctl.cluster.errors import ConfigError
+from llmctl.engine.engine_args import SERVE, SERVER, EngineArgs, engine_args_to_argv, option
+
+EMIT_KINDS = ("lws", "raycluster", "kuberay")  # kuberay: the RayCluster (see above)
+DEFAULT_IMAGE = "llmctl:latest"  # `llmctl image build`'s default tag
+DEFAULT_PORT = 8000
+DEFAULT_MASTER_PORT = 29501  # the mp backend's own default (ParallelConfig.master_port)
+DEFAULT_SHM_SIZE = "10Gi"
+DEFAULT_SOCKET_IFNAME = "eth0"  # a pod's interface on the cluster network
+GPU_RESOURCE = "nvidia.com/gpu"
+MODEL_VOLUME, SHM_VOLUME = "model", "dshm"
+# The startup probe allows this long for loading the model before liveness takes over.
+STARTUP_SECONDS = 3600
+PROBE_PERIOD_S = 10
+# The ray backend waits this long for Ray to place every rank (worker pods may still be pulling).
+RAY_PLACEMENT_TIMEOUT_S = 1800
+
+_LWS_ONLY = {"master_port": "--master-port"}
+_RAY_ONLY = {"ray_version": "--ray-version"}
+_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_NAME_MAX = 40  # KubeRay and LWS derive pod and Service names from it (63 at most)
+
+
+@dataclass
+class ServeCommandArgs(EngineArgs):
+    """EngineArgs and the `llmctl serve` options a pod's command sets besides them: where the
+    server listens, and the mp backend's multi-node rendezvous. Declared here so that
+    engine_args_to_argv spells them as `llmctl serve` declares them."""
+
+    host: str | None = option("Address to listen on.", default=None, panel=SERVER,
+                              commands=(SERVE,))  # fmt: skip
+    port: int | None = option("Port to listen on.", default=None, panel=SERVER, commands=(SERVE,))
+    nnodes: int | None = option("Nodes of the mp backend.", default=None, commands=(SERVE,))
+    node_rank: str | None = option("This node's rank.", default=None, commands=(SERVE,))
+    master_addr: str | None = option("Node 0's address.", default=None, commands=(SERVE,))
+    master_port: int | None = option("Node 0's rendezvous port.", default=None, commands=(SERVE,))
+    headless: bool = option(
+        "Run this node's ranks only, without the API server.",
+        default=False,
+        negatable=False,
+        commands=(SERVE,),
+    )
+
+
+@dataclass(frozen=True)
+class KubeOptions:
+    """How to run a plan on Kubernetes. Validated once here: bad combinations name the fix."""
+
+    kind: str
+    name: str
+    image: str = DEFAULT_IMAGE
+    namespace: str | None = None
+    port: int = DEFAULT_PORT
+    model_path: str | None = None  # the model inside the pod; None: the image's bundled model
+    model_host_path: str | None = None  # the node's directory mounted at the model's directory
+    model_pvc: str | None = None  # ... or a PersistentVolumeClaim holding it
+    shm_size: str = DEFAULT_SHM_SIZE
+    socket_ifname: str = DEFAULT_SOCKET_IFNAME
+    master_port: int | None = None  # lws only (default DEFAULT_MASTER_PORT)
+    ray_version: str | None = None  # raycluster only: the image's Ray, for KubeRay
+
+    def __post_init__(self) -> None:
+        if self.kind not in EMIT_KINDS:
+            raise ConfigError(
+                f"unknown --emit kind {self.kind!r}",
+                "use --emit lws (LeaderWorkerSet, mp backend) or --emit raycluster (KubeRay)",
+            )
+        only, other = (_RAY_ONLY, "raycluster") if self.kind == "lws" else (_LWS_ONLY, "lws")
+        given = [flag for name, flag in only.items() if getattr(self, name) is not None]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} applies to --emit {other}, not --emit {self.kind}",
+                f"drop {', '.join(given)}, or use --emit {other}",
+            )
+        if not _NAME.fullmatch(self.name) or len(self.name) > _NAME_MAX:
+            raise ConfigError(
+                f"--name {self.name!r} is not a Kubernetes name",
+                f"use lower-case letters, digits and '-', starting with a letter, at most "
+                f"{_NAME_MAX} characters",
+            )
+        if self.model_host_path and self.model_pvc:
+            raise ConfigError(
+                "--model-host-path and --model-pvc both give the model's volume",
+                "keep one of them",
+            )
+        if self.model_path is None and (self.model_host_path or self.model_pvc):
+            raise ConfigError(
+                "a model volume without a model: the image's bundled model needs none",
+                "give MODEL (and --model-path for where it is in the pod), or drop the volume",
+            )
+        if self.model_path is not None and not posixpath.isabs(self.model_path):
+            raise ConfigError(
+                f"--model-path {self.model_path!r} is not an absolute path",
+                "give the model's path inside the pod, e.g. /models/Llama-3.1-8B",
+            )
+        volume = self.model_host_path or self.model_pvc
+        if volume and self.model_path and posixpath.dirname(self.model_path) == "/":
+            raise ConfigError(
+                f"--model-path {self.model_path} is at the root: its volume would be mounted "
+                "over the pod's /",
+                f"put it in a directory, e.g. --model-path /models{self.model_path}",
+            )
+        for label, port in (("--port", self.port), ("--master-port", self.master_port)):
+            if port is not None and not 0 < port < 65536:
+                raise ConfigError(f"{label} {port} is not a port", f"use {label} 1-65535")
+
+
+def default_name(model: str) -> str:
+    """ "llmctl-llama-3-1-70b" for Llama-3.1-70B (or /models/Llama-3.1-70B)."""
+    base = posixpath.basename(model.rstrip("/")).lower()
+    base = re.sub(r"\.gguf$", "", base)
+    slug = re.sub(r"[^a-z0-9]+", "-", base).strip("-")
+    return f"llmctl-{slug}"[:_NAME_MAX].rstrip("-")
+
+
+def default_model_path(model: str | None) -> str | None:
+    """Where the model is in the pod: a local path stays where it is (the node holds it at the
+    same path, as `cluster up` mounts it), a catalog name goes under /models; None: the image's
+    bundled model."""
+    if model is None:
+        return None
+    local = Path(model).expanduser()
+    if local.exists():
+        return str(local.resolve())
+    return posixpath.join("/models", model)
+
+
+def kube_options(
+    kind: str,
+    model: str | None,
+    *,
+    name: str | None = None,
+    model_path: str | None = None,
+    model_host_path: str | None = None,
+    model_pvc: str | None = None,
+    **given: object,
+) -> KubeOptions:
+    """KubeOptions for MODEL (as `llmctl plan` got it), the flags not given defaulted: the name
+    from the model's, the model's path in the pod, and the node's directory of the same path
+    mounted there unless a PVC holds it."""
+    from llmctl.engine.model_loader.default_model import DEFAULT_MODEL_NAME
+
+    model_path = model_path or default_model_path(model)
+    if model_path and not model_pvc and not model_host_path and posixpath.isabs(model_path):
+        model_host_path = posixpath.dirname(model_path)
+    given = {k: v for k, v in given.items() if v is not None}
+    return KubeOptions(
+        kind=kind,
+        name=name or default_name(model or DEFAULT_MODEL_NAME),
+        model_path=model_path,
+        model_host_path=model_host_path,
+        model_pvc=model_pvc,
+        **given,
+    )
+
+
+def manifests(plan, opts: KubeOptions) -> list[dict]:
+    """The objects to `kubectl apply`, in order."""
+    if opts.kind == "lws":
+        return [leader_worker_set(plan, opts), leader_service(opts)]
+    return [ray_cluster(plan, opts)]
+
+
+class _Dumper(yaml.SafeDumper):
+    def ignore_aliases(self, data) -> bool:  # a manifest spells every value out, no &id001
+        return True
+
+
+def to_yaml(objects: list[dict]) -> str:
+    """The objects as one YAML stream, `---` between them, in the builders' key order."""
+    return yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, width=100)
+
+
+# -- the serve command ---------------------------------------------------------------------------
+
+
+def serve_argv(plan, opts: KubeOptions, backend: str | None, **serve: object) -> list[str]:
+    """`llmctl serve MODEL` with the plan's engine options on `backend`, plus `serve`:
+    ServeCommandArgs keywords (host, port, nnodes, node_rank, master_addr, headless, ...)."""
+    args = {k: v for k, v in plan.serve_args.items() if v is not None}
+    if plan.gpus_used > 1:
+        args["distributed_executor_backend"] = backend
+    args.update({k: v for k, v in serve.items() if v is not None})
+    model = [opts.model_path] if opts.model_path else []
+    return ["llmctl", "serve", *model, *engine_args_to_argv(args, ServeCommandArgs, aliases=True)]
+
+
+def gpus_per_pod(plan) -> int:
+    """The plan's GPUs on each node (0 on the CPU)."""
+    if plan.device != "cuda":
+        return 0
+    if plan.gpus_used % plan.nodes_used:
+        raise ConfigError(
+            f"{plan.gpus_used} ranks do not split evenly over {plan.nodes_used} nodes",
+            "choose -tp x -pp as a multiple of the nodes (tp = GPUs per node, pp = nodes)",
+        )
+    return plan.gpus_used // plan.nodes_used
+
+
+# -- pods ----------------------------------------------------------------------------------------
+
+
+def env(opts: KubeOptions, extra: dict[str, str] | None = None) -> list[dict]:
+    """The node's address and interfaces, as `cluster up` gives its containers."""
+    variables = [
+        {"name": "VLLM_HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "NCCL_SOCKET_IFNAME", "value": opts.socket_ifname},
+        {"name": "GLOO_SOCKET_IFNAME", "value": opts.socket_ifname},
+    ]
+    return variables + [{"name": k, "value": v} for k, v in (extra or {}).items()]
+
+
+def health_probes(opts: KubeOptions) -> dict:
+    """Startup (the model loads), then readiness and liveness on GET /health: 503 once the
+    engine died, so Kubernetes stops routing to the pod and restarts it."""
+    get = {"httpGet": {"path": "/health", "port": opts.port}, "periodSeconds": PROBE_PERIOD_S}
+    return {
+        "startupProbe": {**get, "failureThreshold": STARTUP_SECONDS // PROBE_PERIOD_S},
+        "readinessProbe": {**get, "failureThreshold": 1},
+        "livenessProbe": {**get, "failureThreshold": 3},
+    }
+
+
+def container(
+    name: str,
+    plan,
+    opts: KubeOptions,
+    *,
+    command: list[str],
+    args: list[str] | None = None,
+    serving: bool,
+    extra_env: dict[str, str] | None = None,
+) -> dict:
+    spec: dict = {"name": name, "image": opts.image, "command": command}
+    if args is not None:
+        spec["args"] = args
+    spec["env"] = env(opts, extra_env)
+    if serving:
+        spec["ports"] = [{"name": "http", "containerPort": opts.port, "protocol": "TCP"}]
+        spec.update(health_probes(opts))
+    gpus = gpus_per_pod(plan)
+    if gpus:
+        spec["resources"] = {"limits": {GPU_RESOURCE: gpus}}
+    mounts = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    if opts.model_path and (opts.model_host_path or opts.model_pvc):
+        model_dir = posixpath.dirname(opts.model_path)
+        mounts.append({"name": MODEL_VOLUME, "mountPath": model_dir, "readOnly": True})
+    spec["volumeMounts"] = mounts
+    return spec
+
+
+def volumes(opts: KubeOptions) -> list[dict]:
+    shm = {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": opts.shm_size}}
+    if opts.model_host_path:
+        source = {"hostPath": {"path": opts.model_host_path, "type": "Directory"}}
+    elif opts.model_pvc:
+        source = {"persistentVolumeClaim": {"claimName": opts.model_pvc, "readOnly": True}}
+    else:
+        return [shm]
+    return [shm, {"name": MODEL_VOLUME, **source}]
+
+
+def pod_template(containers: list[dict], opts: KubeOptions, labels: dict | None = None) -> dict:
+    metadata = {"labels": {"app": opts.name, **(labels or {})}}
+    return {"metadata": metadata, "spec": {"containers": containers, "volumes": volumes(opts)}}
+
+
+def _metadata(opts: KubeOptions) -> dict:
+    meta: dict = {"name": opts.name, "labels": {"app": opts.name}}
+    if opts.namespace:
+        meta["namespace"] = opts.namespace
+    return meta
+
+
+# -- LeaderWorkerSet -----------------------------------------------------------------------------
+
+
+def leader_worker_set(plan, opts: KubeOptions) -> dict:
+    """One group of plan.nodes_used pods: the leader serves, the workers run their ranks."""
+    nodes = plan.nodes_used
+    pp = plan.pipeline_parallel_size
+    if nodes > 1 and pp % nodes:
+        raise ConfigError(
+            f"tp={plan.tensor_parallel_size} x pp={pp} on {nodes} nodes: the mp backend runs "
+            "whole pipeline stages on each node, and pp does not divide over the nodes",
+            f"use a -pp divisible by {nodes} (tp = GPUs per node, pp = nodes), or --emit "
+            "raycluster (Ray places any layout)",
+        )
+    listen = {"host": "0.0.0.0", "port": opts.port}
+    if nodes == 1:
+        leader_argv = serve_argv(plan, opts, plan.distributed_executor_backend, **listen)
+    else:
+        rendezvous = {
+            "nnodes": nodes,
+            "master_addr": "$(LWS_LEADER_ADDRESS)",
+            "master_port": opts.master_port or DEFAULT_MASTER_PORT,
+        }
+        leader_argv = serve_argv(plan, opts, "mp", **rendezvous, node_rank="0", **listen)
+        worker_argv = serve_argv(
+            plan, opts, "mp", **rendezvous, node_rank="$(LWS_WORKER_INDEX)", headless=True
+        )
+    leader = pod_template(
+        [container("llmctl", plan, opts, command=leader_argv, serving=True)],
+        opts,
+        {"role": "leader"},
+    )
+    template: dict = {"size": nodes, "restartPolicy": "RecreateGroupOnPodRestart"}
+    if nodes == 1:
+        template["workerTemplate"] = leader  # a group of one: the leader's template
+    else:
+        template["leaderTemplate"] = leader
+        template["workerTemplate"] = pod_template(
+            [container("llmctl", plan, opts, command=worker_argv, serving=False)],
+            opts,
+            {"role": "worker"},
+        )
+    return {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "metadata": _metadata(opts),
+        "spec": {
+            "replicas": 1,
+            # The workers start with the leader pod, not once it is ready: it is ready only
+            # after every node's ranks joined it.
+            "startupPolicy": "LeaderCreated",
+            "leaderWorkerTemplate": template,
+        },
+    }
+
+
+def leader_service(opts: KubeOptions) -> dict:
+    """The OpenAI API of the leaders (the pods that listen)."""
+    meta = _metadata(opts)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {
+            "selector": {"leaderworkerset.sigs.k8s.io/name": opts.name, "role": "leader"},
+            "ports": [
+                {"name": "http", "port": opts.port, "targetPort": opts.port, "protocol": "TCP"}
+            ],  # fmt: skip
+        },
+    }
+
+
+# -- KubeRay RayCluster --------------------------------------------------------------------------
+
+
+def head_script(serve: list[str]) -> str:
+    """The head container's shell: KubeRay's `ray start` (it blocks) in the background, then
+    `llmctl serve` once Ray answers; the container lives as long as the server, and exits if
+    `ray start` does before Ray answers. KubeRay writes the command for a shell (its
+    --resources='{...}' is quoted): eval, not word splitting."""
+    return (
+        'ulimit -n 65536; eval "$KUBERAY_GEN_RAY_START_CMD" & ray_start=$!; '
+        "until ray status >/dev/null 2>&1; do kill -0 $ray_start || exit 1; sleep 1; done; "
+        "exec " + shlex.join(serve)
+    )
+
+
+def ray_cluster(plan, opts: KubeOptions) -> dict:
+    """A head and nodes-1 workers; the head serves on the ray backend (every node's GPUs)."""
+    nodes = plan.nodes_used
+    serve = serve_argv(plan, opts, "ray", host="0.0.0.0", port=opts.port)
+    timeout = {"LLMCTL_RAY_PLACEMENT_TIMEOUT": str(RAY_PLACEMENT_TIMEOUT_S)}
+    # Not a login shell (-l, as KubeRay's examples): Debian's /etc/profile resets PATH, which
+    # loses the image's /opt/llmctl/bin (templates/Dockerfile).
+    shell = ["/bin/bash", "-c", "--"]
+    # KubeRay copies it to the pods: their command is ours, its `ray start` in an env variable.
+    overwrite = {"ray.io/overwrite-container-cmd": "true"}
+    head = container("ray-head", plan, opts, command=shell, args=[head_script(serve)],
+                     serving=True, extra_env=timeout)  # fmt: skip
+    spec: dict = {"headGroupSpec": {"rayStartParams": {}, "template": pod_template([head], opts)}}
+    if opts.ray_version:
+        spec = {"rayVersion": opts.ray_version, **spec}
+    if nodes > 1:
+        worker = container("ray-worker", plan, opts, command=shell,
+                           args=['ulimit -n 65536; eval "exec $KUBERAY_GEN_RAY_START_CMD"'],
+                           serving=False)  # fmt: skip
+        spec["workerGroupSpecs"] = [
+            {
+                "groupName": "gpu" if plan.device == "cuda" else "cpu",
+                "replicas": nodes - 1,
+                "minReplicas": nodes - 1,
+                "maxReplicas": nodes - 1,
+                "rayStartParams": {},
+                "template": pod_template([worker], opts),
+            }
+        ]
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": {**_metadata(opts), "annotations": overwrite},
+        "spec": spec,
+    }
