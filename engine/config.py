@@ -256,15 +256,21 @@ def check_layout(
     """Refuse a TP x PP (x EP) layout the model cannot take, before any worker starts."""
     from llmctl.engine.distributed.partition import layer_partition
 
-    if expert_parallel and not shape.num_experts:
+    if expert_parallel:
+        check_expert_parallel(shape)
+    shape.check_tensor_parallel(tp, expert_parallel)
+    layer_partition(shape.num_layers, pp, explicit)
+
+
+def check_expert_parallel(shape: ModelShape) -> None:
+    """Refuse expert parallelism on a dense model (the engine and the planner both ask)."""
+    if not shape.num_experts:
         raise ConfigError(
             f"expert parallelism needs a mixture-of-experts model; {shape.architecture} has no "
             "experts",
             "drop --enable-expert-parallel (enable_expert_parallel=False): tensor parallelism "
             "splits a dense model's MLP",
         )
-    shape.check_tensor_parallel(tp, expert_parallel)
-    layer_partition(shape.num_layers, pp, explicit)
 
 
 def checkpoint_dtype(hf_config: Any) -> str | None:
