@@ -23,6 +23,7 @@ shared expert first).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ from torch import nn
 
 from llmctl.engine.distributed.parallel_state import get_ep_group, get_tp_group
 from llmctl.engine.distributed.partition import column_shards, expert_shards, offsets
-from llmctl.engine.layers.linear import _copy_into
+from llmctl.engine.layers.linear import _copy_into, _cpu_prepack_enabled
 from llmctl.engine.model_loader.weights import CheckpointTensor
 
 # Checkpoint roles of an expert's matrices -> (fused parameter, shard id).
@@ -70,19 +71,21 @@ def select_experts(
 
 def fused_experts(
     hidden_states: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | Sequence[torch.Tensor],
+    w2: torch.Tensor | Sequence[torch.Tensor],
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     first_expert: int = 0,
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
 ) -> torch.Tensor:
     """sum over each token's top-k experts e held here of weight * down(silu(gate) * up)(x).
 
-    hidden_states [T, H]; w13 [E_local, 2I, H]; w2 [E_local, H, I]; topk_* [T, k] with global
-    expert ids, of which [first_expert, first_expert + E_local) are held here. Returns [T, H].
+    hidden_states [T, H]; w13 [E_local, 2I, H]; w2 [E_local, H, I] (or per-expert lists of
+    weights `linear` multiplies by, e.g. oneDNN-packed); topk_* [T, k] with global expert ids,
+    of which [first_expert, first_expert + E_local) are held here. Returns [T, H].
     """
     num_tokens, top_k = topk_ids.shape
-    num_local = w13.shape[0]
+    num_local = len(w13)
     out = torch.zeros_like(hidden_states)
     flat_ids = topk_ids.reshape(-1) - first_expert  # [T * k], local ids (others out of range)
     held = (flat_ids >= 0) & (flat_ids < num_local)
@@ -97,11 +100,15 @@ def fused_experts(
         pairs = order[start : start + count]
         start += count
         tokens = pairs // top_k
-        gate_up = F.linear(hidden_states[tokens], w13[expert])  # [n, 2I]
+        gate_up = linear(hidden_states[tokens], w13[expert])  # [n, 2I]
         inter = gate_up.shape[-1] // 2
-        y = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[expert])  # [n, H]
+        y = linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[expert])  # [n, H]
         out.index_add_(0, tokens, (y * flat_weights[pairs, None]).to(out.dtype))
     return out
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 class FusedMoE(nn.Module):
@@ -141,6 +148,7 @@ class FusedMoE(nn.Module):
         )
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
+        self._packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: str, expert_id: int
@@ -160,16 +168,27 @@ class FusedMoE(nn.Module):
             rows = rows.load()
         _copy_into(dest, rows, f"expert {expert_id} {shard_id}")
 
+    def process_weights_after_loading(self) -> None:
+        """On the CPU, each expert's matrices repacked for oneDNN (as the linear layers': about
+        1.5x faster per expert matmul); the packed copies replace the stacked weights."""
+        if not _cpu_prepack_enabled(self.w13_weight):
+            return
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+        self._packed = (
+            [reorder(w, 64) for w in self.w13_weight.data],
+            [reorder(w, 64) for w in self.w2_weight.data],
+        )
+        self.w13_weight.data = self.w13_weight.data.new_empty(0)
+        self.w2_weight.data = self.w2_weight.data.new_empty(0)
+
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         # hidden_states [num_tokens, hidden_size]; router_logits [num_tokens, num_experts]
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        w13, w2, linear = self.w13_weight, self.w2_weight, F.linear
+        if self._packed is not None:
+            (w13, w2), linear = self._packed, _packed_linear
         out = fused_experts(
-            hidden_states,
-            self.w13_weight,
-            self.w2_weight,
-            topk_weights,
-            topk_ids,
-            self.first_expert,
+            hidden_states, w13, w2, topk_weights, topk_ids, self.first_expert, linear
         )
         if self.reduce_results:
             out = self.group.all_reduce(out)

@@ -130,3 +130,19 @@ def test_expert_checkpoint_names():
     )
     assert expert_param("model.layers.0.mlp.shared_expert.gate_proj.weight") is None
     assert expert_param("model.layers.0.mlp.gate.weight") is None
+
+
+def test_cpu_prepacked_experts_match_the_reference(weights):
+    """The engine repacks each expert for oneDNN after loading (the stacked weights freed)."""
+    layers = [build_rank(weights, r, 3, True, 2, True) for r in range(3)]
+    for layer in layers:
+        layer.process_weights_after_loading()
+    if layers[0]._packed is None:
+        pytest.skip("oneDNN prepacking is not available (or LLMCTL_CPU_PREPACK=0)")
+    assert layers[0].w13_weight.numel() == 0
+    x = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(3))
+    logits = x @ weights["router"].T
+    with torch.no_grad():
+        total = sum(layer(x, logits) for layer in layers)
+    expected = reference(x, weights["router"], weights["w1"], weights["w3"], weights["w2"], 2, True)
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
