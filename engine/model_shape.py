@@ -64,6 +64,9 @@ GGUF_KEYS = {
     "context_length": "max_position_embeddings",
     "vocab_size": "vocab_size",
     "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
     "attention.sliding_window": "sliding_window",
 }
 # Mixtures of experts: their MLPs are FusedMoE layers (engine/layers/fused_moe.py).
@@ -267,6 +270,8 @@ class ModelShape:
         values.setdefault("num_experts", 0)
         tied = tensor_names is not None and "output.weight" not in tensor_names
         arch = GGUF_ARCHITECTURES[gguf_arch]
+        if arch == "LlamaForCausalLM" and values["num_experts"]:
+            arch = "MixtralForCausalLM"  # llama.cpp writes Mixtral as llama with experts
         bias = arch == "GPT2LMHeadModel"
         return cls(
             architecture=arch,

@@ -173,3 +173,35 @@ def test_quantizing_experts_is_refused(tiny_models):
         LLM(str(tiny_models.path("mixtral")), use_tqdm_on_load=False, quantization="int8")
     assert "experts" in err.value.message
     assert "--quantization" in err.value.hint
+
+
+def test_a_moe_gguf_file_is_refused_naming_the_fix(tmp_path, monkeypatch):
+    import gguf
+    import numpy as np
+
+    from llmctl.engine.errors import UnsupportedArchitectureError
+
+    monkeypatch.setenv("LLMCTL_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-moe.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in [
+        (writer.add_context_length, 128),
+        (writer.add_embedding_length, 64),
+        (writer.add_block_count, 1),
+        (writer.add_feed_forward_length, 32),
+        (writer.add_head_count, 4),
+        (writer.add_head_count_kv, 2),
+        (writer.add_vocab_size, 256),
+        (writer.add_expert_count, 4),
+        (writer.add_expert_used_count, 2),
+    ]:
+        add(value)
+    writer.add_tensor("token_embd.weight", np.zeros((256, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedArchitectureError) as err:
+        LLM(str(path), use_tqdm_on_load=False)
+    assert "mixture-of-experts model (4 experts)" in err.value.message
+    assert "safetensors" in err.value.hint

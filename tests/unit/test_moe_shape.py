@@ -117,3 +117,23 @@ def test_plan_refuses_expert_parallel_on_a_dense_model():
         )
     assert "has no experts" in err.value.message
     assert "--enable-expert-parallel" in err.value.hint
+
+
+def test_a_mixtral_gguf_is_planned_as_mixtral():
+    """llama.cpp writes Mixtral as architecture "llama" with an expert count."""
+    metadata = {
+        "general.architecture": "llama",
+        "llama.block_count": 32,
+        "llama.embedding_length": 4096,
+        "llama.feed_forward_length": 14336,
+        "llama.attention.head_count": 32,
+        "llama.attention.head_count_kv": 8,
+        "llama.context_length": 32768,
+        "llama.vocab_size": 32000,
+        "llama.expert_count": 8,
+        "llama.expert_used_count": 2,
+    }
+    shape = ModelShape.from_gguf_metadata(metadata, ("token_embd.weight", "output.weight"))
+    assert shape.architecture == "MixtralForCausalLM"
+    assert (shape.num_experts, shape.num_experts_per_tok) == (8, 2)
+    assert shape.total_params() == CATALOG["Mixtral-8x7B"].total_params()
