@@ -273,6 +273,16 @@ def check_expert_parallel(shape: ModelShape) -> None:
         )
 
 
+def check_moe_quantization(shape: ModelShape, method: str | None) -> None:
+    """Refuse quantizing a mixture of experts: FusedMoE holds its experts in float."""
+    if shape.num_experts and method is not None:
+        raise ConfigError(
+            f"{shape.architecture}: the experts of a mixture-of-experts model are held in float; "
+            f"quantization ({method}) is not supported for them",
+            "drop --quantization, or serve a float checkpoint (not a quantized GGUF)",
+        )
+
+
 def checkpoint_dtype(hf_config: Any) -> str | None:
     value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if value is None:

@@ -30,6 +30,7 @@ from llmctl.engine.config import (
     ParallelConfig,
     SchedulerConfig,
     check_layout,
+    check_moe_quantization,
     checkpoint_dtype,
     normalize_dtype,
     parse_layer_partition,
@@ -270,12 +271,7 @@ class EngineArgs:
             self.enable_expert_parallel,
         )
         quantization = self._quantization(source.gguf_file)
-        if shape.num_experts and quantization is not None:
-            raise ConfigError(
-                f"{architecture}: the experts of a mixture-of-experts model are held in float; "
-                f"quantization ({quantization.method}) is not supported for them",
-                "drop --quantization, or serve a float checkpoint (not a quantized GGUF)",
-            )
+        check_moe_quantization(shape, quantization.method if quantization else None)
         if self.enable_expert_parallel and self.tensor_parallel_size > 1:
             from llmctl.engine.distributed.partition import describe_expert_placement
 

@@ -43,6 +43,7 @@ from llmctl.engine.config import (
     DTYPE_BYTES,
     SchedulerConfig,
     check_expert_parallel,
+    check_moe_quantization,
     normalize_dtype,
     resolve_max_num_batched_tokens,
 )
@@ -317,6 +318,7 @@ def _resolve(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> _Ct
         gpu_gib = 0.0
     if options.enable_expert_parallel:
         check_expert_parallel(spec.shape)
+    check_moe_quantization(spec.shape, options.quantization)
     num_tokens = resolve_max_num_batched_tokens(
         options.max_num_batched_tokens, options.max_num_seqs
     )
@@ -563,8 +565,8 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
     try:
         return _choose(spec, inventory, options)
     except PlanError as too_big:
-        if options.device == "cpu" or spec.prequantized:
-            raise
+        if options.device == "cpu" or spec.prequantized or spec.num_experts:
+            raise  # (the engine quantizes no MoE experts)
         schemes = list(QUANTIZATION_SCHEMES)  # the largest first
         smaller = schemes[schemes.index(options.quantization) + 1 :] if options.quantization else []
         for scheme in smaller if options.quantization else schemes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from llmctl.cluster.errors import PlanError
 from llmctl.cluster.inventory import inventory_from_flags
 from llmctl.cluster.plan.catalog import CATALOG
 from llmctl.cluster.plan.planner import PlanOptions, make_plan
@@ -137,3 +138,14 @@ def test_a_mixtral_gguf_is_planned_as_mixtral():
     assert shape.architecture == "MixtralForCausalLM"
     assert (shape.num_experts, shape.num_experts_per_tok) == (8, 2)
     assert shape.total_params() == CATALOG["Mixtral-8x7B"].total_params()
+
+
+def test_plan_never_quantizes_experts():
+    spec, one_gpu = CATALOG["Mixtral-8x7B"], inventory_from_flags(1, 1, 80)
+    with pytest.raises(PlanError) as err:  # too big in bfloat16: no int8/int4 fallback
+        make_plan(spec, one_gpu, PlanOptions())
+    assert "does not fit" in err.value.message and "--quantization" not in err.value.hint
+    with pytest.raises(ConfigError) as err:
+        make_plan(spec, one_gpu, PlanOptions(quantization="int4"))
+    assert "held in float" in err.value.message
+    assert "drop --quantization" in err.value.hint
