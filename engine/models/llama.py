@@ -1,4 +1,7 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2 (QKV bias), SmolLM2 (tied embeddings)."""
+"""The Llama family: Llama 2/3, Mistral, Qwen2 (QKV bias), SmolLM2 (tied embeddings).
+
+The mixtures of experts (mixtral.py, qwen_moe.py) are this decoder with their own `make_mlp`;
+Qwen3's per-head q/k norm is ModelShape.qk_norm."""
 
 from __future__ import annotations
 
