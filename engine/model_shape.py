@@ -7,7 +7,9 @@ the engine's layers hold them, with the partition functions those layers call
 and `column_shards` (MLP, vocabulary), uneven when tp does not divide; row-parallel matrices split
 by their inputs (their bias whole on every rank); norms replicated; the vocabulary split for the
 embedding (first stage) and the LM head (last stage; a tied head on a stage without the embedding
-holds its own copy).
+holds its own copy). A mixture of experts counts every expert as FusedMoE holds it: a slice of
+each (tensor parallel) or whole experts dealt out over the tp ranks (`expert_parallel`), plus the
+replicated router and Qwen2-MoE's shared expert.
 """
 
 from __future__ import annotations
