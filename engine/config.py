@@ -168,6 +168,8 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # uni, mp, ray; None: chosen automatically
     pipeline_layer_partition: tuple[int, ...] | None = None
+    # MoE layers hold whole experts per rank of the TP group instead of a slice of each.
+    enable_expert_parallel: bool = False
     # Rank of this process (set per worker with dataclasses.replace).
     rank: int = 0
     # Ray: the group whose bundle i hosts rank i (as vLLM's); None: the executor makes one.
@@ -244,12 +246,41 @@ def parse_layer_partition(
     return parts
 
 
-def check_layout(shape: ModelShape, tp: int, pp: int, explicit: tuple[int, ...] | None) -> None:
-    """Refuse a TP x PP layout the model cannot take, before any worker starts."""
+def check_layout(
+    shape: ModelShape,
+    tp: int,
+    pp: int,
+    explicit: tuple[int, ...] | None,
+    expert_parallel: bool = False,
+) -> None:
+    """Refuse a TP x PP (x EP) layout the model cannot take, before any worker starts."""
     from llmctl.engine.distributed.partition import layer_partition
 
-    shape.check_tensor_parallel(tp)
+    if expert_parallel:
+        check_expert_parallel(shape)
+    shape.check_tensor_parallel(tp, expert_parallel)
     layer_partition(shape.num_layers, pp, explicit)
+
+
+def check_expert_parallel(shape: ModelShape) -> None:
+    """Refuse expert parallelism on a dense model (the engine and the planner both ask)."""
+    if not shape.num_experts:
+        raise ConfigError(
+            f"expert parallelism needs a mixture-of-experts model; {shape.architecture} has no "
+            "experts",
+            "drop --enable-expert-parallel (enable_expert_parallel=False): tensor parallelism "
+            "splits a dense model's MLP",
+        )
+
+
+def check_moe_quantization(shape: ModelShape, method: str | None) -> None:
+    """Refuse quantizing a mixture of experts: FusedMoE holds its experts in float."""
+    if shape.num_experts and method is not None:
+        raise ConfigError(
+            f"{shape.architecture}: the experts of a mixture-of-experts model are held in float; "
+            f"quantization ({method}) is not supported for them",
+            "drop --quantization, or serve a float checkpoint (not a quantized GGUF)",
+        )
 
 
 def checkpoint_dtype(hf_config: Any) -> str | None:

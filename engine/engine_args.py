@@ -12,6 +12,7 @@ per-layer configs of engine/config.py. Torch-free: `llmctl --help` and `llmctl p
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import types
 import typing
@@ -29,6 +30,7 @@ from llmctl.engine.config import (
     ParallelConfig,
     SchedulerConfig,
     check_layout,
+    check_moe_quantization,
     checkpoint_dtype,
     normalize_dtype,
     parse_layer_partition,
@@ -45,6 +47,8 @@ from llmctl.engine.layers.quantization.quant_config import (
 )
 from llmctl.engine.memory_profile import DEFAULT_CPU_KV_CACHE_SPACE_GIB
 from llmctl.engine.model_shape import ModelShape
+
+logger = logging.getLogger("llmctl")
 
 # Help panels, and the commands an option can belong to.
 ENGINE = "Engine"
@@ -192,6 +196,14 @@ class EngineArgs:
         panel=PARALLEL,
         commands=PLANNER,
     )
+    enable_expert_parallel: bool = option(
+        "Mixture-of-experts models: each rank of the tensor-parallel group holds whole experts "
+        "(dealt out contiguously) instead of a slice of every expert.",
+        default=ParallelConfig.enable_expert_parallel,
+        negatable=False,
+        panel=PARALLEL,
+        commands=PLANNER,
+    )
     seed: int = ModelConfig.seed
     # LLM(...) only: load a quantized GGUF dequantized to float (the reference the native path is
     # compared with).
@@ -251,8 +263,22 @@ class EngineArgs:
         layer_partition = parse_layer_partition(
             self.pipeline_layer_partition or os.environ.get("LLMCTL_PP_LAYER_PARTITION")
         )
-        check_layout(shape, self.tensor_parallel_size, self.pipeline_parallel_size, layer_partition)
+        check_layout(
+            shape,
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            layer_partition,
+            self.enable_expert_parallel,
+        )
         quantization = self._quantization(source.gguf_file)
+        check_moe_quantization(shape, quantization.method if quantization else None)
+        if self.enable_expert_parallel and self.tensor_parallel_size > 1:
+            from llmctl.engine.distributed.partition import describe_expert_placement
+
+            logger.info(
+                "Expert parallel: %s",
+                describe_expert_placement(shape.num_experts, self.tensor_parallel_size),
+            )
         check_group_split(shape, self.tensor_parallel_size, quantization)
         resolved_dtype = platform.resolve_dtype(dtype, device, checkpoint_dtype(hf_config))
         max_model_len = resolve_max_model_len(shape, self.max_model_len)
@@ -292,6 +318,7 @@ class EngineArgs:
             pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
             pipeline_layer_partition=layer_partition,
+            enable_expert_parallel=bool(self.enable_expert_parallel),
         )
         return EngineConfig(
             model_config=model_config,

@@ -7,7 +7,9 @@ the engine's layers hold them, with the partition functions those layers call
 and `column_shards` (MLP, vocabulary), uneven when tp does not divide; row-parallel matrices split
 by their inputs (their bias whole on every rank); norms replicated; the vocabulary split for the
 embedding (first stage) and the LM head (last stage; a tied head on a stage without the embedding
-holds its own copy).
+holds its own copy). A mixture of experts counts every expert as FusedMoE holds it: a slice of
+each (tensor parallel) or whole experts dealt out over the tp ranks (`expert_parallel`), plus the
+replicated router and Qwen2-MoE's shared expert.
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmctl.engine.distributed.partition import HeadShard, column_shards, head_shards
+from llmctl.engine.distributed.partition import (
+    HeadShard,
+    column_shards,
+    expert_shards,
+    head_shards,
+)
 from llmctl.engine.errors import ConfigError
 
 # Hugging Face architecture -> the family whose layer structure it shares.
@@ -25,6 +32,8 @@ FAMILIES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "MixtralForCausalLM": "llama",
+    "Qwen2MoeForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "llama",
     "GPT2LMHeadModel": "gpt2",
     "OPTForCausalLM": "opt",
 }
@@ -34,6 +43,8 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "opt": "OPTForCausalLM",
 }
@@ -55,8 +66,13 @@ GGUF_KEYS = {
     "context_length": "max_position_embeddings",
     "vocab_size": "vocab_size",
     "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
     "attention.sliding_window": "sliding_window",
 }
+# Mixtures of experts: their MLPs are FusedMoE layers (engine/layers/fused_moe.py).
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 GGUF_TOKENS = "tokenizer.ggml.tokens"  # the vocabulary, when no <arch>.vocab_size is given
 DEFAULT_MAX_POSITION_EMBEDDINGS = 2048  # for configs that give no length
 _POSITIVE_FIELDS = (
@@ -86,7 +102,13 @@ class ModelShape:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    num_experts: int = 0  # mixture of experts (Mixtral): MLPs per layer
+    num_experts: int = 0  # mixture of experts: routed expert MLPs per layer (0: dense)
+    num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
+    moe_intermediate_size: int = 0  # each expert's features (0: intermediate_size, as Mixtral)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on shared expert (0: none)
+    decoder_sparse_step: int = 1  # Qwen MoE: every step-th layer is sparse ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... except these, which keep a dense MLP
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's query and key
     word_embed_proj_dim: int | None = None  # OPT's embedding width when it differs
     sliding_window: int | None = None  # Mistral/Qwen2: tokens each query sees
 
@@ -111,6 +133,12 @@ class ModelShape:
             )
         if self.num_experts < 0:
             raise ConfigError(f"num_experts must not be negative, got {self.num_experts}")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(
+                f"{self.architecture}: num_experts_per_tok={self.num_experts_per_tok} is not "
+                f"between 1 and the {self.num_experts} experts",
+                "fix num_experts_per_tok in the model's config.json",
+            )
 
     @property
     def family(self) -> str:
@@ -119,6 +147,23 @@ class ModelShape:
     @property
     def embedding_width(self) -> int:
         return self.word_embed_proj_dim or self.hidden_size
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """One routed expert's MLP features."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` routes to experts (Qwen MoE may keep some dense)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    def expert_shards(self, ep: int) -> list[int]:
+        """Whole experts per expert-parallel rank, dealt out contiguously (8 on 3: [3, 3, 2])."""
+        return expert_shards(self.num_experts, ep)
 
     # -- reading configs -----------------------------------------------------------------------
 
@@ -165,6 +210,7 @@ class ModelShape:
                 word_embed_proj_dim=get("word_embed_proj_dim"),
             )
         attention_bias = bool(get("attention_bias", False))
+        moe = arch in MOE_ARCHITECTURES
         window = get("sliding_window")
         if get("use_sliding_window", True) is False:
             window = None
@@ -179,10 +225,18 @@ class ModelShape:
             vocab_size=get("vocab_size"),
             max_position_embeddings=_max_positions(get),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+            qkv_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or attention_bias,
             o_bias=attention_bias,
             mlp_bias=bool(get("mlp_bias", False)),
-            num_experts=(get("num_local_experts") or 0) if arch == "MixtralForCausalLM" else 0,
+            num_experts=(_first(get, "num_local_experts", "num_experts") or 0) if moe else 0,
+            num_experts_per_tok=(get("num_experts_per_tok") or 0) if moe else 0,
+            moe_intermediate_size=(get("moe_intermediate_size") or 0) if moe else 0,
+            shared_expert_intermediate_size=(get("shared_expert_intermediate_size") or 0)
+            if arch == "Qwen2MoeForCausalLM"
+            else 0,
+            decoder_sparse_step=(get("decoder_sparse_step") or 1) if moe else 1,
+            mlp_only_layers=tuple(get("mlp_only_layers") or ()) if moe else (),
+            qk_norm=arch == "Qwen3MoeForCausalLM",
             sliding_window=window if isinstance(window, int) and window > 0 else None,
         )
 
@@ -218,6 +272,8 @@ class ModelShape:
         values.setdefault("num_experts", 0)
         tied = tensor_names is not None and "output.weight" not in tensor_names
         arch = GGUF_ARCHITECTURES[gguf_arch]
+        if arch == "LlamaForCausalLM" and values["num_experts"]:
+            arch = "MixtralForCausalLM"  # llama.cpp writes Mixtral as llama with experts
         bias = arch == "GPT2LMHeadModel"
         return cls(
             architecture=arch,
@@ -267,16 +323,40 @@ class ModelShape:
     def vocab_shard(self, tp_rank: int, tp: int) -> int:
         return column_shards(self.vocab_size, tp, "vocabulary entries")[tp_rank]
 
-    def check_tensor_parallel(self, tp: int) -> None:
-        """ConfigError naming the valid sizes when the layers cannot split this model tp ways."""
+    def check_tensor_parallel(self, tp: int, expert_parallel: bool = False) -> None:
+        """ConfigError naming the valid sizes when the layers cannot split this model tp ways
+        (with `expert_parallel`, whole experts over the tp ranks)."""
         head_shards(self.num_attention_heads, self.num_kv_heads, tp)
         column_shards(self.intermediate_size, tp, "MLP features")
         column_shards(self.vocab_size, tp, "vocabulary entries")
+        if self.num_experts and expert_parallel:
+            self.expert_shards(tp)
+        elif self.num_experts:
+            column_shards(self.expert_intermediate_size, tp, "expert MLP features")
+        if self.shared_expert_intermediate_size:
+            column_shards(self.shared_expert_intermediate_size, tp, "shared expert features")
+
+    def moe_params(self, tp_rank: int = 0, tp: int = 1, expert_parallel: bool = False) -> int:
+        """A MoE layer's MLP on `tp_rank`: its experts (a slice of each, or whole experts with
+        `expert_parallel`), the router, and Qwen2-MoE's shared expert and its gate."""
+        h = self.hidden_size
+        if expert_parallel:
+            experts = self.expert_shards(tp)[tp_rank]
+            inter = self.expert_intermediate_size
+        else:
+            experts = self.num_experts
+            inter = column_shards(self.expert_intermediate_size, tp, "expert MLP features")[tp_rank]
+        params = experts * 3 * h * inter + self.num_experts * h  # experts + router
+        if self.shared_expert_intermediate_size:
+            shared = column_shards(self.shared_expert_intermediate_size, tp, "shared features")
+            params += 3 * h * shared[tp_rank] + h  # shared expert + its gate
+        return params
 
     # -- parameters per rank -------------------------------------------------------------------
 
-    def layer_params(self, tp_rank: int = 0, tp: int = 1) -> int:
-        """Parameters of one decoder layer on `tp_rank` of `tp` ranks."""
+    def layer_params(self, tp_rank: int = 0, tp: int = 1, expert_parallel: bool = False) -> int:
+        """Parameters of one decoder layer on `tp_rank` of `tp` ranks (a MoE model's layers
+        all counted as MoE layers)."""
         h, d = self.hidden_size, self.head_dim
         shard = self.head_shard(tp_rank, tp)
         inter = self.intermediate_shard(tp_rank, tp)
@@ -285,9 +365,10 @@ class ModelShape:
             attn = h * (q + 2 * kv) + q * h
             attn += (q + 2 * kv) if self.qkv_bias else 0
             attn += h if self.o_bias else 0
+            attn += 2 * d if self.qk_norm else 0
             mlp = 3 * h * inter + (2 * inter + h if self.mlp_bias else 0)
             if self.num_experts:
-                mlp = self.num_experts * 3 * h * inter + h * self.num_experts  # experts + router
+                mlp = self.moe_params(tp_rank, tp, expert_parallel)
             return attn + mlp + 2 * h  # two RMSNorms
         # GPT-2 and OPT: q, k, v and the output projection with biases, a two-matrix MLP with
         # biases, two LayerNorms (weight and bias).

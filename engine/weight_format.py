@@ -19,6 +19,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from llmctl.engine.distributed.partition import column_shards
 from llmctl.engine.errors import ConfigError
 from llmctl.engine.layers.quantization.quant_config import QUANTIZATION_METHODS, RTN_GROUP_SIZE
 from llmctl.engine.model_shape import ModelShape
@@ -197,10 +198,12 @@ class WeightFormats:
         *,
         is_first: bool,
         is_last: bool,
+        expert_parallel: bool = False,
     ) -> int:
         """Bytes one rank holds: its stage's layers [start, end), plus the embedding on the first
-        stage and the final norm and LM head on the last (ModelShape.rank_params, in bytes)."""
-        per_layer = layer_tensors(shape, tp_rank, tp)
+        stage and the final norm and LM head on the last (ModelShape.rank_params, in bytes).
+        `expert_parallel`: a MoE model's experts are held whole, dealt out over the tp ranks."""
+        per_layer = layer_tensors(shape, tp_rank, tp, expert_parallel)
         if self._layer_types():
             total = sum(self.tensors_bytes(i, per_layer) for i in range(*layers))
         else:  # every layer alike
@@ -213,9 +216,11 @@ class WeightFormats:
             total += sum(self._head_format(shape, t).nbytes(t.rows, t.cols) for t in head)
         return total
 
-    def max_layer_bytes(self, shape: ModelShape, tp_rank: int, tp: int) -> int:
+    def max_layer_bytes(
+        self, shape: ModelShape, tp_rank: int, tp: int, expert_parallel: bool = False
+    ) -> int:
         """The largest decoder layer on `tp_rank` (GGUF files may mix types layer by layer)."""
-        per_layer = layer_tensors(shape, tp_rank, tp)
+        per_layer = layer_tensors(shape, tp_rank, tp, expert_parallel)
         if not self._layer_types():
             return self.tensors_bytes(None, per_layer)
         return max(self.tensors_bytes(i, per_layer) for i in range(shape.num_layers))
@@ -321,9 +326,12 @@ def gguf_tensor_role(name: str) -> tuple[int | None, str] | None:
 # -- the tensors of one rank -------------------------------------------------------------------
 
 
-def layer_tensors(shape: ModelShape, tp_rank: int, tp: int) -> list[Tensor]:
+def layer_tensors(
+    shape: ModelShape, tp_rank: int, tp: int, expert_parallel: bool = False
+) -> list[Tensor]:
     """One decoder layer's weights on `tp_rank`: column-parallel matrices by their output rows,
-    row-parallel ones (o, down) by their inputs, their bias whole; norms replicated."""
+    row-parallel ones (o, down) by their inputs, their bias whole; norms replicated. A MoE
+    model's layers are all counted as MoE layers (ModelShape.moe_params)."""
     h, d = shape.hidden_size, shape.head_dim
     shard = shape.head_shard(tp_rank, tp)
     inter = shape.intermediate_shard(tp_rank, tp)
@@ -336,15 +344,17 @@ def layer_tensors(shape: ModelShape, tp_rank: int, tp: int) -> list[Tensor]:
         out.append(Tensor("o", h, q, full_q))
         if shape.o_bias:
             out.append(Tensor("o_bias", h))
-        experts = shape.num_experts or 1
-        out += [
-            Tensor("gate", experts * inter, h),
-            Tensor("up", experts * inter, h),
-            Tensor("down", experts * h, inter, full_inter),
-        ]
+        if shape.qk_norm:
+            out += [Tensor("q_norm", d), Tensor("k_norm", d)]
         if shape.num_experts:
-            out.append(Tensor("router", shape.num_experts * h))
-        elif shape.mlp_bias:
+            out += _moe_tensors(shape, tp_rank, tp, expert_parallel)
+        else:
+            out += [
+                Tensor("gate", inter, h),
+                Tensor("up", inter, h),
+                Tensor("down", h, inter, full_inter),
+            ]
+        if not shape.num_experts and shape.mlp_bias:
             out += [Tensor("gate_bias", inter), Tensor("up_bias", inter), Tensor("down_bias", h)]
         return out + [Tensor("attn_norm", h), Tensor("ffn_norm", h)]
     # GPT-2 and OPT: fused q, k, v and the output projection with biases, a two-matrix MLP with
@@ -361,6 +371,34 @@ def layer_tensors(shape: ModelShape, tp_rank: int, tp: int) -> list[Tensor]:
         Tensor("attn_norm", 2 * h),
         Tensor("ffn_norm", 2 * h),
     ]
+
+
+def _moe_tensors(shape: ModelShape, tp_rank: int, tp: int, expert_parallel: bool) -> list[Tensor]:
+    """A MoE layer's MLP on `tp_rank`, as FusedMoE holds it: every expert's slice of the
+    features (tensor parallel) or this rank's whole experts (expert parallel); the router
+    replicated; Qwen2-MoE's shared expert split like a dense MLP, its gate replicated."""
+    h, full = shape.hidden_size, shape.expert_intermediate_size
+    if expert_parallel:
+        experts, inter = shape.expert_shards(tp)[tp_rank], full
+    else:
+        experts = shape.num_experts
+        inter = column_shards(full, tp, "expert MLP features")[tp_rank]
+    out = [
+        Tensor("gate", experts * inter, h),
+        Tensor("up", experts * inter, h),
+        Tensor("down", experts * h, inter, full),
+        Tensor("router", shape.num_experts * h),
+    ]
+    if shape.shared_expert_intermediate_size:
+        full_shared = shape.shared_expert_intermediate_size
+        shared = column_shards(full_shared, tp, "shared expert features")[tp_rank]
+        out += [
+            Tensor("shared_gate", shared, h),
+            Tensor("shared_up", shared, h),
+            Tensor("shared_down", h, shared, full_shared),
+            Tensor("shared_expert_gate", h),
+        ]
+    return out
 
 
 def embedding_tensors(shape: ModelShape, tp_rank: int, tp: int) -> list[Tensor]:

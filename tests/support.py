@@ -8,7 +8,16 @@ VOCAB = 49152  # the SmolLM2 tokenizer's size; tiny models share that tokenizer
 
 
 def tiny_configs() -> dict:
-    from transformers import GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
+    from transformers import (
+        GPT2Config,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        OPTConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+    )
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4)
     return {
@@ -63,9 +72,43 @@ def tiny_configs() -> dict:
             max_position_embeddings=256,
             tie_word_embeddings=True,
         ),
+        # Mixtures of experts (tests/engine/test_moe.py): 8 experts of 32 features, so expert
+        # parallelism deals them 4 + 4 on 2 ranks and 3 + 3 + 2 on 3.
+        "mixtral": MixtralConfig(
+            **_MOE_COMMON, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2
+        ),
+        # A shared expert, top-2 without renormalization (norm_topk_prob False, the default),
+        # and layer 1 dense (mlp_only_layers).
+        "qwen2-moe": Qwen2MoeConfig(
+            **{**_MOE_COMMON, "num_hidden_layers": 3},
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=6,
+            num_experts_per_tok=2,
+            mlp_only_layers=[1],
+        ),
+        # q/k norm, top-3 renormalized.
+        "qwen3-moe": Qwen3MoeConfig(
+            **_MOE_COMMON,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=True,
+        ),
     }
 
 
+_MOE_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+MOE_FAMILIES = ["mixtral", "qwen2-moe", "qwen3-moe"]
 FAMILIES = ["llama", "mistral", "qwen2", "gpt2", "opt", "opt-350m-style"]
 
 

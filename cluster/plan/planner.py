@@ -42,6 +42,8 @@ from llmctl.cluster.plan.model_spec import ModelSpec
 from llmctl.engine.config import (
     DTYPE_BYTES,
     SchedulerConfig,
+    check_expert_parallel,
+    check_moe_quantization,
     normalize_dtype,
     resolve_max_num_batched_tokens,
 )
@@ -93,6 +95,8 @@ class PlanOptions:
     kv_cache_space_gib: float | None = engine_default("kv_cache_space_gib")  # CPU, per rank
     # Weight-only quantization of a float checkpoint (int8, int4): `llmctl serve --quantization`.
     quantization: str | None = engine_default("quantization")
+    # A MoE model's experts whole per tensor-parallel rank (`--enable-expert-parallel`).
+    enable_expert_parallel: bool = engine_default("enable_expert_parallel")
 
     def __post_init__(self) -> None:
         check_gpu_memory_utilization(self.gpu_memory_utilization)
@@ -315,6 +319,9 @@ def _resolve(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> _Ct
         gpu_gib = min(n.gpu_memory_gib for n in inventory.nodes if n.gpus)
     else:
         gpu_gib = 0.0
+    if options.enable_expert_parallel:
+        check_expert_parallel(spec.shape)
+    check_moe_quantization(spec.shape, options.quantization)
     num_tokens = resolve_max_num_batched_tokens(
         options.max_num_batched_tokens, options.max_num_seqs
     )
@@ -352,7 +359,15 @@ def _rank_memory(ctx: _Ctx, tp: int, pp: int, parts: list[int]) -> list[RankMemo
         first, last = pp_rank == 0, pp_rank == pp - 1
         for tp_rank, rank in enumerate(row):
             span = (starts[pp_rank], starts[pp_rank] + layers)
-            weights = ctx.weights.rank_bytes(shape, span, tp_rank, tp, is_first=first, is_last=last)
+            weights = ctx.weights.rank_bytes(
+                shape,
+                span,
+                tp_rank,
+                tp,
+                is_first=first,
+                is_last=last,
+                expert_parallel=opts.enable_expert_parallel,
+            )
             block = shape.kv_cache_bytes_per_block(
                 layers, tp_rank, tp, ctx.kv_bytes, opts.block_size
             )
@@ -396,8 +411,8 @@ def _gpu_bytes(ctx: _Ctx) -> int:
 
 def _activation_bytes(ctx: _Ctx, tp_rank: int, tp: int, is_last_stage: bool) -> int:
     """This rank's peak activations in the engine's profile step (see
-    estimate_activation_bytes). Mixtral's experts are counted as one dense MLP: the engine has no
-    MoE layer, so the plan only sizes its weights."""
+    estimate_activation_bytes). A MoE layer's are estimated as one dense MLP of
+    intermediate_size; its weights are counted in full (every expert, ModelShape.moe_params)."""
     shape = ctx.spec.shape
     shard = shape.head_shard(tp_rank, tp)
     return estimate_activation_bytes(
@@ -466,7 +481,7 @@ def _balanced_partition(ctx: _Ctx, tp: int, pp: int) -> list[int] | None:
         for t in range(tp):
             fixed = ctx.weights.rank_bytes(shape, (0, 0), t, tp, is_first=first, is_last=last)
             room = usable - _activation_bytes(ctx, t, tp, last) - non_torch - fixed
-            layer_bytes = ctx.weights.max_layer_bytes(shape, t, tp)
+            layer_bytes = ctx.weights.max_layer_bytes(shape, t, tp, opts.enable_expert_parallel)
             block = shape.kv_cache_bytes_per_block(1, t, tp, ctx.kv_bytes, opts.block_size)
             per_rank.append((room, layer_bytes, block))
         stages.append(per_rank)
@@ -553,8 +568,8 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
     try:
         return _choose(spec, inventory, options)
     except PlanError as too_big:
-        if options.device == "cpu" or spec.prequantized:
-            raise
+        if options.device == "cpu" or spec.prequantized or spec.num_experts:
+            raise  # (the engine quantizes no MoE experts)
         schemes = list(QUANTIZATION_SCHEMES)  # the largest first
         smaller = schemes[schemes.index(options.quantization) + 1 :] if options.quantization else []
         for scheme in smaller if options.quantization else schemes:
@@ -623,6 +638,7 @@ def _choose(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> Plan
                 f"use one of {', '.join(map(str, valid))}",
             )
         ctx.weights.check_split(spec.shape, tp, valid)
+        spec.shape.check_tensor_parallel(tp, options.enable_expert_parallel)
         chosen = _evaluate(ctx, tp, pp, options.pipeline_layer_partition)
         reasons = [f"{_layout(tp, pp)} as asked"]
         if _uneven_tp(spec, tp):
@@ -654,6 +670,8 @@ def _choose(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> Plan
         return not ctx.weights.cut_groups(spec.shape, tp)
 
     def allowed(tp: int) -> bool:
+        if options.enable_expert_parallel and tp > spec.num_experts:
+            return False  # some rank would hold no expert
         return whole(tp) and (
             _even_tp(spec, tp)
             or (options.allow_uneven_tp and tp in valid_tp_sizes(spec.num_heads, spec.num_kv_heads))
@@ -809,6 +827,7 @@ def _finish(ctx: _Ctx, chosen: _Eval, reasons, rejected, alternatives) -> Plan:
         "max_num_seqs": opts.max_num_seqs if opts.max_num_seqs != defaults.max_num_seqs else None,
         "max_num_batched_tokens": opts.max_num_batched_tokens,
         "quantization": opts.quantization,
+        "enable_expert_parallel": opts.enable_expert_parallel or None,
     }
     serve = ["llmctl", "serve", spec.name, *engine_args_to_argv(layout, aliases=True)]
     serve += engine_args_to_argv(engine)

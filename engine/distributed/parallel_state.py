@@ -109,6 +109,7 @@ class GroupCoordinator:
 
 _TP: GroupCoordinator | None = None
 _PP: GroupCoordinator | None = None
+_EP: GroupCoordinator | None = None
 
 
 def get_tp_group() -> GroupCoordinator:
@@ -123,6 +124,13 @@ def get_pp_group() -> GroupCoordinator:
     if _PP is None:
         _PP = GroupCoordinator(ranks=[0], rank=0)
     return _PP
+
+
+def get_ep_group() -> GroupCoordinator | None:
+    """The expert-parallel group (MoE layers hold whole experts per rank), or None when expert
+    parallelism is off (each expert is split by tensor parallelism). Its ranks are the tensor-
+    parallel group's: EP size = TP size (x DP size, once data parallelism exists)."""
+    return _EP
 
 
 def init_distributed_environment(
@@ -148,8 +156,11 @@ def init_distributed_environment(
     )
 
 
-def initialize_model_parallel(tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
-    """Create this rank's TP and PP groups from the rank mesh (ranks.reshape).
+def initialize_model_parallel(
+    tensor_parallel_size: int, pipeline_parallel_size: int, enable_expert_parallel: bool = False
+) -> None:
+    """Create this rank's TP and PP groups from the rank mesh (ranks.reshape); with
+    `enable_expert_parallel`, the EP group (the TP group's ranks and communicators).
 
     Every rank creates every group, in the same order, as torch.distributed requires.
     """
@@ -177,6 +188,7 @@ def initialize_model_parallel(tensor_parallel_size: int, pipeline_parallel_size:
                     pp_group = coordinator
     set_groups(tp_group, pp_group)
     _attach_shared_memory(tp_group)
+    set_ep_group(tp_group if enable_expert_parallel else None)
 
 
 def _attach_shared_memory(group: GroupCoordinator) -> None:
@@ -212,6 +224,11 @@ def set_groups(tp: GroupCoordinator, pp: GroupCoordinator) -> None:
     _TP, _PP = tp, pp
 
 
+def set_ep_group(ep: GroupCoordinator | None) -> None:
+    global _EP
+    _EP = ep
+
+
 def reset_groups() -> None:
-    global _TP, _PP
-    _TP = _PP = None
+    global _TP, _PP, _EP
+    _TP = _PP = _EP = None

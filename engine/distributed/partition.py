@@ -87,6 +87,29 @@ def column_shards(total: int, tp_size: int, what: str) -> list[int]:
     return split_evenly(total, tp_size)
 
 
+def expert_shards(num_experts: int, ep_size: int) -> list[int]:
+    """Whole experts per expert-parallel rank, dealt out contiguously: 8 on 3 ranks give
+    [3, 3, 2] (experts 0-2, 3-5, 6-7)."""
+    if ep_size > num_experts:
+        raise ConfigError(
+            f"expert parallelism over {ep_size} ranks exceeds the model's {num_experts} experts: "
+            "some rank would hold none",
+            f"use tensor_parallel_size {num_experts} or less with --enable-expert-parallel, or "
+            "leave expert parallelism off",
+        )
+    return split_evenly(num_experts, ep_size)
+
+
+def describe_expert_placement(num_experts: int, ep_size: int) -> str:
+    """ "experts 0-2 on rank 0, 3-5 on rank 1, 6-7 on rank 2"."""
+    sizes = expert_shards(num_experts, ep_size)
+    spans = [
+        f"{start}-{start + n - 1}" if n > 1 else str(start)
+        for start, n in zip(offsets(sizes), sizes, strict=True)
+    ]
+    return "experts " + ", ".join(f"{span} on rank {r}" for r, span in enumerate(spans))
+
+
 @dataclass(frozen=True)
 class PipelineShard:
     """The decoder layers one pipeline stage runs: global indices [start_layer, end_layer)."""

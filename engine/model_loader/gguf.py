@@ -122,6 +122,12 @@ def _convert(gguf_path: Path, out: Path, progress: ProgressFn | None) -> None:
         shape = gguf_shape(reader)
     except ConfigError as exc:
         raise ModelLoadError(f"{gguf_path}: {exc.message}", exc.hint) from exc
+    if shape.num_experts:
+        raise UnsupportedArchitectureError(
+            f"{gguf_path} holds a mixture-of-experts model ({shape.num_experts} experts); llmctl "
+            "runs MoE models from Hugging Face checkpoints only",
+            "serve the model's safetensors directory instead of its GGUF file",
+        )
     parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=False)
     config_dict = dict(parsed["config"])
     model_type = config_dict.pop("model_type", arch)

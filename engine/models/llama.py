@@ -1,8 +1,11 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2 (QKV bias), SmolLM2 (tied embeddings)."""
+"""The Llama family: Llama 2/3, Mistral, Qwen2 (QKV bias), SmolLM2 (tied embeddings).
+
+The mixtures of experts (mixtral.py, qwen_moe.py) are this decoder with their own `make_mlp`;
+Qwen3's per-head q/k norm is ModelShape.qk_norm."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -12,6 +15,7 @@ from llmctl.engine.distributed.parallel_state import get_tp_group
 from llmctl.engine.distributed.partition import PipelineShard, head_shards
 from llmctl.engine.layers.activation import SiluAndMul
 from llmctl.engine.layers.attention import Attention
+from llmctl.engine.layers.fused_moe import expert_param
 from llmctl.engine.layers.layernorm import RMSNorm
 from llmctl.engine.layers.linear import (
     MergedColumnParallelLinear,
@@ -26,13 +30,19 @@ from llmctl.engine.models.utils import IntermediateTensors, load_weights, make_l
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool, reduce_results: bool = True
+    ):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size, intermediate_size], bias=bias
         )
         self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, bias=bias, input_shards=self.gate_up_proj.shards[0]
+            intermediate_size,
+            hidden_size,
+            bias=bias,
+            input_shards=self.gate_up_proj.shards[0],
+            reduce_results=reduce_results,
         )
         self.act_fn = SiluAndMul()
 
@@ -41,7 +51,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, shape: ModelShape, rotary_emb: RotaryEmbedding):
+    def __init__(self, shape: ModelShape, rotary_emb: RotaryEmbedding, rms_norm_eps: float = 1e-6):
         super().__init__()
         hidden, head_dim = shape.hidden_size, shape.head_dim
         num_heads, num_kv_heads = shape.num_attention_heads, shape.num_kv_heads
@@ -61,25 +71,29 @@ class LlamaAttention(nn.Module):
             self.qkv_proj.num_heads, head_dim, head_dim**-0.5, self.qkv_proj.num_kv_heads
         )
         self.head_dim = head_dim
+        if shape.qk_norm:  # Qwen3: each head's query and key normalized before RoPE
+            self.q_norm = RMSNorm(head_dim, rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, rms_norm_eps)
+        self.qk_norm = shape.qk_norm
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         num_tokens = hidden_states.shape[0]
-        q, k = self.rotary_emb(
-            positions,
-            q.view(num_tokens, -1, self.head_dim),
-            k.reshape(num_tokens, -1, self.head_dim),
-        )
+        q = q.view(num_tokens, -1, self.head_dim)
+        k = k.reshape(num_tokens, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.contiguous())
         return self.o_proj(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, shape: ModelShape, rotary_emb: RotaryEmbedding):
+    def __init__(self, config: Any, shape: ModelShape, rotary_emb: RotaryEmbedding, mlp: nn.Module):
         super().__init__()
-        self.self_attn = LlamaAttention(shape, rotary_emb)
-        self.mlp = LlamaMLP(shape.hidden_size, shape.intermediate_size, shape.mlp_bias)
+        self.self_attn = LlamaAttention(shape, rotary_emb, config.rms_norm_eps)
+        self.mlp = mlp  # LlamaMLP, or a mixture of experts
         self.input_layernorm = RMSNorm(shape.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, config.rms_norm_eps)
 
@@ -97,7 +111,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, shape: ModelShape, shard: PipelineShard):
+    def __init__(
+        self,
+        config: Any,
+        shape: ModelShape,
+        shard: PipelineShard,
+        make_mlp: Callable[[int], nn.Module],
+    ):
         super().__init__()
         self.shard = shard
         if shard.is_first:
@@ -107,7 +127,9 @@ class LlamaModel(nn.Module):
             shape.head_dim, shape.max_position_embeddings, rope_parameters(config)
         )
         self.layers = make_layers(
-            shape.num_layers, shard, lambda i: LlamaDecoderLayer(config, shape, rotary_emb)
+            shape.num_layers,
+            shard,
+            lambda i: LlamaDecoderLayer(config, shape, rotary_emb, make_mlp(i)),
         )
         if shard.is_last:
             self.norm = RMSNorm(shape.hidden_size, config.rms_norm_eps)
@@ -140,6 +162,8 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "gate_proj", 0),
         ("gate_up_proj", "up_proj", 1),
     ]
+    # Checkpoint module names -> ours (Mixtral's `block_sparse_moe` is our `mlp`).
+    renamed_modules: dict[str, str] = {}
 
     def __init__(self, config: Any, shape: ModelShape, shard: PipelineShard):
         super().__init__()
@@ -147,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
         self.shard = shard
         # Sizes and biases (Qwen2's QKV bias, attention_bias, mlp_bias) from the model's shape.
         self.shape = shape
-        self.model = LlamaModel(config, shape, shard)
+        self.model = LlamaModel(config, shape, shard, self.make_mlp)
         if shard.is_last:
             self.lm_head = ParallelLMHead(shape.vocab_size, shape.hidden_size)
             if shape.tie_word_embeddings:
@@ -159,6 +183,11 @@ class LlamaForCausalLM(nn.Module):
             "residual",
         )  # what one pipeline stage sends the next
         self.sliding_window = shape.sliding_window
+
+    def make_mlp(self, layer: int) -> nn.Module:
+        """Decoder layer `layer`'s MLP (mixture-of-experts models return their MoE block)."""
+        shape = self.shape
+        return LlamaMLP(shape.hidden_size, shape.intermediate_size, shape.mlp_bias)
 
     @property
     def reads_tied_embedding(self) -> bool:
@@ -179,6 +208,8 @@ class LlamaForCausalLM(nn.Module):
                 return None
             if tied and name == "model.embed_tokens.weight":
                 return "lm_head.weight"
+            for theirs, ours in self.renamed_modules.items():
+                name = name.replace(f".{theirs}.", f".{ours}.")
             return name
 
         return load_weights(
@@ -188,6 +219,7 @@ class LlamaForCausalLM(nn.Module):
             rename=rename,
             shard=self.shard,
             layer_marker="layers",
+            experts=expert_param if self.shape.num_experts else None,
         )
 
 

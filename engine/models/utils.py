@@ -48,12 +48,15 @@ def load_weights(
     shard: PipelineShard,
     layer_marker: str,
     transpose: Callable[[str], bool] = lambda name: False,
+    experts: Callable[[str], tuple[str, int, str] | None] | None = None,
 ) -> set[str]:
     """Feed checkpoint tensors to the parameters' weight loaders; return the names loaded.
 
     `rename` maps a checkpoint name to the model's name (None: skip it). `stacked` lists
-    (fused parameter, checkpoint part, shard id), e.g. ("qkv_proj", "q_proj", "q"). Tensors of
-    layers on other pipeline stages are skipped without being read.
+    (fused parameter, checkpoint part, shard id), e.g. ("qkv_proj", "q_proj", "q"). `experts`
+    maps a MoE expert's tensor to (stacked parameter, expert id, shard id) (fused_moe.
+    expert_param); its loader takes both. Tensors of layers on other pipeline stages are
+    skipped without being read.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
@@ -66,6 +69,14 @@ def load_weights(
             continue
         if transpose(name):
             tensor = tensor.T
+        expert = experts(name) if experts is not None else None
+        if expert is not None:
+            name, expert_id, shard_id = expert
+            param = params.get(name)
+            if param is not None:
+                param.weight_loader(param, tensor, shard_id, expert_id)
+                loaded.add(name)
+            continue
         shard_id = None
         for fused, part, sid in stacked:
             if f".{part}." in name:

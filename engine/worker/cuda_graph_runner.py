@@ -7,7 +7,8 @@ the smaller ones share its memory pool). A step of D decodes runs the graph of t
 B >= D: the model runner pads its inputs to B rows (slot -1: no KV write; seq_len 0: no keys),
 the runner copies them into this graph's static input tensors, replays, and samples from the
 first D rows of the static output. Steps with a prefill chunk, more decodes than the largest
-graph, pipeline parallelism, or enforce_eager run eagerly.
+graph, pipeline parallelism, enforce_eager, or a mixture-of-experts model (its FusedMoE
+groups tokens by expert into data-dependent shapes) run eagerly.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def graphs_enabled(config: EngineConfig, device: torch.device) -> bool:
         device.type == "cuda"
         and not getattr(config.model_config, "enforce_eager", False)
         and config.parallel_config.pipeline_parallel_size == 1
+        and not config.model_config.shape.num_experts
         and use_triton(device)  # the torch backend's index_copy_ cannot skip padding slots
     )
 

@@ -60,7 +60,7 @@ class Worker:
                 backend="nccl" if device == "cuda" else "gloo",
             )
             parallel_state.initialize_model_parallel(
-                pc.tensor_parallel_size, pc.pipeline_parallel_size
+                pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.enable_expert_parallel
             )
 
     def load_model(self, progress=None) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import FAMILIES, random_prompts, token_ids
+from support import FAMILIES, MOE_FAMILIES, random_prompts, token_ids
 
 from llmctl.engine import SamplingParams
 
@@ -48,6 +48,22 @@ def test_float32_matches_transformers_on_the_gpu(
 
     outputs = llm.generate(prompts, params, use_tqdm=False)
 
+    expected = [hf_greedy(hf, p, n) for p, n in zip(prompts, MAX_TOKENS, strict=True)]
+    assert token_ids(outputs) == expected
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_float32_matches_transformers_on_the_gpu(
+    family, tiny_models, hf_greedy, gpu_llm, hf_on_gpu
+):
+    """Mixtures of experts run eagerly (their expert grouping has data-dependent shapes)."""
+    path, hf_model = tiny_models.get(family)
+    hf = hf_on_gpu(hf_model, torch.float32)
+    prompts = random_prompts(PROMPT_LENGTHS)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    llm = gpu_llm(str(path), dtype="float32", num_gpu_blocks_override=BLOCKS)
+    assert runner_of(llm).cuda_graphs is None
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     expected = [hf_greedy(hf, p, n) for p, n in zip(prompts, MAX_TOKENS, strict=True)]
     assert token_ids(outputs) == expected
 

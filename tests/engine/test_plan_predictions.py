@@ -28,6 +28,8 @@ def _hf_config(spec: ModelSpec):
         MixtralConfig,
         OPTConfig,
         Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
     )
 
     common = dict(
@@ -58,8 +60,23 @@ def _hf_config(spec: ModelSpec):
             max_position_embeddings=spec.max_position_embeddings,
             word_embed_proj_dim=spec.hidden_size,
         )
+    shape = spec.shape
     if spec.architecture == "MixtralForCausalLM":
-        return MixtralConfig(**common, num_local_experts=spec.num_experts)
+        return MixtralConfig(
+            **common,
+            num_local_experts=spec.num_experts,
+            num_experts_per_tok=shape.num_experts_per_tok,
+        )
+    moe = dict(
+        num_experts=spec.num_experts,
+        num_experts_per_tok=shape.num_experts_per_tok,
+        moe_intermediate_size=shape.moe_intermediate_size,
+    )
+    if spec.architecture == "Qwen2MoeForCausalLM":
+        shared = shape.shared_expert_intermediate_size
+        return Qwen2MoeConfig(**common, **moe, shared_expert_intermediate_size=shared)
+    if spec.architecture == "Qwen3MoeForCausalLM":
+        return Qwen3MoeConfig(**common, **moe, head_dim=spec.head_dim)
     if spec.architecture == "Qwen2ForCausalLM":
         return Qwen2Config(**common)
     if spec.architecture == "MistralForCausalLM":

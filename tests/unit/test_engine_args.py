@@ -30,6 +30,7 @@ def test_options_per_command():
         "dtype", "max_model_len", "kv_cache_space_gib", "gpu_memory_utilization", "device",
         "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
         "pipeline_parallel_size", "pipeline_layer_partition", "quantization",
+        "enable_expert_parallel",
     }  # fmt: skip
     # LLM(...) keywords only: no flag.
     assert not {
@@ -41,6 +42,8 @@ def test_flags_aliases_and_help_come_from_the_declaration():
     by_name = {o.name: o for o in cli_options()}
     assert by_name["tensor_parallel_size"].param_decls == ("--tensor-parallel-size", "-tp")
     assert by_name["pipeline_parallel_size"].param_decls == ("--pipeline-parallel-size", "-pp")
+    assert by_name["enable_expert_parallel"].param_decls == ("--enable-expert-parallel",)
+    assert engine_args_to_argv({"enable_expert_parallel": True}) == ["--enable-expert-parallel"]
     assert by_name["enable_prefix_caching"].param_decls == (
         "--enable-prefix-caching/--no-enable-prefix-caching",
     )
