@@ -113,7 +113,7 @@ def check_nodes(parallel_config) -> None:
             f"{what}: each node runs whole pipeline stages (tensor parallelism stays inside a "
             "node, stages span nodes)",
             f"use --nnodes {' or '.join(map(str, divisors))} for pipeline_parallel_size={pp}, "
-            f"or a -pp that {nnodes} divides{same_world}",
+            f"or a -pp divisible by {nnodes}{same_world}",
         )
     backend = pc.distributed_executor_backend
     if nnodes > 1 and backend not in (None, "mp"):
