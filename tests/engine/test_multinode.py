@@ -6,6 +6,7 @@ death, and each rendezvous fault, end in a typed error naming it, with no proces
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -59,7 +60,7 @@ def start_headless(model, port: int, *args: str, timeout: float = 120) -> subpro
         [
             LLMCTL,
             "serve",
-            str(model),
+            *([str(model)] if model else []),  # optional: node 0 sends the model path
             "--nnodes",
             "2",
             "--node-rank",
@@ -227,3 +228,41 @@ def test_an_unreachable_master_is_named_by_the_headless_node(tiny_models):
         assert f"node 1 could not reach node 0 at {UNROUTABLE}:{port + 1} within 2 s" in out
         assert "--master-addr" in out
         assert not wait_gone(process.pid)
+
+
+def test_doctor_all_reduce_across_two_nodes():
+    """`llmctl doctor nccl --nnodes 2` on node 0, a headless node 1 (-pp = the world size): the
+    check's ranks run on both nodes' trees and the sums are right."""
+    port = master_port()
+    with reaped(start_headless(None, port, "-pp", "2")) as node1:
+        doctor = subprocess.run(
+            [
+                LLMCTL,
+                "-q",
+                "doctor",
+                "nccl",
+                "--backend",
+                "gloo",
+                "--world-size",
+                "2",
+                "--nnodes",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "--timeout",
+                "90",
+                "--json",
+            ],  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+        report = json.loads(doctor.stdout)["collectives"][0]
+        assert report["world_size"] == 2 and report["ok"]
+        out, _ = node1.communicate(timeout=30)
+        assert node1.returncode == 0, out
+        assert "Node 1: node 0 ended the group" in out
+        assert not wait_gone(node1.pid)
