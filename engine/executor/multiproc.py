@@ -311,10 +311,11 @@ class MultiprocExecutor(Executor):
         message = f"worker rank {rank} ({where}) {what}; the engine stopped all workers"
         self._stop_reason.append(message)
         self.shutdown()
+        machine = f"node {process.node.node_rank}'s" if remote else "the machine's"
         raise WorkerError(
             message,
-            "check the machine's memory (a killed worker is often the OOM killer: dmesg), "
-            "then start the engine again",
+            f"check {machine} memory (a killed worker is often the OOM killer: dmesg) and log, "
+            "then start the engine again" + (" (the --headless nodes first)" if remote else ""),
             rank=rank,
             reason=what,
         )
