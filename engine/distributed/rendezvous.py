@@ -50,9 +50,8 @@ from llmctl.engine.errors import RendezvousError, RendezvousTimeoutError
 logger = logging.getLogger("llmctl")
 
 PROTOCOL = 1
-_HELLO_TIMEOUT_S = 10.0
+HELLO_TIMEOUT_S = 10.0
 _MAX_LINE = 16 * 1024
-_RETRY_S = 0.5
 _POLL_S = 0.1
 
 
@@ -65,7 +64,7 @@ def init_method(master_addr: str, master_port: int) -> str:
     return f"tcp://{host}:{master_port}"
 
 
-def _tune(sock: socket.socket) -> None:
+def tune(sock: socket.socket) -> None:
     """Blocking, no Nagle delay, and keep-alive probes: a peer host that vanishes (no FIN) is
     noticed within about 25 s instead of never."""
     sock.settimeout(None)
@@ -245,7 +244,7 @@ class NodeListener:
         except OSError:
             pass
         self._sock.close()
-        self._thread.join(timeout=_HELLO_TIMEOUT_S)
+        self._thread.join(timeout=HELLO_TIMEOUT_S)
 
     def _accept_loop(self) -> None:
         while not self._closed:
@@ -260,7 +259,7 @@ class NodeListener:
                 sock.close()
 
     def _handshake(self, sock: socket.socket, peer) -> None:
-        hello = recv_line(sock, _HELLO_TIMEOUT_S)
+        hello = recv_line(sock, HELLO_TIMEOUT_S)
         if hello.get("llmctl") != PROTOCOL:
             return _refuse(
                 sock,
@@ -308,7 +307,7 @@ class NodeListener:
                 )
             token = secrets.token_hex(16)
             send_line(sock, {"ok": True, "token": token})
-            _tune(sock)
+            tune(sock)
             node_ranks = ranks.node_ranks(r, pc.nnodes, ours[2], ours[1])
             self.nodes[r] = RemoteNode(
                 node_rank=r,
@@ -339,7 +338,7 @@ class NodeListener:
             ):
                 return _refuse(sock, f"rank {rank} of node {r} is not expected", None)
             send_line(sock, {"ok": True})
-            _tune(sock)
+            tune(sock)
             node.rank_conns[rank] = Connection(sock.detach())
 
 
@@ -408,65 +407,3 @@ def _bind_error(exc: OSError, pc, port: int, what: str) -> RendezvousError:
         f"node 0 (host {host}) cannot listen on {pc.master_addr}:{port} ({what}): {exc}",
         "choose another --master-port or --master-addr",
     )
-
-
-# -- nodes 1 .. N-1 ----------------------------------------------------------------------------
-
-
-def connect_to_master(pc, hello: dict, deadline: float) -> tuple[socket.socket, dict]:
-    """Connect to node 0's executor port, retrying until `deadline` (node 0 may start later);
-    send `hello`, return the socket and node 0's answer. Refusals and an unreachable master end
-    in a RendezvousError naming the address and this node."""
-    port = executor_port(pc.master_port)
-    where = f"{pc.master_addr}:{port}"
-    last = "nothing answered"
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise RendezvousTimeoutError(
-                f"node {pc.node_rank} could not reach node 0 at {where} within "
-                f"{pc.rendezvous_timeout:g} s (last error: {last})",
-                f"start node 0 (llmctl serve ... --nnodes {pc.nnodes} --node-rank 0 "
-                f"--master-addr {pc.master_addr} --master-port {pc.master_port}), check that "
-                f"--master-addr is node 0's address and that this node reaches ports "
-                f"{pc.master_port} and {port} there, or raise --rendezvous-timeout",
-            )
-        try:
-            sock = socket.create_connection((pc.master_addr, port), timeout=min(5.0, remaining))
-        except socket.gaierror as exc:
-            raise RendezvousError(
-                f"--master-addr {pc.master_addr} does not resolve on node {pc.node_rank} "
-                f"(host {socket.gethostname()}): {exc.strerror}",
-                "give every node --master-addr set to node 0's IP address",
-            ) from None
-        except OSError as exc:
-            last = exc.strerror or str(exc) or type(exc).__name__
-            time.sleep(min(_RETRY_S, max(0.0, deadline - time.monotonic())))
-            continue
-        try:
-            send_line(sock, hello)
-            reply = recv_line(sock, _HELLO_TIMEOUT_S)
-        except (OSError, ValueError) as exc:
-            sock.close()
-            last = f"the handshake failed: {exc}"
-            time.sleep(min(_RETRY_S, max(0.0, deadline - time.monotonic())))
-            continue
-        if not reply.get("ok"):
-            sock.close()
-            raise RendezvousError(str(reply.get("error")), reply.get("hint"))
-        _tune(sock)
-        return sock, reply
-
-
-def open_rank(pc, rank: int, token: str) -> socket.socket:
-    """The connection node 0 drives rank `rank` on (handed to its worker process)."""
-    hello = {
-        "llmctl": PROTOCOL,
-        "kind": "rank",
-        "node_rank": pc.node_rank,
-        "rank": rank,
-        "token": token,
-    }
-    deadline = time.monotonic() + _HELLO_TIMEOUT_S
-    sock, _ = connect_to_master(pc, hello, deadline)
-    return sock

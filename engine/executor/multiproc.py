@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from llmctl.engine.distributed import ranks
+from llmctl.engine.distributed import ranks, rendezvous
 from llmctl.engine.distributed.ports import free_port
 from llmctl.engine.distributed.rendezvous import NodeListener, RemoteWorker
 from llmctl.engine.errors import (
@@ -142,8 +142,6 @@ class MultiprocExecutor(Executor):
         try:
             nodes = {}
             if pc.nnodes > 1:
-                from llmctl.engine.distributed import rendezvous
-
                 self.listeners.append(NodeListener(pc))
                 nodes = self.listeners[0].wait_for_nodes()
                 init_method = rendezvous.init_method(pc.master_addr, pc.master_port)
@@ -350,9 +348,9 @@ def _stop_workers(
             pass
     # Other nodes: no more joins; every agent that joined (the group started or not) is told the
     # group ended, and why when it failed; it then stops its workers and closes its connection.
-    nodes = [node for listener in listeners for node in listener.nodes.values()]
     for listener in listeners:
         listener.close()
+    nodes = [node for listener in listeners for node in listener.nodes.values()]
     for node in nodes:
         node.end(reason[0] if reason else None)
     deadline = time.monotonic() + _SHUTDOWN_GRACE_S

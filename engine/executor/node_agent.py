@@ -21,12 +21,13 @@ from multiprocessing.connection import Connection, wait
 
 from llmctl.engine.config import ParallelConfig
 from llmctl.engine.distributed import ranks, rendezvous
-from llmctl.engine.errors import EngineDeadError
+from llmctl.engine.errors import EngineDeadError, RendezvousError, RendezvousTimeoutError
 
 logger = logging.getLogger("llmctl")
 
 _GRACE_S = 5.0
 _POLL_S = 0.5
+_RETRY_S = 0.5
 
 
 def run_headless(parallel_config: ParallelConfig) -> None:
@@ -87,12 +88,12 @@ class NodeAgent:
             ranks.span(self.ranks),
             pc.rendezvous_timeout,
         )
-        sock, reply = rendezvous.connect_to_master(pc, hello, deadline)
+        sock, reply = connect_to_master(pc, hello, deadline)
         self.control = Connection(sock.detach())
         socks: dict[int, socket.socket] = {}
         try:
             for rank in self.ranks:
-                socks[rank] = rendezvous.open_rank(pc, rank, reply["token"])
+                socks[rank] = open_rank(pc, rank, reply["token"])
         except BaseException:
             for s in socks.values():
                 s.close()
@@ -191,3 +192,62 @@ class NodeAgent:
         self.pidfds.clear()
         if self.control is not None:
             self.control.close()
+
+
+def connect_to_master(pc, hello: dict, deadline: float) -> tuple[socket.socket, dict]:
+    """Connect to node 0's executor port, retrying until `deadline` (node 0 may start later);
+    send `hello`, return the socket and node 0's answer. Refusals and an unreachable master end
+    in a RendezvousError naming the address and this node."""
+    port = rendezvous.executor_port(pc.master_port)
+    where = f"{pc.master_addr}:{port}"
+    last = "nothing answered"
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RendezvousTimeoutError(
+                f"node {pc.node_rank} could not reach node 0 at {where} within "
+                f"{pc.rendezvous_timeout:g} s (last error: {last})",
+                f"start node 0 (llmctl serve ... --nnodes {pc.nnodes} --node-rank 0 "
+                f"--master-addr {pc.master_addr} --master-port {pc.master_port}), check that "
+                f"--master-addr is node 0's address and that this node reaches ports "
+                f"{pc.master_port} and {port} there, or raise --rendezvous-timeout",
+            )
+        try:
+            sock = socket.create_connection((pc.master_addr, port), timeout=min(5.0, remaining))
+        except socket.gaierror as exc:
+            raise RendezvousError(
+                f"--master-addr {pc.master_addr} does not resolve on node {pc.node_rank} "
+                f"(host {socket.gethostname()}): {exc.strerror}",
+                "give every node --master-addr set to node 0's IP address",
+            ) from None
+        except OSError as exc:
+            last = exc.strerror or str(exc) or type(exc).__name__
+            time.sleep(min(_RETRY_S, max(0.0, deadline - time.monotonic())))
+            continue
+        try:
+            rendezvous.send_line(sock, hello)
+            reply = rendezvous.recv_line(sock, rendezvous.HELLO_TIMEOUT_S)
+        except (OSError, ValueError) as exc:
+            sock.close()
+            last = f"the handshake failed: {exc}"
+            time.sleep(min(_RETRY_S, max(0.0, deadline - time.monotonic())))
+            continue
+        if not reply.get("ok"):
+            sock.close()
+            raise RendezvousError(str(reply.get("error")), reply.get("hint"))
+        rendezvous.tune(sock)
+        return sock, reply
+
+
+def open_rank(pc, rank: int, token: str) -> socket.socket:
+    """The connection node 0 drives rank `rank` on (handed to its worker process)."""
+    hello = {
+        "llmctl": rendezvous.PROTOCOL,
+        "kind": "rank",
+        "node_rank": pc.node_rank,
+        "rank": rank,
+        "token": token,
+    }
+    deadline = time.monotonic() + rendezvous.HELLO_TIMEOUT_S
+    sock, _ = connect_to_master(pc, hello, deadline)
+    return sock
