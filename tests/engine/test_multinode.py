@@ -266,3 +266,33 @@ def test_doctor_all_reduce_across_two_nodes():
         assert node1.returncode == 0, out
         assert "Node 1: node 0 ended the group" in out
         assert not wait_gone(node1.pid)
+
+
+@pytest.mark.parametrize(
+    "theirs, message",
+    [
+        (
+            {"node_rank": 1, "tp": 2},
+            "node 1 (host h1) was started with --nnodes 2 -tp 2 -pp 2, node 0 with --nnodes 2 "
+            "-tp 1 -pp 2",
+        ),
+        ({"node_rank": 0}, "node rank 0 is node 0's own rank"),
+    ],
+)
+def test_node_0_refuses_a_node_of_another_layout_or_its_own_rank(theirs, message):
+    """Node 0's listener and a node's handshake over real sockets (no engine, no workers)."""
+    from llmctl.engine.config import ParallelConfig
+    from llmctl.engine.distributed.rendezvous import PROTOCOL, NodeListener
+    from llmctl.engine.executor.node_agent import connect_to_master
+
+    pc = ParallelConfig(pipeline_parallel_size=2, **node_args(master_port()))
+    listener = NodeListener(pc)
+    try:
+        hello = {"llmctl": PROTOCOL, "kind": "node", "nnodes": 2, "tp": 1, "pp": 2}
+        hello.update(host="h1", pid=1, threads=1, **theirs)
+        with pytest.raises(RendezvousError) as err:
+            connect_to_master(pc, hello, time.monotonic() + 10)
+        assert message in err.value.message
+        assert listener.nodes == {}
+    finally:
+        listener.close()
