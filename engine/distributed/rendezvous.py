@@ -25,6 +25,13 @@ then multiprocessing Connection frames (4-byte length, pickle):
                       agent -> node 0  ("exited", rank, pid, returncode)
     rank conns        multiproc.py's worker protocol (job, calls, results)
 
+Why one connection per remote rank, handed to its worker: node 0's executor keeps one code path
+for every rank (its calls, replies, timeouts and errors unchanged), nothing relays or re-frames
+a step's bytes on the way (an agent relay would add a hop and a thread per rank), and a dead rank
+or node is seen at once as its connection's end. A Gloo broadcast of the step inputs would
+instead block a node's ranks in a collective until torch.distributed's timeout when a peer dies,
+and would need a second, Python-object channel for the replies anyway.
+
 A node rank that already joined is refused, naming it; so is a node started with another
 --nnodes, -tp or -pp. The listener stays open while the group runs, so a late duplicate is
 refused too, not left waiting. Connections are unauthenticated, as torch.distributed's are: the
