@@ -193,8 +193,7 @@ def _nccl(ray, backend, world_size, timeout, json_output, nodes: dict | None = N
         if nodes and nodes["nnodes"] > 1:
             names = names[-1:]  # one group per start of the other nodes: NCCL where it runs
         collectives = [
-            collective_check.run_local(world_size, name, timeout, **(nodes or {}))
-            for name in names
+            collective_check.run_local(world_size, name, timeout, **(nodes or {})) for name in names
         ]
         payload = {"collectives": [c.to_json() for c in collectives]}
     ok = all(c.ok for c in collectives)
