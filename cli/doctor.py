@@ -129,6 +129,9 @@ def check(
         _check(ray, model, nvlink, backend, world_size, timeout, no_allreduce, json_output)
 
 
+_NODES = "Across nodes without Ray"
+
+
 @app.command()
 def nccl(
     ray: OnRay = False,
@@ -137,6 +140,23 @@ def nccl(
     timeout: Timeout = 60.0,
     json_output: JsonOutput = False,
     inventory: InventoryOption = None,
+    nnodes: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Spread --world-size ranks over this many nodes (the mp backend): this is node "
+            "0; node R runs `llmctl serve --headless -pp WORLD_SIZE --nnodes N --node-rank R "
+            "--master-addr A --master-port P`.",
+            rich_help_panel=_NODES,
+        ),
+    ] = 1,
+    master_addr: Annotated[
+        str | None,
+        typer.Option(help="This node's address, which the others reach.", rich_help_panel=_NODES),
+    ] = None,
+    master_port: Annotated[
+        int, typer.Option(help="The rendezvous port (and the next).", rich_help_panel=_NODES)
+    ] = 29501,
 ) -> None:
     """The all-reduce sanity check: latency, bus bandwidth and per-link numbers, the sums
     checked, and the transport NCCL chose; exit 1 if a rank hangs, dies or sums wrong."""
@@ -144,7 +164,8 @@ def nccl(
         if inventory is not None:
             _on_cluster(inventory, True, backend, timeout, None, json_output)
             return
-        _nccl(ray, backend, world_size, timeout, json_output)
+        nodes = dict(nnodes=nnodes, master_addr=master_addr, master_port=master_port)
+        _nccl(ray, backend, world_size, timeout, json_output, nodes)
 
 
 @contextlib.contextmanager
@@ -160,7 +181,7 @@ def _json_errors(enabled: bool) -> Iterator[None]:
         raise typer.Exit(1) from None
 
 
-def _nccl(ray, backend, world_size, timeout, json_output) -> None:
+def _nccl(ray, backend, world_size, timeout, json_output, nodes: dict | None = None) -> None:
     from llmctl.cluster.doctor import collective_check, ray_doctor
 
     if ray:
@@ -168,9 +189,11 @@ def _nccl(ray, backend, world_size, timeout, json_output) -> None:
         collectives = list(run.collectives)
         payload = run.to_json()
     else:
+        names = collective_check.local_backends(backend.value)
+        if nodes and nodes["nnodes"] > 1:
+            names = names[-1:]  # one group per start of the other nodes: NCCL where it runs
         collectives = [
-            collective_check.run_local(world_size, name, timeout)
-            for name in collective_check.local_backends(backend.value)
+            collective_check.run_local(world_size, name, timeout, **(nodes or {})) for name in names
         ]
         payload = {"collectives": [c.to_json() for c in collectives]}
     ok = all(c.ok for c in collectives)

@@ -130,6 +130,11 @@ def serve(
     from llmctl.engine.server.api_server import run_server
 
     engine_args = EngineArgs(model=model, **engine)
+    if engine_args.headless:  # this node's ranks, driven by node 0's engine; no API here
+        from llmctl.engine.executor.node_agent import run_headless
+
+        run_headless(engine_args.create_parallel_config())
+        return
     server_config = ServerConfig(
         host=host,
         port=port,

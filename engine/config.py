@@ -174,6 +174,13 @@ class ParallelConfig:
     rank: int = 0
     # Ray: the group whose bundle i hosts rank i (as vLLM's); None: the executor makes one.
     placement_group: Any = field(default=None, compare=False, repr=False)
+    # The mp backend across nodes (vLLM's --nnodes): node r runs the global ranks
+    # ranks.node_ranks(r, ...); node 0 hosts the rendezvous at master_addr:master_port.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int = 29501
+    rendezvous_timeout: float = 300.0  # seconds the nodes wait for each other
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -193,9 +200,18 @@ class ParallelConfig:
                 "use --distributed-executor-backend mp or ray",
             )
 
+        if self.nnodes != 1 or self.node_rank != 0:
+            from llmctl.engine.distributed.ranks import check_nodes
+
+            check_nodes(self)
+
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
 
 
 @dataclass(frozen=True)

@@ -204,6 +204,41 @@ class EngineArgs:
         panel=PARALLEL,
         commands=PLANNER,
     )
+    nnodes: int = option(
+        "Nodes the ranks span, on the mp backend without Ray: node r runs global ranks "
+        "r*k..r*k+k-1 (k = tp*pp/nnodes, whole pipeline stages); start node 0 (the API) and "
+        "the others with --headless.",
+        default=ParallelConfig.nnodes,
+        panel=PARALLEL,
+    )
+    node_rank: int = option(
+        "This node's rank, 0 to --nnodes - 1.", default=ParallelConfig.node_rank, panel=PARALLEL
+    )
+    master_addr: str | None = option(
+        "Node 0's address, which every node reaches: torch.distributed's rendezvous at "
+        "--master-port, the executor's at --master-port + 1.",
+        default=None,
+        default_help="required with --nnodes > 1",
+        panel=PARALLEL,
+    )
+    master_port: int = option(
+        "Node 0's rendezvous port (and the port after it).",
+        default=ParallelConfig.master_port,
+        panel=PARALLEL,
+    )
+    rendezvous_timeout: float = option(
+        "Seconds the nodes wait for each other to join.",
+        default=ParallelConfig.rendezvous_timeout,
+        panel=PARALLEL,
+    )
+    headless: bool = option(
+        "Run this node's ranks, no API server: every node but node 0. Runs until node 0 ends "
+        "the group.",
+        default=False,
+        negatable=False,
+        panel=PARALLEL,
+        commands=(SERVE,),
+    )
     seed: int = ModelConfig.seed
     # LLM(...) only: load a quantized GGUF dequantized to float (the reference the native path is
     # compared with).
@@ -231,11 +266,18 @@ class EngineArgs:
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}",
                 "allow a positive token budget per step",
             )
-        ParallelConfig(
-            tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            distributed_executor_backend=self.distributed_executor_backend,
-        )
+        self.create_parallel_config()
+        if self.headless and self.node_rank == 0:
+            raise ConfigError(
+                "--headless runs no API server, but node rank 0 serves it",
+                "drop --headless on node 0; give the other nodes --node-rank 1 to "
+                f"{max(1, self.nnodes - 1)}",
+            )
+        if self.node_rank > 0 and not self.headless:
+            raise ConfigError(
+                f"node rank {self.node_rank} runs ranks for node 0, which serves the API",
+                "add --headless (llmctl serve ... --headless) on every node but node 0",
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(
                 f"max_model_len must be at least 1, got {self.max_model_len}",
@@ -252,6 +294,12 @@ class EngineArgs:
         from llmctl.engine.model_loader.source import resolve_model
         from llmctl.engine.models.registry import check_architecture
 
+        if self.headless:
+            raise ConfigError(
+                "headless=True starts no engine: it runs a node's ranks for node 0's engine",
+                "on nodes 1 to N-1 run `llmctl serve ... --node-rank R --headless`; drop "
+                "headless here",
+            )
         dtype = normalize_dtype(self.dtype)
         device = platform.resolve_device(self.device)
         device_config = DeviceConfig(device=device)
@@ -313,19 +361,30 @@ class EngineArgs:
             max_model_len=max_model_len,
             max_concurrent_batches=self.max_concurrent_batches or self.pipeline_parallel_size,
         )
-        parallel_config = ParallelConfig(
-            tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            distributed_executor_backend=self.distributed_executor_backend,
-            pipeline_layer_partition=layer_partition,
-            enable_expert_parallel=bool(self.enable_expert_parallel),
-        )
+        parallel_config = self.create_parallel_config(layer_partition)
         return EngineConfig(
             model_config=model_config,
             cache_config=cache_config,
             scheduler_config=scheduler_config,
             parallel_config=parallel_config,
             device_config=device_config,
+        )
+
+    def create_parallel_config(
+        self, layer_partition: tuple[int, ...] | None = None
+    ) -> ParallelConfig:
+        """The layout and, across nodes, this node's place (all a --headless node needs)."""
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+            pipeline_layer_partition=layer_partition,
+            enable_expert_parallel=bool(self.enable_expert_parallel),
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+            rendezvous_timeout=self.rendezvous_timeout,
         )
 
     def _quantization(self, gguf_file: str | None) -> QuantizationConfig | None:

@@ -117,3 +117,26 @@ class WorkerTimeoutError(EngineDeadError):
 
 class UnsupportedQuantizationError(LLMCtlError, ValueError):
     """The checkpoint's quantization (a GGUF tensor type) is one llmctl cannot run."""
+
+
+class RendezvousError(LLMCtlError, RuntimeError):
+    """The nodes of an mp group (--nnodes) could not form it: an address or port node 0 cannot
+    use, a master a node cannot reach, a node refused (its rank taken, its layout different).
+    Nothing is left running on the node that raises it."""
+
+
+class RendezvousTimeoutError(RendezvousError):
+    """Nodes did not join within --rendezvous-timeout. `missing_node_ranks` are the nodes that
+    did not, `missing_ranks` their global ranks."""
+
+    def __init__(
+        self,
+        message: str,
+        hint: str | None = None,
+        *,
+        missing_node_ranks: tuple[int, ...] = (),
+        missing_ranks: tuple[int, ...] = (),
+    ) -> None:
+        super().__init__(message, hint)
+        self.missing_node_ranks = missing_node_ranks
+        self.missing_ranks = missing_ranks

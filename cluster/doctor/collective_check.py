@@ -271,10 +271,17 @@ def run_check(
     return merge_results(backend, nodes, results)
 
 
-def check_config(world_size: int, backend: str, executor_backend: str, placement_group=None):
+def check_config(
+    world_size: int,
+    backend: str,
+    executor_backend: str,
+    placement_group=None,
+    *,
+    nodes: dict | None = None,
+):
     """The EngineConfig of a world of bare workers: no model; Gloo on the CPU, NCCL on CUDA.
     One pipeline stage per rank, so ranks may sit on different nodes (tensor-parallel groups
-    may not)."""
+    may not). `nodes`: the mp backend across nodes (ParallelConfig's nnodes, master_addr, ...)."""
     from llmctl.engine.config import (
         CacheConfig,
         DeviceConfig,
@@ -291,6 +298,7 @@ def check_config(world_size: int, backend: str, executor_backend: str, placement
             pipeline_parallel_size=world_size,
             distributed_executor_backend=executor_backend,
             placement_group=placement_group,
+            **(nodes or {}),
         ),
         device_config=DeviceConfig("cuda" if backend == "nccl" else "cpu"),
     )
@@ -309,20 +317,39 @@ def run_local(
     timeout_s: float = 60.0,
     *,
     sizes: Sequence[int] = SIZES,
+    nnodes: int = 1,
+    master_addr: str | None = None,
+    master_port: int = 29501,
 ) -> CollectiveReport:
-    """The check with `world_size` worker processes on this machine (the mp executor)."""
+    """The check with `world_size` worker processes on this machine (the mp executor); with
+    `nnodes` > 1, this is node 0 and ranks run on every node: each other node runs `llmctl serve
+    --headless -pp WORLD_SIZE --nnodes N --node-rank R --master-addr A --master-port P`."""
+    from llmctl.engine.distributed.ranks import node_of
+
     _validate(world_size, backend, timeout_s)
     if backend == "nccl":
-        _need_cuda(world_size)
-    config = check_config(world_size, backend, "mp")
-    nodes = [socket.gethostname()] * world_size
+        _need_cuda(world_size // max(1, nnodes))
+    node_options = {}
+    if nnodes != 1:
+        node_options = dict(
+            nnodes=nnodes,
+            master_addr=master_addr,
+            master_port=master_port,
+            rendezvous_timeout=timeout_s,
+        )
+    config = check_config(world_size, backend, "mp", nodes=node_options)
+    host = socket.gethostname()
+    nodes = [
+        host if (n := node_of(r, nnodes, world_size, 1)) == 0 else f"node {n}"
+        for r in range(world_size)
+    ]
     log_dir = tempfile.mkdtemp(prefix="llmctl-nccl-") if backend == "nccl" else None
     try:
         return run_check(
             functools.partial(start_workers, config),
             backend,
             nodes,
-            "127.0.0.1",
+            master_addr or "127.0.0.1",
             timeout_s,
             sizes=sizes,
             log_dir=log_dir,

@@ -104,7 +104,9 @@ def choose_backend(parallel_config: ParallelConfig, device: str) -> str:
     backend = parallel_config.distributed_executor_backend
     world = parallel_config.world_size
     if backend is None:
-        if world == 1:
+        if parallel_config.nnodes > 1:
+            backend = "mp"  # across nodes without Ray: each node hosts its own ranks
+        elif world == 1:
             backend = "uni"
         elif not in_ray_placement_group() and local_device_count(device) >= world:
             backend = "mp"
@@ -120,11 +122,13 @@ def check_local_gpus(parallel_config: ParallelConfig) -> None:
     needs more GPUs than it has, before any process starts."""
     pc = parallel_config
     gpus = local_device_count("cuda")
-    if pc.world_size <= gpus:
+    if pc.ranks_per_node <= gpus:
         return
+    nodes = f" on each of {pc.nnodes} nodes" if pc.nnodes > 1 else ""
     raise ConfigError(
         f"tensor_parallel_size={pc.tensor_parallel_size} x pipeline_parallel_size="
-        f"{pc.pipeline_parallel_size} needs {pc.world_size} GPUs, but this node has {gpus}",
+        f"{pc.pipeline_parallel_size} needs {pc.ranks_per_node} GPUs{nodes}, but this node "
+        f"has {gpus}",
         f"lower -tp/-pp to use at most {gpus} GPU(s), or run on several nodes with "
         "--distributed-executor-backend ray (`llmctl cluster up`, then `llmctl serve -i`)",
     )

@@ -21,6 +21,12 @@ large call and a large reply. The engine waits on the replies and on the process
 together, so a worker that dies (killed, out of memory) is noticed at once; the engine then stops
 every worker and raises EngineDeadError naming the rank. Workers die with the engine process
 (PR_SET_PDEATHSIG) and ignore Ctrl-C, which the engine handles.
+
+Across nodes (--nnodes N, without Ray), this engine is node 0's: it runs its own ranks as above
+and waits for the other nodes' agents (`llmctl serve --headless`, engine/distributed/
+rendezvous.py), each of which hands it one TCP connection per rank, already attached to that
+rank's worker process there. The protocol on those is the one above; a remote rank's death is
+seen as its connection's end or its agent's report ("exited"), in place of a pidfd.
 """
 
 from __future__ import annotations
@@ -44,7 +50,9 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from llmctl.engine.distributed import ranks, rendezvous
 from llmctl.engine.distributed.ports import free_port
+from llmctl.engine.distributed.rendezvous import NodeListener, RemoteWorker
 from llmctl.engine.errors import (
     ConfigError,
     EngineDeadError,
@@ -109,46 +117,78 @@ class MultiprocExecutor(Executor):
     def _init_executor(self, progress) -> None:
         pc = self.parallel_config
         self.world_size = pc.world_size
+        tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+        local = ranks.node_ranks(0, pc.nnodes, pp, tp)  # this node's (node 0's) ranks
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        threads = max(1, len(os.sched_getaffinity(0)) // self.world_size)
-        self.processes: list[subprocess.Popen] = []
+        threads = max(1, len(os.sched_getaffinity(0)) // len(local))
+        # Per rank: a local Popen, or a RemoteWorker on another node.
+        self.processes: list[subprocess.Popen | RemoteWorker] = []
         self.conns: list[Connection] = []
-        self.sentinels: list[int] = []  # pidfds: readable once the process exits
+        # Readable once the rank is gone: its pidfd, or its node's agent connection.
+        self.sentinels: list[int | Connection] = []
+        self.listeners: list[NodeListener] = []  # across nodes: node 0's rendezvous
+        self._stop_reason: list[str] = []  # told to the other nodes' agents when the group ends
         # Runs at shutdown(), garbage collection or interpreter exit, whichever comes first.
         self._finalizer = weakref.finalize(
-            self, _stop_workers, self.processes, self.conns, self.sentinels
+            self,
+            _stop_workers,
+            self.processes,
+            self.conns,
+            self.sentinels,
+            self.listeners,
+            self._stop_reason,
         )
         job_config = for_workers(self.engine_config)  # workers need not import transformers
         try:
+            nodes = {}
+            if pc.nnodes > 1:
+                self.listeners.append(NodeListener(pc))
+                nodes = self.listeners[0].wait_for_nodes()
+                init_method = rendezvous.init_method(pc.master_addr, pc.master_port)
             for rank in range(self.world_size):
-                parent_end, child_end = socket.socketpair()
-                process = subprocess.Popen(
-                    [sys.executable, "-m", __name__, "--fd", str(child_end.fileno())],
-                    pass_fds=[child_end.fileno()],
-                    stdin=subprocess.DEVNULL,
-                )
-                child_end.close()
-                self.processes.append(process)
-                self.sentinels.append(os.pidfd_open(process.pid))
-                conn = Connection(parent_end.detach())
-                self.conns.append(conn)
-                conn.send(("job", job_config, rank, init_method, threads))
+                if rank in local:
+                    conn = self._start_local(rank)
+                    rank_threads = threads
+                else:
+                    node = nodes[ranks.node_of(rank, pc.nnodes, pp, tp)]
+                    conn = node.rank_conns[rank]
+                    self.processes.append(RemoteWorker(node, rank))
+                    self.sentinels.append(node.control)
+                    self.conns.append(conn)
+                    rank_threads = node.threads
+                conn.send(("job", job_config, rank, init_method, rank_threads))
             self._next_call_id = 0
             self._replies: list[dict[int, tuple]] = [{} for _ in range(self.world_size)]
             self._wait_ready(progress)
-        except BaseException:
+        except BaseException as exc:
+            self._stop_reason.append(getattr(exc, "message", None) or repr(exc))
             self.shutdown()
             raise
         self.pids = [p.pid for p in self.processes]
         # Bare workers (no model) are a tool's (llmctl doctor), which reports them itself.
         log = logger.info if self.engine_config.model_config is not None else logger.debug
         log(
-            "Started %d worker processes (tp=%d, pp=%d), pids %s",
+            "Started %d worker processes (tp=%d, pp=%d%s), pids %s",
             self.world_size,
             pc.tensor_parallel_size,
             pc.pipeline_parallel_size,
+            f", {pc.nnodes} nodes" if pc.nnodes > 1 else "",
             self.pids,
         )
+
+    def _start_local(self, rank: int) -> Connection:
+        parent_end, child_end = socket.socketpair()
+        process = subprocess.Popen(
+            [sys.executable, "-m", __name__, "--fd", str(child_end.fileno())],
+            pass_fds=[child_end.fileno()],
+            stdin=subprocess.DEVNULL,
+        )
+        child_end.close()
+        self.processes.append(process)
+        self.sentinels.append(os.pidfd_open(process.pid))
+        conn = Connection(parent_end.detach())
+        self.conns.append(conn)
+        return conn
 
     def _wait_ready(self, progress) -> None:
         pending = set(range(self.world_size))
@@ -162,7 +202,10 @@ class MultiprocExecutor(Executor):
                     pending_ranks=tuple(sorted(pending)),
                 )
             for rank in self._ready_or_dead(pending):
-                message = self.conns[rank].recv()
+                try:
+                    message = self.conns[rank].recv()
+                except (EOFError, OSError):
+                    self._fail(rank)
                 if message[0] == "init_error":
                     _, _, exc, trace = message
                     logger.debug("worker rank %d failed to start:\n%s", rank, trace)
@@ -172,6 +215,8 @@ class MultiprocExecutor(Executor):
                         f"worker rank {rank} failed to start: {type(exc).__name__}: {exc}",
                         "run with --debug (or logging at DEBUG) for the worker's traceback",
                     )
+                if isinstance(self.processes[rank], RemoteWorker):
+                    self.processes[rank].pid = message[2]
                 pending.discard(rank)
                 if progress:
                     progress(self.world_size - len(pending), self.world_size, "starting workers")
@@ -179,13 +224,26 @@ class MultiprocExecutor(Executor):
     def _ready_or_dead(self, ranks: set[int], poll_s: float = _POLL_S) -> list[int]:
         """Ranks among `ranks` with a message waiting; raises if one of them died."""
         conns = {self.conns[r]: r for r in ranks}
-        sentinels = {self.sentinels[r]: r for r in ranks}
+        sentinels: dict[int | Connection, list[int]] = {}  # a node's agent watches several
+        for r in ranks:
+            sentinels.setdefault(self.sentinels[r], []).append(r)
         ready = wait(list(conns) + list(sentinels), timeout=poll_s)
         with_message = [conns[c] for c in ready if c in conns]
         for obj in ready:
-            if obj in sentinels and sentinels[obj] not in with_message:
-                self._fail(sentinels[obj])
+            if obj in sentinels:
+                for rank in self._gone(sentinels[obj]):
+                    if rank not in with_message:
+                        self._fail(rank)
         return with_message
+
+    def _gone(self, ranks: list[int]) -> list[int]:
+        """Of ranks whose sentinel is readable, those that are gone: a local pidfd is readable
+        only then; a node's agent connection also carries the exits it reports."""
+        remote = [self.processes[r] for r in ranks if isinstance(self.processes[r], RemoteWorker)]
+        if not remote:
+            return ranks
+        remote[0].node.read_events()
+        return [w.rank for w in remote if w.returncode is not None or w.node.lost]
 
     def collective_rpc_async(
         self, method: str | Callable, args: tuple = (), kwargs: dict | None = None
@@ -222,6 +280,7 @@ class MultiprocExecutor(Executor):
                     _, _, exc, trace = message
                     if isinstance(exc, ConfigError):  # bad input a worker found (GPU memory)
                         logger.debug("worker rank %d raised:\n%s", rank, trace)
+                        self._stop_reason.append(exc.message)
                         self.is_dead = True
                         self.shutdown()
                         raise exc
@@ -234,23 +293,34 @@ class MultiprocExecutor(Executor):
 
     def _fail(self, rank: int, what: str | None = None) -> None:
         process = self.processes[rank]
+        remote = isinstance(process, RemoteWorker)
         try:
-            process.wait(timeout=0.1)
+            process.wait(timeout=1.0 if remote else 0.1)  # a remote exit comes by its agent
         except subprocess.TimeoutExpired:
             pass
+        where = f"pid {process.pid}"
+        if remote:
+            node = process.node
+            where = f"{where} on node {node.node_rank}, host {node.host}"
+            if what is None and process.returncode is None:
+                what = f"lost its node: {node.describe()} closed its connection"
         what = what or describe_exit(process.returncode)
         self.is_dead = True
+        message = f"worker rank {rank} ({where}) {what}; the engine stopped all workers"
+        self._stop_reason.append(message)
         self.shutdown()
+        machine = f"node {process.node.node_rank}'s" if remote else "the machine's"
         raise WorkerError(
-            f"worker rank {rank} (pid {process.pid}) {what}; the engine stopped all workers",
-            "check the machine's memory (a killed worker is often the OOM killer: dmesg), "
-            "then start the engine again",
+            message,
+            f"check {machine} memory (a killed worker is often the OOM killer: dmesg) and log, "
+            "then start the engine again" + (" (the --headless nodes first)" if remote else ""),
             rank=rank,
             reason=what,
         )
 
     def _time_out(self, missing: set[int], timeout: float) -> None:
         self.is_dead = True
+        self._stop_reason.append(f"worker ranks {sorted(missing)} did not answer in time")
         self.shutdown()
         raise WorkerTimeoutError(
             f"worker ranks {sorted(missing)} did not answer within {timeout:g} s; the engine "
@@ -263,29 +333,48 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
 
-def _stop_workers(processes: list, conns: list[Connection], sentinels: list[int]) -> None:
+def _stop_workers(
+    processes: list,
+    conns: list[Connection],
+    sentinels: list,
+    listeners: list[NodeListener],
+    reason: list[str],
+) -> None:
     shutdown = pickle.dumps(("shutdown",))
     for conn in conns:
         try:
             conn.send_bytes(shutdown)
         except OSError:
             pass
+    # Other nodes: no more joins; every agent that joined (the group started or not) is told the
+    # group ended, and why when it failed; it then stops its workers and closes its connection.
+    for listener in listeners:
+        listener.close()
+    nodes = [node for listener in listeners for node in listener.nodes.values()]
+    for node in nodes:
+        node.end(reason[0] if reason else None)
     deadline = time.monotonic() + _SHUTDOWN_GRACE_S
-    for process in processes:
+    local = [p for p in processes if isinstance(p, subprocess.Popen)]
+    for process in local:
         try:
             process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.terminate()
-    for process in processes:
+    for process in local:
         try:
             process.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+    for node in nodes:
+        node.wait_closed(deadline + 1.0)
+        node.close()
+    listeners.clear()
     for conn in conns:
         conn.close()
     for fd in sentinels:
-        os.close(fd)
+        if isinstance(fd, int):
+            os.close(fd)
     sentinels.clear()
 
 
@@ -318,13 +407,15 @@ def _worker_main(fd: int) -> None:
     _, engine_config, rank, init_method, threads = conn.recv()
     import torch
 
+    local_rank = rank % engine_config.parallel_config.ranks_per_node  # its device on its node
+
     from llmctl.engine.worker.worker import Worker
 
     torch.set_num_threads(threads)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_read_calls, args=(conn, inbox), daemon=True).start()
     try:
-        worker = Worker(engine_config, rank, rank, distributed_init_method=init_method)
+        worker = Worker(engine_config, rank, local_rank, distributed_init_method=init_method)
         if engine_config.model_config is not None:  # else bare: the caller runs init_device
             worker.init_device()
             worker.load_model()
