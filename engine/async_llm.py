@@ -9,6 +9,15 @@ request (it is then never added), while it is added, or mid-stream. If anything 
 thread raises (a worker process died, a bug), the thread stops serving: every waiting caller gets
 EngineDeadError, later calls get it at once, and `dead_error` stays set for /health.
 
+Supervision (the server's --stall-timeout, --restart-on-failure): the engine thread tells a
+StallMonitor when it steps; a watchdog thread declares the engine stalled when it has work and no
+step completed for `stall_timeout` seconds, names the ranks the executor still waits for, and
+aborts the executor (its workers are killed; the engine thread's wait raises EngineStalledError).
+With `restart_on_failure`, a failure (a stall, a dead worker, a bug) does not end the engine: the
+requests in flight get the error, the engine and its workers are stopped, and after a backoff
+(1, 2, 4, ... s) a new engine is built in the same thread, up to `max_restarts` times; meanwhile
+new requests and /health get EngineRestartingError.
+
 A caller's acceptance future is claimed by the engine thread with
 `set_running_or_notify_cancel()` before the request is added: from then on the caller can no
 longer cancel it (its abort goes through the command queue, behind the add), and until then a
@@ -22,15 +31,26 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from llmctl.engine.errors import EngineDeadError, InvalidRequestError
+from llmctl.engine.errors import (
+    EngineDeadError,
+    EngineRestartingError,
+    EngineStalledError,
+    InvalidRequestError,
+)
 from llmctl.engine.llm_engine import EngineStats, LLMEngine, PromptType
 from llmctl.engine.outputs import RequestOutput
 from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.stall_monitor import StallMonitor, describe_stall, restart_delay
 
 logger = logging.getLogger("llmctl")
+
+# After aborting a stalled executor, how long the engine thread may take to come out of its wait
+# before the watchdog fails the requests itself (a step stuck in this process: uni backend).
+_STALL_GRACE_S = 5.0
 
 
 @dataclass
@@ -49,9 +69,29 @@ class _Abort:
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine | None = None, *, _start: bool = True) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine | None = None,
+        *,
+        stall_timeout: float = 0.0,
+        restart_on_failure: bool = False,
+        max_restarts: int = 3,
+        engine_factory: Callable[[], LLMEngine] | None = None,
+        restart_backoff_s: float = 1.0,
+        _start: bool = True,
+    ) -> None:
+        """`stall_timeout` (0: off) and `restart_on_failure` as the server's options say;
+        restarts build the engine with `engine_factory`."""
         self.engine = engine
         self.dead_error: EngineDeadError | None = None
+        self.restarting: EngineRestartingError | None = None  # set while a restart is under way
+        self.stall_error: EngineStalledError | None = None  # the stall being torn down
+        self.restarts = 0
+        self.last_failure: EngineDeadError | None = None  # what the last restart recovered from
+        self.monitor = StallMonitor(stall_timeout)
+        self.max_restarts = max_restarts if restart_on_failure and engine_factory else 0
+        self._engine_factory = engine_factory
+        self._restart_backoff_s = restart_backoff_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
@@ -59,8 +99,9 @@ class AsyncLLM:
         self._lock = threading.Lock()  # orders posting against the engine's death
         self._stats = engine.get_stats() if engine is not None else None
         self._thread = threading.Thread(target=self._run, name="llmctl-engine", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="llmctl-watchdog", daemon=True)
         if _start:
-            self._thread.start()
+            self._start_threads()
 
     @classmethod
     def from_engine_args(cls, engine_args, progress=None) -> AsyncLLM:
@@ -68,7 +109,13 @@ class AsyncLLM:
         thread, so the process has one OpenMP thread team. (A second team, from loading in the
         main thread, made the CPU's two cores oversubscribed: OpenMP then stops spinning between
         ops and decoding ran about 25% slower.) Raises what building the engine raised."""
-        self = cls(_start=False)
+        self = cls(
+            stall_timeout=engine_args.stall_timeout,
+            restart_on_failure=engine_args.restart_on_failure,
+            max_restarts=engine_args.max_restarts,
+            engine_factory=lambda: LLMEngine.from_engine_args(engine_args),
+            _start=False,
+        )
         built: concurrent.futures.Future = concurrent.futures.Future()
 
         def build_then_run() -> None:
@@ -82,21 +129,41 @@ class AsyncLLM:
             self._run()
 
         self._thread = threading.Thread(target=build_then_run, name="llmctl-engine", daemon=True)
-        self._thread.start()
+        self._start_threads()
         built.result()
         return self
 
+    def _start_threads(self) -> None:
+        self._thread.start()
+        if self.monitor.timeout_s > 0:
+            self._watchdog.start()
+
     @property
     def is_running(self) -> bool:
-        return self.dead_error is None and self._thread.is_alive()
+        return self.health_error() is None
 
     def health_error(self) -> EngineDeadError | None:
-        """Why the engine cannot serve (None while it can)."""
+        """Why the engine cannot serve (None while it can): dead, restarting, or stalled."""
         if self.dead_error is not None:
             return self.dead_error
+        if self.restarting is not None:
+            return self.restarting
         if not self._thread.is_alive():
             return EngineDeadError("the engine thread stopped", "restart the server")
+        if self.stall_error is not None:
+            return self.stall_error
+        if self.monitor.stalled():  # before the watchdog's next look
+            return self._stalled_error()
         return None
+
+    def health(self) -> dict:
+        """/health's body while the engine serves."""
+        last = self.last_failure
+        return {
+            "status": "ok",
+            "restarts": self.restarts,
+            "last_failure": None if last is None else last.message,
+        }
 
     def get_stats(self) -> EngineStats:
         """The engine's counters as of its last step (read without stopping the engine)."""
@@ -110,8 +177,9 @@ class AsyncLLM:
         Raises InvalidRequestError before the first output if the engine rejects the request,
         EngineDeadError if the engine dies. Closing the iterator early aborts the request.
         """
-        if self.dead_error is not None:
-            raise self.dead_error
+        unavailable = self.dead_error or self.restarting
+        if unavailable is not None:
+            raise unavailable
         stream: asyncio.Queue = asyncio.Queue()
         command = _Add(request_id, prompt, params, stream, asyncio.get_running_loop())
         finished = False
@@ -152,33 +220,49 @@ class AsyncLLM:
 
     def _post(self, command) -> None:
         with self._lock:
-            if self.dead_error is not None:
+            unavailable = self.dead_error or self.restarting
+            if unavailable is not None:
                 if isinstance(command, _Add):
-                    command.accepted.set_exception(self.dead_error)
+                    command.accepted.set_exception(unavailable)
                 return
             self._commands.put(command)
         self._wakeup.set()
 
     def _run(self) -> None:
+        """Serve until shutdown(); after a failure, restart the engine while restarts are left."""
+        while (error := self._serve()) is not None and self._restart(error):
+            pass
+
+    def _serve(self) -> EngineDeadError | None:
+        """Run the loop on the current engine; returns its failure (None: stopped on request),
+        once the requests in flight got it and the engine is shut down."""
+        error = None
         try:
             self._loop()
         except EngineDeadError as exc:
-            self._die(exc)
+            error = exc
         except BaseException as exc:  # a bug: report it to every caller, stop serving
             logger.exception("the engine thread failed")
-            self._die(EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}"))
+            error = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
         finally:
+            if error is not None:
+                self._fail_all(error)
             self.engine.shutdown()
+        return error
 
     def _loop(self) -> None:
         engine = self.engine
-        while not self._stopping:
+        monitor = self.monitor
+        while not self._stopping and self.dead_error is None:
             self._drain_commands()
             if not engine.has_unfinished_requests():
+                monitor.idle()
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue
+            monitor.busy()
             outputs = engine.step()
+            monitor.step_completed()
             self._stats = engine.get_stats()
             for output in outputs:
                 self._deliver(output.request_id, output, output.finished)
@@ -215,23 +299,124 @@ class AsyncLLM:
         self._stats = self.engine.get_stats()
 
     def _deliver(self, request_id: str, item, last: bool) -> None:
-        entry = self._streams.get(request_id)
+        entry = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
         if entry is None:
             return
-        if last:
-            del self._streams[request_id]
         stream, loop = entry
         try:
             loop.call_soon_threadsafe(stream.put_nowait, item)
         except RuntimeError:  # the caller's loop is closed
             pass
 
-    def _die(self, error: EngineDeadError) -> None:
+    def _fail_all(self, error: EngineDeadError, may_restart: bool = True) -> None:
+        """Give `error` to every request in flight and every one posted; the engine is then
+        restarting while restarts are left, else dead."""
         with self._lock:
-            self.dead_error = error
-        logger.error("engine stopped: %s", error.message)
+            if self.dead_error is not None:  # the watchdog already failed everyone
+                return
+            restart = may_restart and self.restarts < self.max_restarts and not self._stopping
+            if restart:
+                self.restarting = EngineRestartingError(
+                    f"the engine is restarting (restart {self.restarts + 1} of "
+                    f"{self.max_restarts}) after: {error.message}",
+                    "retry in a few seconds",
+                )
+            else:
+                self.dead_error = error
+                self.restarting = None
+            self.stall_error = None
+        logger.error("engine %s: %s", "failed" if restart else "stopped", error.message)
+        self.monitor.idle()
         for request_id in list(self._streams):
             self._deliver(request_id, error, last=True)
         for command in self._pending_commands():  # posted before the failure was known
             if isinstance(command, _Add) and command.accepted.set_running_or_notify_cancel():
                 command.accepted.set_exception(error)
+
+    def _restart(self, failure: EngineDeadError) -> bool:
+        """After the backoff, build a new engine; False when no restart is due (the engine is
+        dead) or shutdown() came first."""
+        while self.restarting is not None:
+            self.restarts += 1
+            delay = restart_delay(self.restarts, self._restart_backoff_s)
+            logger.warning(
+                "restarting the engine in %.0f s (restart %d of %d)",
+                delay,
+                self.restarts,
+                self.max_restarts,
+            )
+            if self._sleep(delay):
+                return False
+            self.engine = None  # the old one's memory goes before the new one loads
+            try:
+                engine = self._engine_factory()
+            except BaseException as exc:
+                logger.debug("restarting the engine failed", exc_info=True)
+                if not isinstance(exc, EngineDeadError):
+                    exc = EngineDeadError(
+                        f"restarting the engine failed: {type(exc).__name__}: {exc}",
+                        "see the server's log",
+                    )
+                self._fail_all(exc)
+                continue
+            self.engine = engine
+            self._stats = engine.get_stats()
+            self.last_failure = failure
+            with self._lock:
+                self.restarting = None
+            logger.warning("engine restarted (restart %d of %d)", self.restarts, self.max_restarts)
+            return True
+        return False
+
+    def _sleep(self, seconds: float) -> bool:
+        """Wait `seconds` unless shutdown() comes first; True if it did."""
+        deadline = time.monotonic() + seconds
+        while not self._stopping and (left := deadline - time.monotonic()) > 0:
+            self._wakeup.wait(left)
+            self._wakeup.clear()
+        return self._stopping
+
+    # -- the watchdog thread -------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        period = min(1.0, self.monitor.timeout_s / 4)
+        while not self._stopping and self.dead_error is None:
+            time.sleep(period)
+            if self.stall_error is None and self.restarting is None and self.monitor.stalled():
+                self._tear_down_stall()
+
+    def _tear_down_stall(self) -> None:
+        """Fail the stalled engine: abort its executor (the workers are killed, the engine
+        thread's wait raises the stall, and the engine thread fails the requests and restarts or
+        dies); if the engine thread does not come out, fail the requests from here."""
+        error = self._stalled_error()
+        self.stall_error = error
+        logger.error("engine stalled: %s", error.message)
+        executor = getattr(self.engine, "executor", None)
+        if executor is not None:
+            executor.abort(error)
+        deadline = time.monotonic() + _STALL_GRACE_S
+        while self.stall_error is error and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.stall_error is error:  # stuck in this process (uni backend): nothing to kill
+            self._fail_all(error, may_restart=False)
+
+    def _stalled_error(self) -> EngineStalledError:
+        engine = self.engine
+        executor = getattr(engine, "executor", None)
+        ranks, tp, pp = None, 1, 1
+        if executor is not None:
+            pc = executor.parallel_config
+            tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+            try:
+                ranks = executor.stalled_ranks()
+            except Exception:  # what the executor knows is a bonus; the stall stands
+                logger.debug("reading the stalled ranks failed", exc_info=True)
+        monitor = self.monitor
+        return EngineStalledError(
+            describe_stall(monitor.seconds_waiting(), monitor.timeout_s, ranks, tp, pp),
+            "check the ranks named (a debugger, the machine's load); raise --stall-timeout if "
+            "steps take this long; --restart-on-failure starts the engine again by itself",
+            ranks=ranks.pending_ranks if ranks else (),
+            stopped=tuple(rank for rank, _, _ in ranks.stopped) if ranks else (),
+        )

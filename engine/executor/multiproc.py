@@ -54,6 +54,7 @@ from llmctl.engine.errors import (
 )
 from llmctl.engine.executor.base import Executor, run_method
 from llmctl.engine.hf_config_view import for_workers
+from llmctl.engine.stall_monitor import StalledRanks, stopped_processes
 
 logger = logging.getLogger("llmctl")
 
@@ -114,6 +115,7 @@ class MultiprocExecutor(Executor):
         self.processes: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self.sentinels: list[int] = []  # pidfds: readable once the process exits
+        self._waiting_on: frozenset[int] = frozenset()  # ranks the engine waits for (_collect)
         # Runs at shutdown(), garbage collection or interpreter exit, whichever comes first.
         self._finalizer = weakref.finalize(
             self, _stop_workers, self.processes, self.conns, self.sentinels
@@ -177,7 +179,9 @@ class MultiprocExecutor(Executor):
                     progress(self.world_size - len(pending), self.world_size, "starting workers")
 
     def _ready_or_dead(self, ranks: set[int], poll_s: float = _POLL_S) -> list[int]:
-        """Ranks among `ranks` with a message waiting; raises if one of them died."""
+        """Ranks among `ranks` with a message waiting; raises if one of them died (or abort()
+        was called)."""
+        self._raise_if_aborted()
         conns = {self.conns[r]: r for r in ranks}
         sentinels = {self.sentinels[r]: r for r in ranks}
         ready = wait(list(conns) + list(sentinels), timeout=poll_s)
@@ -205,7 +209,16 @@ class MultiprocExecutor(Executor):
     def _collect(self, call_id: int, timeout: float | None = None) -> list[Any]:
         missing = {r for r in range(self.world_size) if call_id not in self._replies[r]}
         deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            return self._collect_missing(call_id, missing, deadline, timeout)
+        finally:
+            self._waiting_on = frozenset()
+
+    def _collect_missing(
+        self, call_id: int, missing: set[int], deadline: float | None, timeout: float | None
+    ) -> list[Any]:
         while missing:
+            self._waiting_on = frozenset(missing)
             poll_s = _POLL_S
             if deadline is not None:
                 poll_s = min(poll_s, deadline - time.monotonic())
@@ -233,6 +246,7 @@ class MultiprocExecutor(Executor):
         return [self._replies[r].pop(call_id) for r in range(self.world_size)]
 
     def _fail(self, rank: int, what: str | None = None) -> None:
+        self._raise_if_aborted()  # a worker killed by abort(): its error, not the signal
         process = self.processes[rank]
         try:
             process.wait(timeout=0.1)
@@ -258,6 +272,18 @@ class MultiprocExecutor(Executor):
             "check the machine's load, or allow more time",
             pending_ranks=tuple(sorted(missing)),
         )
+
+    def stalled_ranks(self) -> StalledRanks:
+        pids = [(rank, process.pid) for rank, process in enumerate(self.processes)]
+        return StalledRanks(tuple(sorted(self._waiting_on)), stopped_processes(pids))
+
+    def _kill_workers(self) -> None:
+        for process in list(self.processes):
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    # SIGKILL ends a stopped process too; SIGCONT lets it take what was pending.
+                    os.kill(process.pid, signal.SIGCONT)
+                    process.kill()
 
     def shutdown(self) -> None:
         self._finalizer()

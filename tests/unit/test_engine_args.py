@@ -25,6 +25,9 @@ def test_options_per_command():
     assert set(names["serve"]) - set(names["generate"]) == {
         "served_model_name",
         "skip_tokenizer_init",
+        "stall_timeout",
+        "restart_on_failure",
+        "max_restarts",
     }
     assert {o.name for o in cli_options("plan")} == {
         "dtype", "max_model_len", "kv_cache_space_gib", "gpu_memory_utilization", "device",
