@@ -86,6 +86,7 @@ class AsyncLLM:
         self.dead_error: EngineDeadError | None = None
         self.restarting: EngineRestartingError | None = None  # set while a restart is under way
         self.stall_error: EngineStalledError | None = None  # the stall being torn down
+        self._aborted: EngineDeadError | None = None  # the watchdog's verdict, for the loop
         self.restarts = 0
         self.last_failure: EngineDeadError | None = None  # what the last restart recovered from
         self.monitor = StallMonitor(stall_timeout)
@@ -254,6 +255,8 @@ class AsyncLLM:
         engine = self.engine
         monitor = self.monitor
         while not self._stopping and self.dead_error is None:
+            if self._aborted is not None:  # a worker died while the engine was idle
+                raise self._aborted
             self._drain_commands()
             if not engine.has_unfinished_requests():
                 monitor.idle()
@@ -325,6 +328,7 @@ class AsyncLLM:
                 self.dead_error = error
                 self.restarting = None
             self.stall_error = None
+            self._aborted = None
         logger.error("engine %s: %s", "failed" if restart else "stopped", error.message)
         self.monitor.idle()
         for request_id in list(self._streams):
@@ -382,8 +386,24 @@ class AsyncLLM:
         period = min(1.0, self.monitor.timeout_s / 4)
         while not self._stopping and self.dead_error is None:
             time.sleep(period)
-            if self.stall_error is None and self.restarting is None and self.monitor.stalled():
+            if self._stopping or self.restarting or self.stall_error or self._aborted:
+                continue  # shutting down, or a failure is being handled
+            if self.monitor.stalled():
                 self._tear_down_stall()
+                continue
+            executor = getattr(self.engine, "executor", None)
+            exited = executor.exited_worker() if executor is not None else None
+            if exited is not None:
+                self._abort(exited)
+
+    def _abort(self, error: EngineDeadError) -> None:
+        """Fail the engine from this thread: its executor stops the workers and raises `error`
+        in the engine thread's wait, or the engine thread's loop raises it when idle."""
+        self._aborted = error
+        executor = getattr(self.engine, "executor", None)
+        if executor is not None:
+            executor.abort(error)
+        self._wakeup.set()
 
     def _tear_down_stall(self) -> None:
         """Fail the stalled engine: abort its executor (the workers are killed, the engine
@@ -392,9 +412,7 @@ class AsyncLLM:
         error = self._stalled_error()
         self.stall_error = error
         logger.error("engine stalled: %s", error.message)
-        executor = getattr(self.engine, "executor", None)
-        if executor is not None:
-            executor.abort(error)
+        self._abort(error)
         deadline = time.monotonic() + _STALL_GRACE_S
         while self.stall_error is error and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -255,13 +255,25 @@ class MultiprocExecutor(Executor):
         what = what or describe_exit(process.returncode)
         self.is_dead = True
         self.shutdown()
-        raise WorkerError(
-            f"worker rank {rank} (pid {process.pid}) {what}; the engine stopped all workers",
+        raise self._worker_error(rank, what)
+
+    def _worker_error(self, rank: int, what: str) -> WorkerError:
+        return WorkerError(
+            f"worker rank {rank} (pid {self.processes[rank].pid}) {what}; the engine stopped all "
+            "workers",
             "check the machine's memory (a killed worker is often the OOM killer: dmesg), "
             "then start the engine again",
             rank=rank,
             reason=what,
         )
+
+    def exited_worker(self) -> WorkerError | None:
+        if self.is_dead:  # stopped on purpose, or the failure is already known
+            return None
+        for rank, process in enumerate(list(self.processes)):
+            if process.poll() is not None:
+                return self._worker_error(rank, describe_exit(process.returncode))
+        return None
 
     def _time_out(self, missing: set[int], timeout: float) -> None:
         self.is_dead = True
