@@ -236,7 +236,8 @@ class AsyncLLM:
 
     def _serve(self) -> EngineDeadError | None:
         """Run the loop on the current engine; returns its failure (None: stopped on request),
-        once the requests in flight got it and the engine is shut down."""
+        once the engine is shut down and the requests in flight got the failure (in that order:
+        a caller that has its error finds no worker left)."""
         error = None
         try:
             self._loop()
@@ -246,9 +247,11 @@ class AsyncLLM:
             logger.exception("the engine thread failed")
             error = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
         finally:
-            if error is not None:
-                self._fail_all(error)
-            self.engine.shutdown()
+            try:
+                self.engine.shutdown()
+            finally:
+                if error is not None:
+                    self._fail_all(error)
         return error
 
     def _loop(self) -> None:
@@ -388,13 +391,19 @@ class AsyncLLM:
             time.sleep(period)
             if self._stopping or self.restarting or self.stall_error or self._aborted:
                 continue  # shutting down, or a failure is being handled
-            if self.monitor.stalled():
-                self._tear_down_stall()
-                continue
-            executor = getattr(self.engine, "executor", None)
-            exited = executor.exited_worker() if executor is not None else None
-            if exited is not None:
-                self._abort(exited)
+            try:
+                self._look()
+            except Exception:  # a bug here must not end the watch
+                logger.exception("the engine's watchdog failed")
+
+    def _look(self) -> None:
+        if self.monitor.stalled():
+            self._tear_down_stall()
+            return
+        executor = getattr(self.engine, "executor", None)
+        exited = executor.exited_worker() if executor is not None else None
+        if exited is not None:
+            self._abort(exited)
 
     def _abort(self, error: EngineDeadError) -> None:
         """Fail the engine from this thread: its executor stops the workers and raises `error`
@@ -424,10 +433,10 @@ class AsyncLLM:
         executor = getattr(engine, "executor", None)
         ranks, tp, pp = None, 1, 1
         if executor is not None:
-            pc = executor.parallel_config
-            tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
             try:
                 ranks = executor.stalled_ranks()
+                pc = executor.parallel_config
+                tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
             except Exception:  # what the executor knows is a bonus; the stall stands
                 logger.debug("reading the stalled ranks failed", exc_info=True)
         monitor = self.monitor
