@@ -293,7 +293,8 @@ class MultiprocExecutor(Executor):
         for process in list(self.processes):
             if process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    # SIGKILL ends a stopped process too; SIGCONT lets it take what was pending.
+                    # SIGKILL ends a stopped process too; SIGCONT first, so that none stays stopped
+                    # should the kill fail.
                     os.kill(process.pid, signal.SIGCONT)
                     process.kill()
 
