@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from llmctl.engine.errors import (
 from llmctl.engine.llm_engine import EngineStats
 from llmctl.engine.outputs import CompletionOutput, RequestOutput
 from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.server.metrics import ServerMetrics
 from llmctl.engine.stall_monitor import (
     StalledRanks,
     StallMonitor,
@@ -119,6 +121,7 @@ class FakeExecutor:
         self.parallel_config = ParallelConfig(tensor_parallel_size=2)
         self.aborted: EngineDeadError | None = None
         self.exited: EngineDeadError | None = None
+        self.release_on_abort = True  # False: the step stays stuck until the test opens the gate
 
     def stalled_ranks(self) -> StalledRanks:
         return StalledRanks((0, 1), ((1, 99, "T"),))
@@ -128,7 +131,8 @@ class FakeExecutor:
 
     def abort(self, error: EngineDeadError) -> None:
         self.aborted = error
-        self.engine.gate.set()
+        if self.release_on_abort:
+            self.engine.gate.set()
 
 
 class Engine:
@@ -192,17 +196,29 @@ def wait_for(condition, timeout: float = 10.0) -> None:
 
 def test_a_stalled_step_turns_health_unhealthy_and_fails_the_request():
     engine = Engine(steps=1000)
+    engine.executor.release_on_abort = False  # the workers' end is seen when the test says
     llm = AsyncLLM(engine, stall_timeout=0.3)
+    metrics = ServerMetrics(llm, "m")
     assert llm.health_error() is None
+    assert 'llmctl:engine_stalled{model_name="m"} 0.0' in metrics.render().decode()
+    seen: list[str] = []
 
     async def main():
         task = asyncio.create_task(collect(llm, "a"))
         while engine.step_count < 2:
             await asyncio.sleep(0.01)
         engine.gate.clear()  # the next step never completes by itself
+        while llm.stall_error is None:
+            await asyncio.sleep(0.01)
+        seen.append(metrics.render().decode())
+        engine.gate.set()  # the aborted step now raises the stall
         return await asyncio.gather(task, return_exceptions=True)
 
     (result,) = asyncio.run(main())
+    assert 'llmctl:engine_stalled{model_name="m"} 1.0' in seen[0]
+    assert 'llmctl:engine_alive{model_name="m"} 0.0' in seen[0]
+    waited = re.search(r'llmctl:seconds_since_last_step\{model_name="m"\} (\S+)', seen[0])
+    assert float(waited.group(1)) >= 0.3
     assert isinstance(result, EngineStalledError), result
     assert "no engine step completed for" in result.message
     assert "worker rank 1 (pid 99) is stopped (SIGSTOP)" in result.message
@@ -245,6 +261,8 @@ def test_restart_on_failure_fails_the_requests_in_flight_then_serves_again():
     assert served[-1].finished
     assert engines[0].shut_down and len(engines) == 2
     assert llm.restarts == 1 and llm.health()["restarts"] == 1
+    restarts = 'llmctl:engine_restarts_total{model_name="m"} 1.0'
+    assert restarts in ServerMetrics(llm, "m").render().decode()
     assert "SIGKILL" in llm.health()["last_failure"]
 
     # A worker that exits while the engine is idle fails it too; no restarts are left: dead.
