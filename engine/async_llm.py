@@ -10,9 +10,10 @@ thread raises (a worker process died, a bug), the thread stops serving: every wa
 EngineDeadError, later calls get it at once, and `dead_error` stays set for /health.
 
 Supervision (the server's --stall-timeout, --restart-on-failure): the engine thread tells a
-StallMonitor when it steps; a watchdog thread declares the engine stalled when it has work and no
-step completed for `stall_timeout` seconds, names the ranks the executor still waits for, and
-aborts the executor (its workers are killed; the engine thread's wait raises EngineStalledError).
+StallMonitor when it steps; a Watchdog thread (engine/watchdog.py) declares the engine stalled
+when it has work and no step completed for `stall_timeout` seconds, names the ranks the executor
+still waits for, and aborts the executor (its workers are killed; the engine thread's wait raises
+EngineStalledError); it also fails an idle engine whose worker died.
 With `restart_on_failure`, a failure (a stall, a dead worker, a bug) does not end the engine: the
 requests in flight get the error, the engine and its workers are stopped, and after a backoff
 (1, 2, 4, ... s) a new engine is built in the same thread, up to `max_restarts` times; meanwhile
@@ -44,13 +45,10 @@ from llmctl.engine.errors import (
 from llmctl.engine.llm_engine import EngineStats, LLMEngine, PromptType
 from llmctl.engine.outputs import RequestOutput
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.engine.stall_monitor import StallMonitor, describe_stall, restart_delay
+from llmctl.engine.stall_monitor import StallMonitor, restart_delay, stalled_error
+from llmctl.engine.watchdog import Watchdog
 
 logger = logging.getLogger("llmctl")
-
-# After aborting a stalled executor, how long the engine thread may take to come out of its wait
-# before the watchdog fails the requests itself (a step stuck in this process: uni backend).
-_STALL_GRACE_S = 5.0
 
 
 @dataclass
@@ -100,7 +98,7 @@ class AsyncLLM:
         self._lock = threading.Lock()  # orders posting against the engine's death
         self._stats = engine.get_stats() if engine is not None else None
         self._thread = threading.Thread(target=self._run, name="llmctl-engine", daemon=True)
-        self._watchdog = threading.Thread(target=self._watch, name="llmctl-watchdog", daemon=True)
+        self._watchdog = Watchdog(self)
         if _start:
             self._start_threads()
 
@@ -154,7 +152,7 @@ class AsyncLLM:
         if self.stall_error is not None:
             return self.stall_error
         if self.monitor.stalled():  # before the watchdog's next look
-            return self._stalled_error()
+            return self.stalled_error()
         return None
 
     def health(self) -> dict:
@@ -251,7 +249,7 @@ class AsyncLLM:
                 self.engine.shutdown()
             finally:
                 if error is not None:
-                    self._fail_all(error)
+                    self.fail_all(error)
         return error
 
     def _loop(self) -> None:
@@ -314,9 +312,10 @@ class AsyncLLM:
         except RuntimeError:  # the caller's loop is closed
             pass
 
-    def _fail_all(self, error: EngineDeadError, may_restart: bool = True) -> None:
+    def fail_all(self, error: EngineDeadError, may_restart: bool = True) -> None:
         """Give `error` to every request in flight and every one posted; the engine is then
-        restarting while restarts are left, else dead."""
+        restarting while restarts are left, else dead. The engine thread calls it, or the
+        watchdog when the engine thread is stuck."""
         with self._lock:
             if self.dead_error is not None:  # the watchdog already failed everyone
                 return
@@ -364,7 +363,7 @@ class AsyncLLM:
                         f"restarting the engine failed: {type(exc).__name__}: {exc}",
                         "see the server's log",
                     )
-                self._fail_all(exc)
+                self.fail_all(exc)
                 continue
             self.engine = engine
             self._stats = engine.get_stats()
@@ -383,67 +382,24 @@ class AsyncLLM:
             self._wakeup.clear()
         return self._stopping
 
-    # -- the watchdog thread -------------------------------------------------------------------
+    # -- for the watchdog thread (engine/watchdog.py) --------------------------------------------
 
-    def _watch(self) -> None:
-        period = min(1.0, self.monitor.timeout_s / 4)
-        while not self._stopping and self.dead_error is None:
-            time.sleep(period)
-            if self._stopping or self.restarting or self.stall_error or self._aborted:
-                continue  # shutting down, or a failure is being handled
-            try:
-                self._look()
-            except Exception:  # a bug here must not end the watch
-                logger.exception("the engine's watchdog failed")
-
-    def _look(self) -> None:
-        if self.monitor.stalled():
-            self._tear_down_stall()
-            return
-        executor = getattr(self.engine, "executor", None)
-        exited = executor.exited_worker() if executor is not None else None
-        if exited is not None:
-            self._abort(exited)
-
-    def _abort(self, error: EngineDeadError) -> None:
-        """Fail the engine from this thread: its executor stops the workers and raises `error`
-        in the engine thread's wait, or the engine thread's loop raises it when idle."""
+    def abort_engine(self, error: EngineDeadError) -> None:
+        """Fail the engine from another thread: its executor stops the workers and raises
+        `error` in the engine thread's wait, or the engine thread's loop raises it when idle."""
         self._aborted = error
         executor = getattr(self.engine, "executor", None)
         if executor is not None:
             executor.abort(error)
         self._wakeup.set()
 
-    def _tear_down_stall(self) -> None:
-        """Fail the stalled engine: abort its executor (the workers are killed, the engine
-        thread's wait raises the stall, and the engine thread fails the requests and restarts or
-        dies); if the engine thread does not come out, fail the requests from here."""
-        error = self._stalled_error()
-        self.stall_error = error
-        logger.error("engine stalled: %s", error.message)
-        self._abort(error)
-        deadline = time.monotonic() + _STALL_GRACE_S
-        while self.stall_error is error and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if self.stall_error is error:  # stuck in this process (uni backend): nothing to kill
-            self._fail_all(error, may_restart=False)
+    def stalled_error(self) -> EngineStalledError:
+        return stalled_error(self.monitor, getattr(self.engine, "executor", None))
 
-    def _stalled_error(self) -> EngineStalledError:
-        engine = self.engine
-        executor = getattr(engine, "executor", None)
-        ranks, tp, pp = None, 1, 1
-        if executor is not None:
-            try:
-                ranks = executor.stalled_ranks()
-                pc = executor.parallel_config
-                tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
-            except Exception:  # what the executor knows is a bonus; the stall stands
-                logger.debug("reading the stalled ranks failed", exc_info=True)
-        monitor = self.monitor
-        return EngineStalledError(
-            describe_stall(monitor.seconds_waiting(), monitor.timeout_s, ranks, tp, pp),
-            "check the ranks named (a debugger, the machine's load); raise --stall-timeout if "
-            "steps take this long; --restart-on-failure starts the engine again by itself",
-            ranks=ranks.pending_ranks if ranks else (),
-            stopped=tuple(rank for rank, _, _ in ranks.stopped) if ranks else (),
-        )
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def failure_in_hand(self) -> bool:
+        """True while shutting down, or while a failure is being handled."""
+        return bool(self._stopping or self.restarting or self.stall_error or self._aborted)

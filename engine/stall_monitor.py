@@ -13,9 +13,14 @@ reading of a process's state from /proc/PID/stat ('T': stopped by SIGSTOP).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from llmctl.engine.errors import EngineStalledError
+
+logger = logging.getLogger("llmctl")
 
 
 class StallMonitor:
@@ -109,6 +114,26 @@ def describe_stall(
                 f"ranks {list(ranks.pending_ranks)}{where} have not answered the current step"
             )
     return "; ".join(parts)
+
+
+def stalled_error(monitor: StallMonitor, executor) -> EngineStalledError:
+    """The stall as /health and the requests see it, with what `executor` (None: unknown) can
+    tell of the ranks it waits for."""
+    ranks, tp, pp = None, 1, 1
+    if executor is not None:
+        try:
+            ranks = executor.stalled_ranks()
+            pc = executor.parallel_config
+            tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+        except Exception:  # what the executor knows is a bonus; the stall stands
+            logger.debug("reading the stalled ranks failed", exc_info=True)
+    return EngineStalledError(
+        describe_stall(monitor.seconds_waiting(), monitor.timeout_s, ranks, tp, pp),
+        "check the ranks named (a debugger, the machine's load); raise --stall-timeout if "
+        "steps take this long; --restart-on-failure starts the engine again by itself",
+        ranks=ranks.pending_ranks if ranks else (),
+        stopped=tuple(rank for rank, _, _ in ranks.stopped) if ranks else (),
+    )
 
 
 def restart_delay(restart: int, base_s: float = 1.0, cap_s: float = 30.0) -> float:
