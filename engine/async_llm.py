@@ -9,6 +9,16 @@ request (it is then never added), while it is added, or mid-stream. If anything 
 thread raises (a worker process died, a bug), the thread stops serving: every waiting caller gets
 EngineDeadError, later calls get it at once, and `dead_error` stays set for /health.
 
+Supervision (the server's --stall-timeout, --restart-on-failure): the engine thread tells a
+StallMonitor when it steps; a Watchdog thread (engine/watchdog.py) declares the engine stalled
+when it has work and no step completed for `stall_timeout` seconds, names the ranks the executor
+still waits for, and aborts the executor (its workers are killed; the engine thread's wait raises
+EngineStalledError); it also fails an idle engine whose worker died.
+With `restart_on_failure`, a failure (a stall, a dead worker, a bug) does not end the engine: the
+requests in flight get the error, the engine and its workers are stopped, and after a backoff
+(1, 2, 4, ... s) a new engine is built in the same thread, up to `max_restarts` times; meanwhile
+new requests and /health get EngineRestartingError.
+
 A caller's acceptance future is claimed by the engine thread with
 `set_running_or_notify_cancel()` before the request is added: from then on the caller can no
 longer cancel it (its abort goes through the command queue, behind the add), and until then a
@@ -22,13 +32,21 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from llmctl.engine.errors import EngineDeadError, InvalidRequestError
+from llmctl.engine.errors import (
+    EngineDeadError,
+    EngineRestartingError,
+    EngineStalledError,
+    InvalidRequestError,
+)
 from llmctl.engine.llm_engine import EngineStats, LLMEngine, PromptType
 from llmctl.engine.outputs import RequestOutput
 from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.stall_monitor import StallMonitor, restart_delay, stalled_error
+from llmctl.engine.watchdog import Watchdog
 
 logger = logging.getLogger("llmctl")
 
@@ -49,9 +67,30 @@ class _Abort:
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine | None = None, *, _start: bool = True) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine | None = None,
+        *,
+        stall_timeout: float = 0.0,
+        restart_on_failure: bool = False,
+        max_restarts: int = 3,
+        engine_factory: Callable[[], LLMEngine] | None = None,
+        restart_backoff_s: float = 1.0,
+        _start: bool = True,
+    ) -> None:
+        """`stall_timeout` (0: off) and `restart_on_failure` as the server's options say;
+        restarts build the engine with `engine_factory`."""
         self.engine = engine
         self.dead_error: EngineDeadError | None = None
+        self.restarting: EngineRestartingError | None = None  # set while a restart is under way
+        self.stall_error: EngineStalledError | None = None  # the stall being torn down
+        self._aborted: EngineDeadError | None = None  # the watchdog's verdict, for the loop
+        self.restarts = 0
+        self.last_failure: EngineDeadError | None = None  # what the last restart recovered from
+        self.monitor = StallMonitor(stall_timeout)
+        self.max_restarts = max_restarts if restart_on_failure and engine_factory else 0
+        self._engine_factory = engine_factory
+        self._restart_backoff_s = restart_backoff_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
@@ -59,8 +98,9 @@ class AsyncLLM:
         self._lock = threading.Lock()  # orders posting against the engine's death
         self._stats = engine.get_stats() if engine is not None else None
         self._thread = threading.Thread(target=self._run, name="llmctl-engine", daemon=True)
+        self._watchdog = Watchdog(self)
         if _start:
-            self._thread.start()
+            self._start_threads()
 
     @classmethod
     def from_engine_args(cls, engine_args, progress=None) -> AsyncLLM:
@@ -68,7 +108,13 @@ class AsyncLLM:
         thread, so the process has one OpenMP thread team. (A second team, from loading in the
         main thread, made the CPU's two cores oversubscribed: OpenMP then stops spinning between
         ops and decoding ran about 25% slower.) Raises what building the engine raised."""
-        self = cls(_start=False)
+        self = cls(
+            stall_timeout=engine_args.stall_timeout,
+            restart_on_failure=engine_args.restart_on_failure,
+            max_restarts=engine_args.max_restarts,
+            engine_factory=lambda: LLMEngine.from_engine_args(engine_args),
+            _start=False,
+        )
         built: concurrent.futures.Future = concurrent.futures.Future()
 
         def build_then_run() -> None:
@@ -82,21 +128,41 @@ class AsyncLLM:
             self._run()
 
         self._thread = threading.Thread(target=build_then_run, name="llmctl-engine", daemon=True)
-        self._thread.start()
+        self._start_threads()
         built.result()
         return self
 
+    def _start_threads(self) -> None:
+        self._thread.start()
+        if self.monitor.timeout_s > 0:
+            self._watchdog.start()
+
     @property
     def is_running(self) -> bool:
-        return self.dead_error is None and self._thread.is_alive()
+        return self.health_error() is None
 
     def health_error(self) -> EngineDeadError | None:
-        """Why the engine cannot serve (None while it can)."""
+        """Why the engine cannot serve (None while it can): dead, restarting, or stalled."""
         if self.dead_error is not None:
             return self.dead_error
+        if self.restarting is not None:
+            return self.restarting
         if not self._thread.is_alive():
             return EngineDeadError("the engine thread stopped", "restart the server")
+        if self.stall_error is not None:
+            return self.stall_error
+        if self.monitor.stalled():  # before the watchdog's next look
+            return self.stalled_error()
         return None
+
+    def health(self) -> dict:
+        """/health's body while the engine serves."""
+        last = self.last_failure
+        return {
+            "status": "ok",
+            "restarts": self.restarts,
+            "last_failure": None if last is None else last.message,
+        }
 
     def get_stats(self) -> EngineStats:
         """The engine's counters as of its last step (read without stopping the engine)."""
@@ -110,8 +176,9 @@ class AsyncLLM:
         Raises InvalidRequestError before the first output if the engine rejects the request,
         EngineDeadError if the engine dies. Closing the iterator early aborts the request.
         """
-        if self.dead_error is not None:
-            raise self.dead_error
+        unavailable = self.dead_error or self.restarting
+        if unavailable is not None:
+            raise unavailable
         stream: asyncio.Queue = asyncio.Queue()
         command = _Add(request_id, prompt, params, stream, asyncio.get_running_loop())
         finished = False
@@ -152,33 +219,54 @@ class AsyncLLM:
 
     def _post(self, command) -> None:
         with self._lock:
-            if self.dead_error is not None:
+            unavailable = self.dead_error or self.restarting
+            if unavailable is not None:
                 if isinstance(command, _Add):
-                    command.accepted.set_exception(self.dead_error)
+                    command.accepted.set_exception(unavailable)
                 return
             self._commands.put(command)
         self._wakeup.set()
 
     def _run(self) -> None:
+        """Serve until shutdown(); after a failure, restart the engine while restarts are left."""
+        while (error := self._serve()) is not None and self._restart(error):
+            pass
+
+    def _serve(self) -> EngineDeadError | None:
+        """Run the loop on the current engine; returns its failure (None: stopped on request),
+        once the engine is shut down and the requests in flight got the failure (in that order:
+        a caller that has its error finds no worker left)."""
+        error = None
         try:
             self._loop()
         except EngineDeadError as exc:
-            self._die(exc)
+            error = exc
         except BaseException as exc:  # a bug: report it to every caller, stop serving
             logger.exception("the engine thread failed")
-            self._die(EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}"))
+            error = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
         finally:
-            self.engine.shutdown()
+            try:
+                self.engine.shutdown()
+            finally:
+                if error is not None:
+                    self.fail_all(error)
+        return error
 
     def _loop(self) -> None:
         engine = self.engine
-        while not self._stopping:
+        monitor = self.monitor
+        while not self._stopping and self.dead_error is None:
+            if self._aborted is not None:  # a worker died while the engine was idle
+                raise self._aborted
             self._drain_commands()
             if not engine.has_unfinished_requests():
+                monitor.idle()
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue
+            monitor.busy()
             outputs = engine.step()
+            monitor.step_completed()
             self._stats = engine.get_stats()
             for output in outputs:
                 self._deliver(output.request_id, output, output.finished)
@@ -215,23 +303,103 @@ class AsyncLLM:
         self._stats = self.engine.get_stats()
 
     def _deliver(self, request_id: str, item, last: bool) -> None:
-        entry = self._streams.get(request_id)
+        entry = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
         if entry is None:
             return
-        if last:
-            del self._streams[request_id]
         stream, loop = entry
         try:
             loop.call_soon_threadsafe(stream.put_nowait, item)
         except RuntimeError:  # the caller's loop is closed
             pass
 
-    def _die(self, error: EngineDeadError) -> None:
+    def fail_all(self, error: EngineDeadError, may_restart: bool = True) -> None:
+        """Give `error` to every request in flight and every one posted; the engine is then
+        restarting while restarts are left, else dead. The engine thread calls it, or the
+        watchdog when the engine thread is stuck."""
         with self._lock:
-            self.dead_error = error
-        logger.error("engine stopped: %s", error.message)
+            if self.dead_error is not None:  # the watchdog already failed everyone
+                return
+            restart = may_restart and self.restarts < self.max_restarts and not self._stopping
+            if restart:
+                self.restarting = EngineRestartingError(
+                    f"the engine is restarting (restart {self.restarts + 1} of "
+                    f"{self.max_restarts}) after: {error.message}",
+                    "retry in a few seconds",
+                )
+            else:
+                self.dead_error = error
+                self.restarting = None
+            self.stall_error = None
+            self._aborted = None
+        logger.error("engine %s: %s", "failed" if restart else "stopped", error.message)
+        self.monitor.idle()
         for request_id in list(self._streams):
             self._deliver(request_id, error, last=True)
         for command in self._pending_commands():  # posted before the failure was known
             if isinstance(command, _Add) and command.accepted.set_running_or_notify_cancel():
                 command.accepted.set_exception(error)
+
+    def _restart(self, failure: EngineDeadError) -> bool:
+        """After the backoff, build a new engine; False when no restart is due (the engine is
+        dead) or shutdown() came first."""
+        while self.restarting is not None:
+            self.restarts += 1
+            delay = restart_delay(self.restarts, self._restart_backoff_s)
+            logger.warning(
+                "restarting the engine in %.0f s (restart %d of %d)",
+                delay,
+                self.restarts,
+                self.max_restarts,
+            )
+            if self._sleep(delay):
+                return False
+            self.engine = None  # the old one's memory goes before the new one loads
+            try:
+                engine = self._engine_factory()
+            except BaseException as exc:
+                logger.debug("restarting the engine failed", exc_info=True)
+                if not isinstance(exc, EngineDeadError):
+                    exc = EngineDeadError(
+                        f"restarting the engine failed: {type(exc).__name__}: {exc}",
+                        "see the server's log",
+                    )
+                self.fail_all(exc)
+                continue
+            self.engine = engine
+            self._stats = engine.get_stats()
+            self.last_failure = failure
+            with self._lock:
+                self.restarting = None
+            logger.warning("engine restarted (restart %d of %d)", self.restarts, self.max_restarts)
+            return True
+        return False
+
+    def _sleep(self, seconds: float) -> bool:
+        """Wait `seconds` unless shutdown() comes first; True if it did."""
+        deadline = time.monotonic() + seconds
+        while not self._stopping and (left := deadline - time.monotonic()) > 0:
+            self._wakeup.wait(left)
+            self._wakeup.clear()
+        return self._stopping
+
+    # -- for the watchdog thread (engine/watchdog.py) --------------------------------------------
+
+    def abort_engine(self, error: EngineDeadError) -> None:
+        """Fail the engine from another thread: its executor stops the workers and raises
+        `error` in the engine thread's wait, or the engine thread's loop raises it when idle."""
+        self._aborted = error
+        executor = getattr(self.engine, "executor", None)
+        if executor is not None:
+            executor.abort(error)
+        self._wakeup.set()
+
+    def stalled_error(self) -> EngineStalledError:
+        return stalled_error(self.monitor, getattr(self.engine, "executor", None))
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def failure_in_hand(self) -> bool:
+        """True while shutting down, or while a failure is being handled."""
+        return bool(self._stopping or self.restarting or self.stall_error or self._aborted)

@@ -167,6 +167,27 @@ class EngineArgs:
         negatable=False,
         commands=(SERVE,),
     )
+    stall_timeout: float = option(
+        "Seconds the engine may have requests without completing a step (a deadlocked or "
+        "stopped rank): then /health turns 503 naming the ranks, the requests in flight get "
+        "errors and the workers are stopped. 0: never.",
+        default=30.0,
+        panel=SERVER,
+        commands=(SERVE,),
+    )
+    restart_on_failure: bool = option(
+        "When a worker dies or the engine stalls, stop every worker and start the engine again "
+        "in this server (the requests in flight get errors), after 1, 2, 4, ... s.",
+        default=False,
+        panel=SERVER,
+        commands=(SERVE,),
+    )
+    max_restarts: int = option(
+        "Most engine restarts in the server's life with --restart-on-failure.",
+        default=3,
+        panel=SERVER,
+        commands=(SERVE,),
+    )
     tensor_parallel_size: int = option(
         "Ranks that split each layer (Megatron-LM tensor parallelism).",
         default=ParallelConfig.tensor_parallel_size,
@@ -282,6 +303,16 @@ class EngineArgs:
             raise ConfigError(
                 f"max_model_len must be at least 1, got {self.max_model_len}",
                 "pass a positive --max-model-len",
+            )
+        if not 0 <= self.stall_timeout < float("inf"):
+            raise ConfigError(
+                f"stall_timeout must be a non-negative number of seconds, got {self.stall_timeout}",
+                "pass --stall-timeout 30 (0: never declare the engine stalled)",
+            )
+        if self.max_restarts < 0:
+            raise ConfigError(
+                f"max_restarts must be non-negative, got {self.max_restarts}",
+                "pass --max-restarts 3 (0: never restart)",
             )
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ConfigError(

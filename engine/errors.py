@@ -115,6 +115,28 @@ class WorkerTimeoutError(EngineDeadError):
         self.pending_ranks = pending_ranks
 
 
+class EngineStalledError(EngineDeadError):
+    """The engine had work and no step completed for --stall-timeout seconds: the workers were
+    stopped. `ranks` names the ranks that had not answered and `stopped` the stopped workers'
+    ranks (a SIGSTOPped process), where the executor knows them."""
+
+    def __init__(
+        self,
+        message: str,
+        hint: str | None = None,
+        *,
+        ranks: tuple[int, ...] = (),
+        stopped: tuple[int, ...] = (),
+    ) -> None:
+        super().__init__(message, hint)
+        self.ranks = ranks
+        self.stopped = stopped
+
+
+class EngineRestartingError(EngineDeadError):
+    """The engine failed and is being started again (--restart-on-failure): retry shortly."""
+
+
 class UnsupportedQuantizationError(LLMCtlError, ValueError):
     """The checkpoint's quantization (a GGUF tensor type) is one llmctl cannot run."""
 

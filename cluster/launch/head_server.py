@@ -61,13 +61,14 @@ class ServerState:
     running: bool
     health: int | None  # /health's status code; None when it does not answer
     pid: int | None = None
+    restarts: int | None = None  # engine restarts (--restart-on-failure), from /health's body
 
     @property
     def label(self) -> str:
         if not self.running:
             return "stopped"
         if self.health == 200:
-            return "healthy"
+            return f"healthy, {self.restarts} engine restarts" if self.restarts else "healthy"
         return "starting" if self.health is None else f"unhealthy ({self.health})"
 
 
@@ -164,7 +165,7 @@ class HeadServer:
         if not result.ok:
             return ServerState(False, None)
         data = json.loads(result.stdout)
-        return ServerState(data["running"], data["health"], data["pid"])
+        return ServerState(data["running"], data["health"], data["pid"], data.get("restarts"))
 
     def start(
         self, record: ServerRecord, *, wait_s: float, log: Callable[[str], None]
@@ -238,16 +239,17 @@ def _pid() -> int | None:
 
 def _probe(port: int) -> dict:
     pid = _pid()
-    health = None
+    health = restarts = None
     if pid is not None:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
                 health = r.status
+                restarts = json.loads(r.read() or b"{}").get("restarts")
         except urllib.error.HTTPError as exc:
             health = exc.code
-        except OSError:
-            health = None
-    return {"running": pid is not None, "health": health, "pid": pid}
+        except (OSError, ValueError, AttributeError):
+            pass
+    return {"running": pid is not None, "health": health, "pid": pid, "restarts": restarts}
 
 
 def _stop(wait_s: float = 90.0) -> int:

@@ -27,6 +27,7 @@ from llmctl.engine.config import EngineConfig, ParallelConfig
 from llmctl.engine.distributed import ranks
 from llmctl.engine.errors import ConfigError, EngineDeadError
 from llmctl.engine.scheduler_output import SchedulerOutput
+from llmctl.engine.stall_monitor import StalledRanks
 
 logger = logging.getLogger("llmctl")
 
@@ -144,6 +145,8 @@ class Executor(ABC):
         self.parallel_config = engine_config.parallel_config
         self.start_timeout_s = start_timeout_s
         self.is_dead = False
+        # Set from another thread (the server's stall watchdog): what every wait then raises.
+        self.abort_error: EngineDeadError | None = None
         self._init_executor(progress)
 
     @staticmethod
@@ -200,6 +203,8 @@ class Executor(ABC):
         return _OutputOf(future, self.output_rank)
 
     def check_alive(self) -> None:
+        if self.abort_error is not None:
+            raise self.abort_error
         if self.is_dead:
             raise EngineDeadError(
                 "the engine's workers are gone after an earlier failure",
@@ -211,6 +216,34 @@ class Executor(ABC):
 
     def check_health(self) -> None:
         self.collective_rpc("check_health")
+
+    # -- a stalled step, seen from another thread than the engine's -----------------------------
+
+    def stalled_ranks(self) -> StalledRanks | None:
+        """The ranks that have not answered the step being waited for, and the stopped worker
+        processes; None where the backend cannot tell (uni: the step runs in the caller)."""
+        return None
+
+    def exited_worker(self) -> EngineDeadError | None:
+        """A worker that is gone although nothing was asked of it (an idle engine has no call
+        in flight to notice it); None while every worker runs. Any thread may call it."""
+        return None
+
+    def abort(self, error: EngineDeadError) -> None:
+        """Make the wait in progress, and every later call, raise `error`, and stop the workers
+        at once (a stalled group would not answer a graceful shutdown). Any thread may call it."""
+        self.abort_error = error
+        self.is_dead = True
+        self._kill_workers()
+
+    def _kill_workers(self) -> None:  # noqa: B027 - nothing to kill in the caller's process
+        """Stop every worker now, from any thread, even one that is stopped (SIGSTOP)."""
+
+    def _raise_if_aborted(self) -> None:
+        """In the engine's thread, inside a wait: after abort(), tidy up and raise its error."""
+        if self.abort_error is not None:
+            self.shutdown()
+            raise self.abort_error
 
     def shutdown(self) -> None:  # noqa: B027 - backends without processes have nothing to stop
         return None

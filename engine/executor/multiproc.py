@@ -62,6 +62,7 @@ from llmctl.engine.errors import (
 )
 from llmctl.engine.executor.base import Executor, run_method
 from llmctl.engine.hf_config_view import for_workers
+from llmctl.engine.stall_monitor import StalledRanks, stopped_processes
 
 logger = logging.getLogger("llmctl")
 
@@ -128,6 +129,7 @@ class MultiprocExecutor(Executor):
         self.sentinels: list[int | Connection] = []
         self.listeners: list[NodeListener] = []  # across nodes: node 0's rendezvous
         self._stop_reason: list[str] = []  # told to the other nodes' agents when the group ends
+        self._waiting_on: frozenset[int] = frozenset()  # ranks the engine waits for (_collect)
         # Runs at shutdown(), garbage collection or interpreter exit, whichever comes first.
         self._finalizer = weakref.finalize(
             self,
@@ -222,7 +224,9 @@ class MultiprocExecutor(Executor):
                     progress(self.world_size - len(pending), self.world_size, "starting workers")
 
     def _ready_or_dead(self, ranks: set[int], poll_s: float = _POLL_S) -> list[int]:
-        """Ranks among `ranks` with a message waiting; raises if one of them died."""
+        """Ranks among `ranks` with a message waiting; raises if one of them died (or abort()
+        was called)."""
+        self._raise_if_aborted()
         conns = {self.conns[r]: r for r in ranks}
         sentinels: dict[int | Connection, list[int]] = {}  # a node's agent watches several
         for r in ranks:
@@ -263,7 +267,16 @@ class MultiprocExecutor(Executor):
     def _collect(self, call_id: int, timeout: float | None = None) -> list[Any]:
         missing = {r for r in range(self.world_size) if call_id not in self._replies[r]}
         deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            return self._collect_missing(call_id, missing, deadline, timeout)
+        finally:
+            self._waiting_on = frozenset()
+
+    def _collect_missing(
+        self, call_id: int, missing: set[int], deadline: float | None, timeout: float | None
+    ) -> list[Any]:
         while missing:
+            self._waiting_on = frozenset(missing)
             poll_s = _POLL_S
             if deadline is not None:
                 poll_s = min(poll_s, deadline - time.monotonic())
@@ -292,31 +305,44 @@ class MultiprocExecutor(Executor):
         return [self._replies[r].pop(call_id) for r in range(self.world_size)]
 
     def _fail(self, rank: int, what: str | None = None) -> None:
+        self._raise_if_aborted()  # a worker killed by abort(): its error, not the signal
         process = self.processes[rank]
         remote = isinstance(process, RemoteWorker)
         try:
             process.wait(timeout=1.0 if remote else 0.1)  # a remote exit comes by its agent
         except subprocess.TimeoutExpired:
             pass
-        where = f"pid {process.pid}"
-        if remote:
-            node = process.node
-            where = f"{where} on node {node.node_rank}, host {node.host}"
-            if what is None and process.returncode is None:
-                what = f"lost its node: {node.describe()} closed its connection"
+        if remote and what is None and process.returncode is None:
+            what = f"lost its node: {process.node.describe()} closed its connection"
         what = what or describe_exit(process.returncode)
         self.is_dead = True
-        message = f"worker rank {rank} ({where}) {what}; the engine stopped all workers"
-        self._stop_reason.append(message)
+        error = self._worker_error(rank, what)
+        self._stop_reason.append(error.message)
         self.shutdown()
+        raise error
+
+    def _worker_error(self, rank: int, what: str) -> WorkerError:
+        process = self.processes[rank]
+        remote = isinstance(process, RemoteWorker)
+        where = f"pid {process.pid}"
+        if remote:
+            where = f"{where} on node {process.node.node_rank}, host {process.node.host}"
         machine = f"node {process.node.node_rank}'s" if remote else "the machine's"
-        raise WorkerError(
-            message,
+        return WorkerError(
+            f"worker rank {rank} ({where}) {what}; the engine stopped all workers",
             f"check {machine} memory (a killed worker is often the OOM killer: dmesg) and log, "
             "then start the engine again" + (" (the --headless nodes first)" if remote else ""),
             rank=rank,
             reason=what,
         )
+
+    def exited_worker(self) -> WorkerError | None:
+        if self.is_dead:  # stopped on purpose, or the failure is already known
+            return None
+        for rank, process in enumerate(list(self.processes)):
+            if process.poll() is not None:
+                return self._worker_error(rank, describe_exit(process.returncode))
+        return None
 
     def _time_out(self, missing: set[int], timeout: float) -> None:
         self.is_dead = True
@@ -328,6 +354,19 @@ class MultiprocExecutor(Executor):
             "check the machine's load, or allow more time",
             pending_ranks=tuple(sorted(missing)),
         )
+
+    def stalled_ranks(self) -> StalledRanks:
+        pids = [(rank, process.pid) for rank, process in enumerate(self.processes)]
+        return StalledRanks(tuple(sorted(self._waiting_on)), stopped_processes(pids))
+
+    def _kill_workers(self) -> None:
+        for process in list(self.processes):
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    # SIGKILL ends a stopped process too; SIGCONT first, so that none stays stopped
+                    # should the kill fail.
+                    os.kill(process.pid, signal.SIGCONT)
+                    process.kill()
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -25,6 +25,7 @@ from llmctl.engine.distributed.ports import free_port
 from llmctl.engine.errors import ConfigError, LLMCtlError, WorkerError, WorkerTimeoutError
 from llmctl.engine.executor.base import Executor, run_method
 from llmctl.engine.hf_config_view import for_workers
+from llmctl.engine.stall_monitor import StalledRanks
 
 logger = logging.getLogger("llmctl")
 
@@ -82,6 +83,7 @@ class RayExecutor(Executor):
 
         pc = self.parallel_config
         self.world_size = pc.world_size
+        self._waiting_on: frozenset[int] = frozenset()  # ranks the engine waits for (_get)
         self._started_ray = False
         if not ray.is_initialized():
             self._started_ray = _connect_or_start_ray(self.world_size)
@@ -207,6 +209,8 @@ class RayExecutor(Executor):
         results: dict[int, Any] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
+            self._waiting_on = frozenset(index[ref] for ref in pending)
+            self._raise_if_aborted()
             poll_s = _POLL_S
             if deadline is not None:
                 poll_s = min(poll_s, deadline - time.monotonic())
@@ -240,9 +244,11 @@ class RayExecutor(Executor):
                     self._fail(rank, f"died ({type(exc).__name__})")
                 if progress:
                     progress(len(results), len(refs), "starting workers")
+        self._waiting_on = frozenset()
         return [results[r] for r in range(len(refs))]
 
     def _fail(self, rank: int, what: str) -> None:
+        self._raise_if_aborted()  # an actor killed by abort(): its error, not Ray's
         self.is_dead = True
         node = self.node_ips[rank] if rank < len(getattr(self, "node_ips", [])) else "?"
         self.shutdown()
@@ -252,6 +258,18 @@ class RayExecutor(Executor):
             rank=rank,
             reason=what,
         )
+
+    def stalled_ranks(self) -> StalledRanks:
+        return StalledRanks(tuple(sorted(self._waiting_on)))
+
+    def _kill_workers(self) -> None:
+        import ray
+
+        for actor in list(self.actors):
+            try:
+                ray.kill(actor)
+            except Exception:  # already dead
+                pass
 
     def shutdown(self) -> None:
         self._finalizer()

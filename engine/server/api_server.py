@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: FastAPI routes on uvicorn, over AsyncLLM.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (200 while
-the engine runs, 503 once it died), GET /version, GET /metrics (Prometheus). Every error, unknown
-routes and methods included, is OpenAI's error JSON. With an API key, every route but /health
-needs `Authorization: Bearer <key>`.
+the engine serves, with its restart count; 503 once it died, while it restarts, or while it has
+work and no step completed for --stall-timeout seconds), GET /version, GET /metrics
+(Prometheus). Every error, unknown routes and methods included, is OpenAI's error JSON. With an
+API key, every route but /health needs `Authorization: Bearer <key>`.
 
 A request's body is read on the event loop (bounded in size and time), then decoded, validated
 and tokenized in a small thread pool, so that a large or slow request never delays /health or
@@ -133,7 +134,7 @@ def build_app(
         error = async_llm.health_error()
         if error is not None:
             return response_for(error)
-        return Response(status_code=200)
+        return JSONResponse(async_llm.health())
 
     @app.get("/version")
     async def get_version() -> dict:

@@ -50,8 +50,18 @@ class _EngineCollector:
         yield counter("llmctl:generation_tokens", "Tokens generated.", stats.generation_tokens)
         yield counter("llmctl:num_preemptions", "Requests preempted for lack of KV blocks.",
                       stats.num_preemptions)  # fmt: skip
-        yield gauge("llmctl:engine_alive", "1 while the engine runs, 0 once it died.",
-                    1.0 if self.async_llm.is_running else 0.0)  # fmt: skip
+        llm = self.async_llm
+        yield gauge("llmctl:engine_alive", "1 while the engine serves (/health 200), else 0.",
+                    1.0 if llm.is_running else 0.0)  # fmt: skip
+        yield gauge("llmctl:seconds_since_last_step",
+                    "Seconds the engine has had requests without completing a step (0 idle).",
+                    llm.monitor.seconds_waiting())  # fmt: skip
+        stalled = llm.stall_error is not None or llm.monitor.stalled()
+        yield gauge("llmctl:engine_stalled",
+                    "1 while no step completed for --stall-timeout seconds with requests.",
+                    1.0 if stalled else 0.0)  # fmt: skip
+        yield counter("llmctl:engine_restarts", "Engine restarts (--restart-on-failure).",
+                      llm.restarts)  # fmt: skip
 
 
 class ServerMetrics:

@@ -48,3 +48,24 @@ def test_serve_on_a_cluster_runs_the_derived_argv_in_the_head_container(
     ]  # fmt: skip
     record = json.loads(head.files["/root/.llmctl/demo-server.json"])
     assert record["argv"] == served
+
+
+def test_serve_on_a_cluster_passes_the_supervision_flags(invoke, monkeypatch, tmp_path):
+    head = FakeTransport("n1")
+    head.reply(r"^docker exec --detach llmctl-demo ", "")
+    head.reply(r"head_server probe 8011$", json.dumps({"running": True, "health": 200, "pid": 7}))
+    monkeypatch.setattr(
+        launcher, "ssh_transports", lambda inventory: {"n1": head, "n2": FakeTransport("n2")}
+    )
+    path = tmp_path / "cluster.yaml"
+    path.write_text(INVENTORY)
+
+    result = invoke(
+        "serve", "-i", str(path), "/models/smol", "--port", "8011", "--stall-timeout", "10",
+        "--restart-on-failure", "--max-restarts", "5", env={"COLUMNS": "200"},
+    )  # fmt: skip
+
+    assert result.exit_code == 0, result.output
+    [launch] = head.ran(r"^docker exec --detach llmctl-demo ")
+    served = " ".join(launch[launch.index("llmctl") :])
+    assert "--stall-timeout 10.0 --restart-on-failure --max-restarts 5" in served

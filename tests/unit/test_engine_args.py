@@ -26,6 +26,9 @@ def test_options_per_command():
         "served_model_name",
         "skip_tokenizer_init",
         "headless",  # node ranks > 0 of an mp group across nodes serve no API
+        "stall_timeout",
+        "restart_on_failure",
+        "max_restarts",
     }
     assert {o.name for o in cli_options("plan")} == {
         "dtype", "max_model_len", "kv_cache_space_gib", "gpu_memory_utilization", "device",

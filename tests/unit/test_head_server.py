@@ -71,10 +71,14 @@ def test_launch_keeps_the_argv_out_of_the_shell_script():
 def test_probe_and_stop_without_a_server(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(head_server, "PID_FILE", str(tmp_path / "server.pid"))
     assert head_server.main(["probe", "1"]) == 0
-    assert capsys.readouterr().out.strip() == '{"running": false, "health": null, "pid": null}'
+    assert capsys.readouterr().out.strip() == (
+        '{"running": false, "health": null, "pid": null, "restarts": null}'
+    )
     assert head_server.main(["stop"]) == 3
     assert head_server.main(["bogus"]) == 2
     assert ServerState(False, None).label == "stopped"
     assert ServerState(True, None).label == "starting"
     assert ServerState(True, 503).label == "unhealthy (503)"
     assert ServerState(True, 200).label == "healthy"
+    assert ServerState(True, 200, 7, restarts=0).label == "healthy"
+    assert ServerState(True, 200, 7, restarts=2).label == "healthy, 2 engine restarts"
