@@ -60,22 +60,12 @@ _NAME_MAX = 40  # KubeRay and LWS derive pod and Service names from it (63 at mo
 @dataclass
 class ServeCommandArgs(EngineArgs):
     """EngineArgs and the `llmctl serve` options a pod's command sets besides them: where the
-    server listens, and the mp backend's multi-node rendezvous. Declared here so that
-    engine_args_to_argv spells them as `llmctl serve` declares them."""
+    server listens (the mp backend's multi-node rendezvous flags are EngineArgs' own). Declared
+    here so that engine_args_to_argv spells them as `llmctl serve` declares them."""
 
     host: str | None = option("Address to listen on.", default=None, panel=SERVER,
                               commands=(SERVE,))  # fmt: skip
     port: int | None = option("Port to listen on.", default=None, panel=SERVER, commands=(SERVE,))
-    nnodes: int | None = option("Nodes of the mp backend.", default=None, commands=(SERVE,))
-    node_rank: str | None = option("This node's rank.", default=None, commands=(SERVE,))
-    master_addr: str | None = option("Node 0's address.", default=None, commands=(SERVE,))
-    master_port: int | None = option("Node 0's rendezvous port.", default=None, commands=(SERVE,))
-    headless: bool = option(
-        "Run this node's ranks only, without the API server.",
-        default=False,
-        negatable=False,
-        commands=(SERVE,),
-    )
 
 
 @dataclass(frozen=True)
