@@ -168,13 +168,17 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # uni, mp, ray; None: chosen automatically
     pipeline_layer_partition: tuple[int, ...] | None = None
+    # Data parallel: independent engine replicas of tp x pp ranks each (engine/dp_engine.py);
+    # data_parallel_rank is the replica's index (set per replica with dataclasses.replace).
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
     # Rank of this process (set per worker with dataclasses.replace).
     rank: int = 0
     # Ray: the group whose bundle i hosts rank i (as vLLM's); None: the executor makes one.
     placement_group: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -189,6 +193,12 @@ class ParallelConfig:
                 f"the uni backend runs one process, but tensor_parallel_size x "
                 f"pipeline_parallel_size = {self.world_size}",
                 "use --distributed-executor-backend mp or ray",
+            )
+        if self.data_parallel_size > 1 and backend in ("uni", "ray"):
+            raise ConfigError(
+                f"data_parallel_size={self.data_parallel_size} runs each replica in its own "
+                f"worker processes on this node; the {backend} backend cannot (not yet for ray)",
+                "use --distributed-executor-backend mp, or leave it out",
             )
 
     @property

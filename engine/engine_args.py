@@ -192,6 +192,44 @@ class EngineArgs:
         panel=PARALLEL,
         commands=PLANNER,
     )
+    data_parallel_size: int = option(
+        "Engine replicas, each of tp x pp ranks with its own workers and KV cache; requests go "
+        "to the least busy replica, or to the one that cached their prefix.",
+        default=ParallelConfig.data_parallel_size,
+        aliases=("-dp",),
+        panel=PARALLEL,
+        commands=PLANNER,
+    )
+    # vLLM's multi-node data parallel (replicas on several nodes joining the head's router):
+    # declared so they are refused by name, not yet implemented.
+    data_parallel_size_local: int | None = option(
+        "Multi-node data parallel: replicas on this node (not yet supported; all replicas run "
+        "on this node).",
+        default=None,
+        default_help="--data-parallel-size",
+        panel=PARALLEL,
+        commands=(SERVE,),
+    )
+    data_parallel_address: str | None = option(
+        "Multi-node data parallel: the head node's address (not yet supported).",
+        default=None,
+        panel=PARALLEL,
+        commands=(SERVE,),
+    )
+    data_parallel_rpc_port: int | None = option(
+        "Multi-node data parallel: the head's port for replicas (not yet supported).",
+        default=None,
+        panel=PARALLEL,
+        commands=(SERVE,),
+    )
+    headless: bool = option(
+        "Run engine replicas without the API server, for a head node to route to (not yet "
+        "supported).",
+        default=False,
+        negatable=False,
+        panel=PARALLEL,
+        commands=(SERVE,),
+    )
     seed: int = ModelConfig.seed
     # LLM(...) only: load a quantized GGUF dequantized to float (the reference the native path is
     # compared with).
@@ -223,7 +261,9 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
+            data_parallel_size=self.data_parallel_size,
         )
+        self._check_multi_node_data_parallel()
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(
                 f"max_model_len must be at least 1, got {self.max_model_len}",
@@ -292,6 +332,7 @@ class EngineArgs:
             pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
             pipeline_layer_partition=layer_partition,
+            data_parallel_size=self.data_parallel_size,
         )
         return EngineConfig(
             model_config=model_config,
@@ -300,6 +341,28 @@ class EngineArgs:
             parallel_config=parallel_config,
             device_config=device_config,
         )
+
+    def _check_multi_node_data_parallel(self) -> None:
+        """vLLM's multi-node data-parallel flags: refused by name until replicas on other nodes
+        can join the head's router (a local size equal to the whole size changes nothing)."""
+        local = self.data_parallel_size_local
+        given = [
+            flag
+            for flag, value in (
+                ("--data-parallel-size-local", local not in (None, self.data_parallel_size)),
+                ("--data-parallel-address", self.data_parallel_address is not None),
+                ("--data-parallel-rpc-port", self.data_parallel_rpc_port is not None),
+                ("--headless", bool(self.headless)),
+            )
+            if value
+        ]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)}: multi-node data parallel is not yet supported (replicas on "
+                "other nodes cannot join this server's router)",
+                "run every replica on this node with --data-parallel-size N alone, or one "
+                "`llmctl serve` per node behind your own load balancer",
+            )
 
     def _quantization(self, gguf_file: str | None) -> QuantizationConfig | None:
         """--quantization, or a GGUF file's own (refusing the flag on a quantized file)."""

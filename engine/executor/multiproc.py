@@ -110,7 +110,8 @@ class MultiprocExecutor(Executor):
         pc = self.parallel_config
         self.world_size = pc.world_size
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        threads = max(1, len(os.sched_getaffinity(0)) // self.world_size)
+        # Every rank of every data-parallel replica gets its own share of the cores.
+        threads = max(1, len(os.sched_getaffinity(0)) // (self.world_size * pc.data_parallel_size))
         self.processes: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self.sentinels: list[int] = []  # pidfds: readable once the process exits
@@ -186,6 +187,13 @@ class MultiprocExecutor(Executor):
             if obj in sentinels and sentinels[obj] not in with_message:
                 self._fail(sentinels[obj])
         return with_message
+
+    def check_alive(self) -> None:
+        """Also notices a worker that died while the engine was idle (its pidfd is readable),
+        without a call to it: raises WorkerError naming the rank."""
+        super().check_alive()
+        for sentinel in wait(list(self.sentinels), timeout=0):
+            self._fail(self.sentinels.index(sentinel))
 
     def collective_rpc_async(
         self, method: str | Callable, args: tuple = (), kwargs: dict | None = None
@@ -324,7 +332,10 @@ def _worker_main(fd: int) -> None:
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_read_calls, args=(conn, inbox), daemon=True).start()
     try:
-        worker = Worker(engine_config, rank, rank, distributed_init_method=init_method)
+        # local_rank: this rank's device on the node; replica r uses devices r*world .. .
+        pc = engine_config.parallel_config
+        local_rank = pc.data_parallel_rank * pc.world_size + rank
+        worker = Worker(engine_config, rank, local_rank, distributed_init_method=init_method)
         if engine_config.model_config is not None:  # else bare: the caller runs init_device
             worker.init_device()
             worker.load_model()
