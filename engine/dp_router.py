@@ -90,10 +90,7 @@ class DPRouter:
         """The live replica where the prompt costs least (see the module docstring)."""
         live = self.live
         if not live:
-            reasons = "; ".join(f"replica {r}: {why}" for r, why in sorted(self.dead.items()))
-            raise EngineDeadError(
-                f"every data-parallel replica stopped ({reasons})", "restart the server"
-            )
+            raise self.none_live_error()
         cached = self.cached_tokens(prompt_ids)
         weight = self.cached_token_weight
         return min(live, key=lambda r: (self.loads[r] - weight * cached[r], r))
@@ -132,6 +129,12 @@ class DPRouter:
         routed = self._requests.pop(request_id, None)
         if routed is not None:
             self.loads[routed.replica] -= routed.load
+
+    def none_live_error(self) -> EngineDeadError:
+        reasons = "; ".join(f"replica {r}: {why}" for r, why in sorted(self.dead.items()))
+        return EngineDeadError(
+            f"every data-parallel replica stopped ({reasons})", "restart the server"
+        )
 
     def mark_dead(self, replica: int, reason: str) -> None:
         """Route nothing more to `replica`; forget what it cached."""
