@@ -29,10 +29,11 @@ The rules, from vLLM's distributed-serving guide, then better:
 Pipeline stages get an uneven layer split when it holds more KV cache (the first and last stages
 carry the embedding and LM head), printed as --pipeline-layer-partition.
 Data parallel (`--data-parallel-size N`, engine/dp_async_llm.py): a layout that fits one node in
-fewer GPUs than the node has is proposed as replicas, as many as the node holds (each its own
-engine and KV cache: N replicas serve about N times the requests); the plan prints the KV tokens
-and concurrency per replica and in total. An asked N plans one replica on the node's GPUs / N.
-Replicas run on one node (multi-node data parallel is not yet supported).
+fewer GPUs than the node has (and was not asked with -tp/-pp) is proposed as replicas, as many
+as the node holds (each its own engine and KV cache: N replicas serve about N times the
+requests); the plan prints the KV tokens and concurrency per replica and in total. An asked N
+plans one replica on the node's GPUs / N. Replicas run on one node (multi-node data parallel is
+not yet supported).
 """
 
 from __future__ import annotations
@@ -586,8 +587,9 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
     if dp is not None and dp > 1:
         return _asked_replicas(spec, inventory, options, dp)
     plan = _replica_plan(spec, inventory, options)
-    if dp is not None or plan.device == "cpu" or plan.nodes_used > 1:
-        return plan
+    asked = options.tensor_parallel_size or options.pipeline_parallel_size
+    if dp is not None or asked or plan.device == "cpu" or plan.nodes_used > 1:
+        return plan  # an asked layout is evaluated as asked: replicas only with -dp
     gpus_per_node = min(n.gpus for n in inventory.nodes if n.gpus)
     replicas = gpus_per_node // plan.gpus_used
     if replicas < 2:
