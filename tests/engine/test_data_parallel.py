@@ -72,3 +72,20 @@ def test_bad_data_parallel_settings_refused_before_any_process(tiny_models, kwar
     if hint:
         assert hint in err.value.hint
     assert live_pids(parent=os.getpid()) <= before
+
+
+def test_a_shared_prefix_follows_its_replica(tiny_models):
+    """Prompts sharing two full KV blocks go to the replica that has them; the others spread."""
+    g = torch.Generator().manual_seed(2)
+    shared = torch.randint(0, VOCAB, (32,), generator=g).tolist()  # two blocks of 16
+    with LLM(str(tiny_models.path("llama")), use_tqdm_on_load=False, data_parallel_size=2,
+             kv_cache_space_gib=0.02) as llm:  # fmt: skip
+        router = llm._dp.router
+        llm.generate([shared + [1]], GREEDY, use_tqdm=False)  # replica 0 caches the prefix
+        assert router.routed_count == [1, 0]
+        llm.generate([shared + [2], shared + [3, 4]], GREEDY, use_tqdm=False)
+        assert router.routed_count == [3, 0]
+        replica0 = llm._dp.replicas[0].get_stats()
+        assert replica0.prefix_cache_hits >= 2 * 32  # both found the prefix in its KV cache
+        llm.generate(prompts()[:2], GREEDY, use_tqdm=False)  # no shared prefix: spread
+        assert router.routed_count == [4, 1]
