@@ -30,7 +30,8 @@ class LLM:
     max_model_len, kv_cache_space_gib, block_size (16), max_num_seqs, max_num_batched_tokens,
     seed (0), enable_prefix_caching (True), tensor_parallel_size, pipeline_parallel_size,
     distributed_executor_backend, pipeline_layer_partition, num_gpu_blocks_override, tokenizer
-    (a directory; default: the model's), skip_tokenizer_init (False).
+    (a directory; default: the model's), skip_tokenizer_init (False), data_parallel_size (1: N
+    replicas, each its own workers and KV cache, the batch routed among them as the server does).
 
     skip_tokenizer_init=True loads no tokenizer, so a model directory needs no tokenizer files:
     prompts must then be token ids (a list of ints or {"prompt_token_ids": [...]}), outputs carry
