@@ -40,3 +40,12 @@ def test_replicas_on_the_uni_backend_are_refused(invoke, tiny_llama):
     assert result.exit_code == 1
     assert "data_parallel_size=2 runs each replica in its own worker processes" in result.stderr
     assert "use --distributed-executor-backend mp" in result.stderr
+
+
+def test_replicas_on_a_cluster_are_refused_before_any_connection(invoke, tmp_path):
+    inventory = tmp_path / "cluster.yaml"
+    inventory.write_text("name: t\nnodes:\n  - {host: 10.255.0.1, head: true, gpus: 2}\n")
+    result = invoke("serve", "-i", str(inventory), "-dp", "2")
+    assert result.exit_code == 1
+    assert "--data-parallel-size with -i is not yet supported" in result.stderr
+    assert "run `llmctl serve -dp N` on one node" in result.stderr
