@@ -80,7 +80,7 @@ class DPAsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return any(replica.is_running for replica in self.replicas)
+        return self.health_error() is None
 
     def health_error(self) -> EngineDeadError | None:
         """None while one replica can serve; else why none can, replica by replica."""
@@ -88,8 +88,10 @@ class DPAsyncLLM:
         return None if self.router.live else self.router.none_live_error()
 
     def replica_states(self) -> list[tuple[int, EngineStats, EngineDeadError | None]]:
+        self._note_deaths()
+        dead = self.router.dead  # also what a request learnt before the replica's thread did
         return [
-            (i, replica.get_stats(), replica.health_error())
+            (i, replica.get_stats(), None if i not in dead else EngineDeadError(dead[i]))
             for i, replica in enumerate(self.replicas)
         ]
 
