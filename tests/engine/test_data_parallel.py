@@ -47,6 +47,20 @@ def test_two_replicas_give_one_engines_tokens(tiny_models):
     assert live_pids(parent=os.getpid()) <= before  # every replica's worker is gone
 
 
+def test_replicas_of_two_tensor_parallel_ranks_each(tiny_models):
+    """dp=2 x tp=2: four workers, each replica its own Gloo group (its own port), same tokens."""
+    path = str(tiny_models.path("llama"))
+    common = dict(use_tqdm_on_load=False, dtype="float32", kv_cache_space_gib=0.02)
+    batch = prompts()[:4]
+    with LLM(path, **common) as llm:
+        expected = greedy(llm, batch)
+    with LLM(path, data_parallel_size=2, tensor_parallel_size=2, **common) as llm:
+        groups = [r.engine.executor.rank_info() for r in llm._dp.replicas]
+        assert [[info["rank"] for info in g] for g in groups] == [[0, 1], [0, 1]]
+        assert len({info["pid"] for g in groups for info in g}) == 4
+        assert greedy(llm, batch) == expected
+
+
 @pytest.mark.parametrize(
     "kwargs, message, hint",
     [
