@@ -57,15 +57,15 @@ class DPAsyncLLM:
         """Build every replica at once, each in its own engine thread; if one fails, the others
         are stopped and its error raised."""
         configs = replica_configs(engine_args.create_engine_config(progress))
+
+        def builder(rank: int):
+            # only replica 0 reports loading progress (one bar, not N interleaved)
+            return lambda: LLMEngine(configs[rank], progress if rank == 0 else None)
+
         started = [
-            AsyncLLM.start_building(
-                # only replica 0 reports loading progress (one bar, not N interleaved)
-                lambda c=c: LLMEngine(c, progress if c.parallel_config.data_parallel_rank == 0
-                                      else None),
-                thread_name=f"llmctl-engine-dp{c.parallel_config.data_parallel_rank}",
-            )
-            for c in configs
-        ]  # fmt: skip
+            AsyncLLM.start_building(builder(rank), thread_name=f"llmctl-engine-dp{rank}")
+            for rank in range(len(configs))
+        ]
         concurrent.futures.wait([built for _, built in started])
         errors = [built.exception() for _, built in started if built.exception() is not None]
         if errors:
