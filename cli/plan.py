@@ -299,10 +299,13 @@ def _print_catalog(console, catalog, as_json: bool) -> None:
 
 def _print_plan(console, plan) -> None:
     gib = 1 << 30
+    dp = plan.data_parallel_size
+    replicas = f", data_parallel_size={dp} (each replica)" if dp > 1 else ""
     console.print(
         f"[bold]{plan.model}[/]: tensor_parallel_size={plan.tensor_parallel_size}, "
-        f"pipeline_parallel_size={plan.pipeline_parallel_size} on {plan.gpus_used} GPU(s), "
-        f"{plan.nodes_used} node(s), {plan.distributed_executor_backend} backend, {plan.dtype}"
+        f"pipeline_parallel_size={plan.pipeline_parallel_size}{replicas} on {plan.gpus_used} "
+        f"GPU(s), {plan.nodes_used} node(s), {plan.distributed_executor_backend} backend, "
+        f"{plan.dtype}"
     )
     table = Table(title="Per GPU")
     for column in ("rank", "node", "stage", "tp rank", "layers", "weights", "activations",
@@ -328,6 +331,8 @@ def _print_plan(console, plan) -> None:
     for line in memory[1:]:
         console.print(f"  - {line}", highlight=False)
     for line in plan.log_lines():
+        console.print(line, highlight=False)
+    for line in plan.replica_lines():
         console.print(line, highlight=False)
     console.print("\n[bold]Why[/]")
     for reason in plan.reasons:

@@ -103,6 +103,12 @@ def serve(
                 "put LLMCTL_API_KEY in the inventory's `env` (it reaches the container through "
                 "its 0600 env file) and run `llmctl cluster up` again",
             )
+        if engine.get("data_parallel_size", 1) > 1:
+            raise ConfigError(
+                "data-parallel replicas run on one node (mp workers), but a cluster is served "
+                "on the Ray backend: --data-parallel-size with -i is not yet supported",
+                "drop --data-parallel-size, or run `llmctl serve -dp N` on one node",
+            )
         tp = engine.pop("tensor_parallel_size", None)
         pp = engine.pop("pipeline_parallel_size", None)
         if engine.pop("distributed_executor_backend", "ray") != "ray":

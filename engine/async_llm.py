@@ -50,6 +50,9 @@ from llmctl.engine.watchdog import Watchdog
 
 logger = logging.getLogger("llmctl")
 
+# While idle, the engine thread looks this often for workers that died (a pidfd poll, no call).
+_IDLE_CHECK_S = 0.5
+
 
 @dataclass
 class _Add:
@@ -108,18 +111,33 @@ class AsyncLLM:
         thread, so the process has one OpenMP thread team. (A second team, from loading in the
         main thread, made the CPU's two cores oversubscribed: OpenMP then stops spinning between
         ops and decoding ran about 25% slower.) Raises what building the engine raised."""
-        self = cls(
+        self, built = cls.start_building(
+            lambda: LLMEngine.from_engine_args(engine_args, progress),
+            rebuild=lambda: LLMEngine.from_engine_args(engine_args),
             stall_timeout=engine_args.stall_timeout,
             restart_on_failure=engine_args.restart_on_failure,
             max_restarts=engine_args.max_restarts,
-            engine_factory=lambda: LLMEngine.from_engine_args(engine_args),
-            _start=False,
         )
+        built.result()
+        return self
+
+    @classmethod
+    def start_building(
+        cls,
+        build: Callable[[], LLMEngine],
+        thread_name: str = "llmctl-engine",
+        rebuild: Callable[[], LLMEngine] | None = None,
+        **options,
+    ) -> tuple[AsyncLLM, concurrent.futures.Future]:
+        """Start a thread that runs `build()` (returning an LLMEngine), then serves it; the
+        future is done once it is built (or holds what building raised). `options`: the
+        constructor's stall and restart keywords; a restart builds with `rebuild` (or `build`)."""
+        self = cls(engine_factory=rebuild or build, _start=False, **options)
         built: concurrent.futures.Future = concurrent.futures.Future()
 
         def build_then_run() -> None:
             try:
-                self.engine = LLMEngine.from_engine_args(engine_args, progress)
+                self.engine = build()
                 self._stats = self.engine.get_stats()
             except BaseException as exc:
                 built.set_exception(exc)
@@ -127,10 +145,9 @@ class AsyncLLM:
             built.set_result(None)
             self._run()
 
-        self._thread = threading.Thread(target=build_then_run, name="llmctl-engine", daemon=True)
+        self._thread = threading.Thread(target=build_then_run, name=thread_name, daemon=True)
         self._start_threads()
-        built.result()
-        return self
+        return self, built
 
     def _start_threads(self) -> None:
         self._thread.start()
@@ -168,13 +185,24 @@ class AsyncLLM:
         """The engine's counters as of its last step (read without stopping the engine)."""
         return self._stats
 
+    def replica_states(self) -> list[tuple[int, EngineStats, EngineDeadError | None]]:
+        """(replica index, stats, why it cannot serve or None), for /metrics and /health; one
+        replica here (see DPAsyncLLM)."""
+        return [(0, self.get_stats(), self.health_error())]
+
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: str
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        on_accepted=None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's RequestOutputs as the engine produces them, the last finished.
 
         Raises InvalidRequestError before the first output if the engine rejects the request,
         EngineDeadError if the engine dies. Closing the iterator early aborts the request.
+        `on_accepted()` is called once the engine took the request (an error before it means
+        the request never ran).
         """
         unavailable = self.dead_error or self.restarting
         if unavailable is not None:
@@ -187,6 +215,8 @@ class AsyncLLM:
             # Raises the engine's validation error. If the caller is cancelled here, the engine
             # either never adds the request or adds it before the abort posted below.
             await asyncio.wrap_future(command.accepted)
+            if on_accepted is not None:
+                on_accepted()
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -261,8 +291,9 @@ class AsyncLLM:
             self._drain_commands()
             if not engine.has_unfinished_requests():
                 monitor.idle()
-                self._wakeup.wait()
+                self._wakeup.wait(_IDLE_CHECK_S)
                 self._wakeup.clear()
+                engine.check_alive()  # a worker that died while idle fails the engine now
                 continue
             monitor.busy()
             outputs = engine.step()

@@ -170,6 +170,10 @@ class ParallelConfig:
     pipeline_layer_partition: tuple[int, ...] | None = None
     # MoE layers hold whole experts per rank of the TP group instead of a slice of each.
     enable_expert_parallel: bool = False
+    # Data parallel: independent engine replicas of tp x pp ranks each (engine/dp_async_llm.py);
+    # data_parallel_rank is the replica's index (set per replica with dataclasses.replace).
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
     # Rank of this process (set per worker with dataclasses.replace).
     rank: int = 0
     # Ray: the group whose bundle i hosts rank i (as vLLM's); None: the executor makes one.
@@ -183,7 +187,7 @@ class ParallelConfig:
     rendezvous_timeout: float = 300.0  # seconds the nodes wait for each other
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -198,6 +202,12 @@ class ParallelConfig:
                 f"the uni backend runs one process, but tensor_parallel_size x "
                 f"pipeline_parallel_size = {self.world_size}",
                 "use --distributed-executor-backend mp or ray",
+            )
+        if self.data_parallel_size > 1 and backend in ("uni", "ray"):
+            raise ConfigError(
+                f"data_parallel_size={self.data_parallel_size} runs each replica in its own "
+                f"worker processes on this node; the {backend} backend cannot (not yet for ray)",
+                "use --distributed-executor-backend mp, or leave it out",
             )
 
         if self.nnodes != 1 or self.node_rank != 0:

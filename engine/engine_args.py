@@ -252,6 +252,36 @@ class EngineArgs:
         default=ParallelConfig.rendezvous_timeout,
         panel=PARALLEL,
     )
+    data_parallel_size: int = option(
+        "Engine replicas, each of tp x pp ranks with its own workers and KV cache; requests go "
+        "to the least busy replica, or to the one that cached their prefix.",
+        default=ParallelConfig.data_parallel_size,
+        aliases=("-dp",),
+        panel=PARALLEL,
+        commands=PLANNER,
+    )
+    # vLLM's multi-node data parallel (replicas on several nodes joining the head's router):
+    # declared so they are refused by name, not yet implemented.
+    data_parallel_size_local: int | None = option(
+        "Multi-node data parallel: replicas on this node (not yet supported; all replicas run "
+        "on this node).",
+        default=None,
+        default_help="--data-parallel-size",
+        panel=PARALLEL,
+        commands=(SERVE,),
+    )
+    data_parallel_address: str | None = option(
+        "Multi-node data parallel: the head node's address (not yet supported).",
+        default=None,
+        panel=PARALLEL,
+        commands=(SERVE,),
+    )
+    data_parallel_rpc_port: int | None = option(
+        "Multi-node data parallel: the head's port for replicas (not yet supported).",
+        default=None,
+        panel=PARALLEL,
+        commands=(SERVE,),
+    )
     headless: bool = option(
         "Run this node's ranks, no API server: every node but node 0. Runs until node 0 ends "
         "the group.",
@@ -299,6 +329,7 @@ class EngineArgs:
                 f"node rank {self.node_rank} runs ranks for node 0, which serves the API",
                 "add --headless (llmctl serve ... --headless) on every node but node 0",
             )
+        self._check_multi_node_data_parallel()
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(
                 f"max_model_len must be at least 1, got {self.max_model_len}",
@@ -411,12 +442,38 @@ class EngineArgs:
             distributed_executor_backend=self.distributed_executor_backend,
             pipeline_layer_partition=layer_partition,
             enable_expert_parallel=bool(self.enable_expert_parallel),
+            data_parallel_size=self.data_parallel_size,
             nnodes=self.nnodes,
             node_rank=self.node_rank,
             master_addr=self.master_addr,
             master_port=self.master_port,
             rendezvous_timeout=self.rendezvous_timeout,
         )
+
+    def _check_multi_node_data_parallel(self) -> None:
+        """vLLM's multi-node data-parallel flags: refused by name until replicas on other nodes
+        can join the head's router (a local size equal to the whole size changes nothing)."""
+        local = self.data_parallel_size_local
+        given = [
+            flag
+            for flag, value in (
+                ("--data-parallel-size-local", local not in (None, self.data_parallel_size)),
+                ("--data-parallel-address", self.data_parallel_address is not None),
+                ("--data-parallel-rpc-port", self.data_parallel_rpc_port is not None),
+                (
+                    "--data-parallel-size with --nnodes",
+                    self.data_parallel_size > 1 and self.nnodes > 1,
+                ),
+            )
+            if value
+        ]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)}: multi-node data parallel is not yet supported (replicas on "
+                "other nodes cannot join this server's router)",
+                "run every replica on this node with --data-parallel-size N alone, or one "
+                "`llmctl serve` per node behind your own load balancer",
+            )
 
     def _quantization(self, gguf_file: str | None) -> QuantizationConfig | None:
         """--quantization, or a GGUF file's own (refusing the flag on a quantized file)."""

@@ -7,7 +7,9 @@ outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +30,8 @@ class LLM:
     max_model_len, kv_cache_space_gib, block_size (16), max_num_seqs, max_num_batched_tokens,
     seed (0), enable_prefix_caching (True), tensor_parallel_size, pipeline_parallel_size,
     distributed_executor_backend, pipeline_layer_partition, num_gpu_blocks_override, tokenizer
-    (a directory; default: the model's), skip_tokenizer_init (False).
+    (a directory; default: the model's), skip_tokenizer_init (False), data_parallel_size (1: N
+    replicas, each its own workers and KV cache, the batch routed among them as the server does).
 
     skip_tokenizer_init=True loads no tokenizer, so a model directory needs no tokenizer files:
     prompts must then be token ids (a list of ints or {"prompt_token_ids": [...]}), outputs carry
@@ -46,13 +49,25 @@ class LLM:
                 f"valid arguments: {', '.join(sorted(_ENGINE_ARG_NAMES - {'model'}))}",
             )
         engine_args = EngineArgs(model=model, **kwargs)
+        # data_parallel_size > 1: replicas, each its own engine thread and workers (their
+        # tokenizer and config are replica 0's llm_engine)
+        self._dp = None
+        build = LLMEngine.from_engine_args
+        if engine_args.data_parallel_size > 1:
+            from llmctl.engine.dp_async_llm import DPAsyncLLM
+
+            build = DPAsyncLLM.from_engine_args
         if use_tqdm_on_load:
             from llmctl.engine.progress import rich_progress
 
             with rich_progress() as progress:
-                self.llm_engine = LLMEngine.from_engine_args(engine_args, progress)
+                built = build(engine_args, progress)
         else:
-            self.llm_engine = LLMEngine.from_engine_args(engine_args)
+            built = build(engine_args)
+        if engine_args.data_parallel_size > 1:
+            self._dp, built = built, built.engine
+            self._dp_ids = itertools.count()
+        self.llm_engine = built
 
     def get_tokenizer(self) -> Any:
         """The engine's tokenizer; None when it was started with skip_tokenizer_init."""
@@ -133,7 +148,10 @@ class LLM:
         )
 
     def shutdown(self) -> None:
-        self.llm_engine.shutdown()
+        if self._dp is not None:
+            self._dp.shutdown()
+        else:
+            self.llm_engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self
@@ -144,6 +162,8 @@ class LLM:
     def _run(
         self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
+        if self._dp is not None:
+            return self._run_data_parallel(prompts, params, use_tqdm)
         engine = self.llm_engine
         errors: dict[int, InvalidRequestError] = {}
         index_of: dict[str, int] = {}
@@ -165,6 +185,41 @@ class LLM:
         except BaseException:
             engine.abort_request(list(index_of))  # leave the engine clean for the next call
             raise
+        if errors:
+            if len(prompts) == 1:
+                raise errors[0]
+            raise RequestBatchError(errors, results)
+        return results  # type: ignore[return-value]
+
+    def _run_data_parallel(
+        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        """Every prompt at once through the replicas' router, as the server runs them."""
+        dp = self._dp
+        ids = [f"{next(self._dp_ids)}" for _ in prompts]
+        with generation_progress(use_tqdm, len(prompts)) as advance:
+
+            async def one(prompt: PromptType, p: SamplingParams, request_id: str):
+                final = None
+                async for output in dp.generate(prompt, p, request_id):
+                    final = output
+                advance(final)
+                return final
+
+            async def run_all() -> list:
+                tasks = [one(*args) for args in zip(prompts, params, ids, strict=True)]
+                return await asyncio.gather(*tasks, return_exceptions=True)
+
+            gathered = asyncio.run(run_all())
+        errors: dict[int, InvalidRequestError] = {}
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        for i, result in enumerate(gathered):
+            if isinstance(result, InvalidRequestError):
+                errors[i] = result
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                results[i] = result
         if errors:
             if len(prompts) == 1:
                 raise errors[0]

@@ -146,6 +146,10 @@ class LLMEngine:
                 finals.append(final)
         return finals
 
+    def check_alive(self) -> None:
+        """Raises EngineDeadError (WorkerError naming the rank) if a worker died."""
+        self.executor.check_alive()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

@@ -28,6 +28,12 @@ The rules, from vLLM's distributed-serving guide, then better:
      row-parallel layer's inputs on whole quantization groups, as the engine requires.
 Pipeline stages get an uneven layer split when it holds more KV cache (the first and last stages
 carry the embedding and LM head), printed as --pipeline-layer-partition.
+Data parallel (`--data-parallel-size N`, engine/dp_async_llm.py): a layout that fits one node in
+fewer GPUs than the node has (and was not asked with -tp/-pp) is proposed as replicas, as many
+as the node holds (each its own engine and KV cache: N replicas serve about N times the
+requests); the plan prints the KV tokens and concurrency per replica and in total. An asked N
+plans one replica on the node's GPUs / N. Replicas run on one node (multi-node data parallel is
+not yet supported).
 """
 
 from __future__ import annotations
@@ -97,6 +103,8 @@ class PlanOptions:
     quantization: str | None = engine_default("quantization")
     # A MoE model's experts whole per tensor-parallel rank (`--enable-expert-parallel`).
     enable_expert_parallel: bool = engine_default("enable_expert_parallel")
+    # Engine replicas (`--data-parallel-size`); None: as many as the node holds.
+    data_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         check_gpu_memory_utilization(self.gpu_memory_utilization)
@@ -123,6 +131,11 @@ class PlanOptions:
             )
         if self.device not in ("cuda", "cpu"):
             raise ConfigError(f"unknown device {self.device!r}", "use cuda or cpu")
+        if self.data_parallel_size is not None and self.data_parallel_size < 1:
+            raise ConfigError(
+                f"data_parallel_size must be at least 1, got {self.data_parallel_size}",
+                "pass --data-parallel-size 1 or more",
+            )
 
 
 @dataclass(frozen=True)
@@ -171,6 +184,7 @@ class Plan:
     quantization: str | None = None  # --quantization of the serve command
     weight_format: str = ""  # what the weights are held in: "bfloat16", "int4", "Q4_1 GGUF"
     weight_format_detail: str = ""  # by role, when quantized
+    data_parallel_size: int = 1  # replicas of this layout (the ranks above are one replica's)
 
     @property
     def weight_line(self) -> str:
@@ -184,6 +198,26 @@ class Plan:
     @property
     def max_concurrency(self) -> float:
         return self.kv_cache_tokens / self.max_model_len
+
+    @property
+    def total_kv_cache_tokens(self) -> int:
+        return self.kv_cache_tokens * self.data_parallel_size
+
+    @property
+    def total_max_concurrency(self) -> float:
+        return self.max_concurrency * self.data_parallel_size
+
+    def replica_lines(self) -> list[str]:
+        """KV tokens and concurrency per replica and in total (data parallel only)."""
+        if self.data_parallel_size == 1:
+            return []
+        n = self.data_parallel_size
+        return [
+            f"Per replica: {self.kv_cache_tokens:,} KV tokens, maximum concurrency "
+            f"{self.max_concurrency:.2f}x for {self.max_model_len:,} tokens per request",
+            f"In total ({n} replicas, {n * self.gpus_used} GPUs): {self.total_kv_cache_tokens:,} "
+            f"KV tokens, maximum concurrency {self.total_max_concurrency:.2f}x",
+        ]
 
     @property
     def per_gpu_weight_gib(self) -> float:
@@ -245,6 +279,9 @@ class Plan:
             "block_size": self.block_size,
             "max_model_len": self.max_model_len,
             "max_concurrency": round(self.max_concurrency, 2),
+            "data_parallel_size": self.data_parallel_size,
+            "total_kv_cache_tokens": self.total_kv_cache_tokens,
+            "total_max_concurrency": round(self.total_max_concurrency, 2),
             "distributed_executor_backend": self.distributed_executor_backend,
             "dtype": self.dtype,
             "quantization": self.quantization,
@@ -561,10 +598,110 @@ def _gib(n: float, digits: int = 1) -> str:
 
 
 def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None = None) -> Plan:
-    """The layout for `spec` on `inventory`. A float checkpoint too big for the inventory gets the
-    layout of its weight-only quantization instead (int8, else int4), its reasons saying so and
-    its serve command carrying --quantization; PlanError when even int4 does not fit."""
+    """The layout for `spec` on `inventory`, with its data-parallel replicas: those asked (one
+    replica planned on the node's GPUs / N), or as many as one node holds. See _replica_plan."""
     options = options or PlanOptions()
+    dp = options.data_parallel_size
+    if dp is not None and dp > 1:
+        return _asked_replicas(spec, inventory, options, dp)
+    plan = _replica_plan(spec, inventory, options)
+    asked = options.tensor_parallel_size or options.pipeline_parallel_size
+    if dp is not None or asked or plan.device == "cpu" or plan.nodes_used > 1:
+        return plan  # an asked layout is evaluated as asked: replicas only with -dp
+    gpus_per_node = min(n.gpus for n in inventory.nodes if n.gpus)
+    replicas = gpus_per_node // plan.gpus_used
+    if replicas < 2:
+        return plan
+    where = f"{plan.gpus_used} GPUs" if plan.gpus_used > 1 else "one GPU"
+    reason = (
+        f"fits {where} of a node of {gpus_per_node}: {replicas} data-parallel replicas "
+        f"(--data-parallel-size {replicas}), each its own engine and KV cache, serve about "
+        f"{replicas}x the requests of one"
+    )
+    if len([n for n in inventory.nodes if n.gpus]) > 1:
+        reason += " (on one node: multi-node data parallel is not yet supported)"
+    return _with_replicas(plan, replicas, reason)
+
+
+def _asked_replicas(spec: ModelSpec, inventory: Inventory, options: PlanOptions, dp: int) -> Plan:
+    """--data-parallel-size N: one replica planned on a node's GPUs / N; typed errors naming the
+    fix when the node cannot hold N replicas or one replica does not fit its share."""
+    if options.device == "cpu":
+        plan = _replica_plan(spec, inventory, options)
+        return _with_replicas(plan, dp, f"{dp} data-parallel replicas as asked")
+    per_node = min((n.gpus for n in inventory.nodes if n.gpus), default=0)
+    local = "replicas run on one node: multi-node data parallel is not yet supported"
+    tp, pp = options.tensor_parallel_size or 1, options.pipeline_parallel_size or 1
+    asked = tp * pp
+    if per_node < dp * asked:
+        fewer = per_node // asked
+        layout = f" of {_layout(tp, pp)}" if asked > 1 else ""
+        raise ConfigError(
+            f"data_parallel_size={dp} replicas{layout} need {dp * asked} GPUs on one node, but "
+            f"a node of this inventory has {per_node}",
+            (f"use --data-parallel-size {fewer} or fewer" if fewer else "use fewer GPUs per "
+             "replica (-tp/-pp)") + f" ({local})",
+        )  # fmt: skip
+    head = next((n for n in inventory.nodes if n.gpus), inventory.nodes[0])
+
+    def on_share(k: int) -> Plan:
+        """One replica planned on a node's GPUs / k."""
+        node = dataclasses.replace(head, head=True, gpus=per_node // k)
+        return _replica_plan(spec, dataclasses.replace(inventory, nodes=(node,)), options)
+
+    share = per_node // dp
+    try:
+        plan = on_share(dp)
+    except PlanError as too_big:
+        fewer = next((k for k in range(dp - 1, 1, -1) if _fits(on_share, k)), None)
+        fix = (
+            f"use --data-parallel-size {fewer} or fewer"
+            if fewer
+            else "drop --data-parallel-size: one replica needs more than a node's GPUs"
+        )
+        raise PlanError(
+            f"data_parallel_size={dp}: one replica gets {share} of a node's {per_node} GPUs, "
+            f"and {too_big.message}",
+            f"{fix}; {too_big.hint}",
+        ) from None
+    reason = (
+        f"{dp} data-parallel replicas as asked, each on {share} of a node's {per_node} GPUs "
+        f"(its layout chosen for those {share}); each its own engine and KV cache"
+    )
+    return _with_replicas(plan, dp, reason)
+
+
+def _fits(plan_for, k: int) -> bool:
+    try:
+        plan_for(k)
+    except (PlanError, ConfigError):
+        return False
+    return True
+
+
+def _with_replicas(plan: Plan, replicas: int, reason: str) -> Plan:
+    """The plan of one replica, served as `replicas` (the serve command with its flag)."""
+    serve = (
+        plan.commands["serve"]
+        + " "
+        + " ".join(engine_args_to_argv({"data_parallel_size": replicas}))
+    )
+    return dataclasses.replace(
+        plan,
+        data_parallel_size=replicas,
+        # each replica its own worker processes, one per rank (engine/executor/base.py)
+        distributed_executor_backend="mp"
+        if plan.distributed_executor_backend == "uni"
+        else plan.distributed_executor_backend,
+        reasons=(*plan.reasons, reason),
+        commands={**plan.commands, "serve": serve},
+    )
+
+
+def _replica_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> Plan:
+    """The layout of one engine on `inventory`. A float checkpoint too big for the inventory gets
+    the layout of its weight-only quantization instead (int8, else int4), its reasons saying so
+    and its serve command carrying --quantization; PlanError when even int4 does not fit."""
     try:
         return _choose(spec, inventory, options)
     except PlanError as too_big:

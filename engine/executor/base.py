@@ -107,6 +107,8 @@ def choose_backend(parallel_config: ParallelConfig, device: str) -> str:
     if backend is None:
         if parallel_config.nnodes > 1:
             backend = "mp"  # across nodes without Ray: each node hosts its own ranks
+        elif parallel_config.data_parallel_size > 1:
+            backend = "mp"  # each replica its own worker processes (a death is the replica's)
         elif world == 1:
             backend = "uni"
         elif not in_ray_placement_group() and local_device_count(device) >= world:
@@ -123,8 +125,14 @@ def check_local_gpus(parallel_config: ParallelConfig) -> None:
     needs more GPUs than it has, before any process starts."""
     pc = parallel_config
     gpus = local_device_count("cuda")
-    if pc.ranks_per_node <= gpus:
+    if pc.ranks_per_node * pc.data_parallel_size <= gpus:
         return
+    if pc.data_parallel_size > 1:
+        raise ConfigError(
+            f"data_parallel_size={pc.data_parallel_size} replicas of {pc.world_size} rank(s) "
+            f"need {pc.world_size * pc.data_parallel_size} GPUs, but this node has {gpus}",
+            f"lower --data-parallel-size to at most {max(1, gpus // pc.world_size)}",
+        )
     nodes = f" on each of {pc.nnodes} nodes" if pc.nnodes > 1 else ""
     raise ConfigError(
         f"tensor_parallel_size={pc.tensor_parallel_size} x pipeline_parallel_size="

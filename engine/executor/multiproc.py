@@ -121,7 +121,8 @@ class MultiprocExecutor(Executor):
         tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
         local = ranks.node_ranks(0, pc.nnodes, pp, tp)  # this node's (node 0's) ranks
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        threads = max(1, len(os.sched_getaffinity(0)) // len(local))
+        # Every local rank of every data-parallel replica gets its own share of the cores.
+        threads = max(1, len(os.sched_getaffinity(0)) // (len(local) * pc.data_parallel_size))
         # Per rank: a local Popen, or a RemoteWorker on another node.
         self.processes: list[subprocess.Popen | RemoteWorker] = []
         self.conns: list[Connection] = []
@@ -248,6 +249,17 @@ class MultiprocExecutor(Executor):
             return ranks
         remote[0].node.read_events()
         return [w.rank for w in remote if w.returncode is not None or w.node.lost]
+
+    def check_alive(self) -> None:
+        """Also notices a worker that died while the engine was idle (its sentinel is readable),
+        without a call to it: raises WorkerError naming the rank."""
+        super().check_alive()
+        by_sentinel: dict[int | Connection, list[int]] = {}
+        for rank, sentinel in enumerate(self.sentinels):
+            by_sentinel.setdefault(sentinel, []).append(rank)
+        for sentinel in wait(list(by_sentinel), timeout=0):
+            for rank in self._gone(by_sentinel[sentinel]):
+                self._fail(rank)
 
     def collective_rpc_async(
         self, method: str | Callable, args: tuple = (), kwargs: dict | None = None
@@ -446,7 +458,9 @@ def _worker_main(fd: int) -> None:
     _, engine_config, rank, init_method, threads = conn.recv()
     import torch
 
-    local_rank = rank % engine_config.parallel_config.ranks_per_node  # its device on its node
+    # its device on its node; data-parallel replica r uses devices r * ranks_per_node and up
+    pc = engine_config.parallel_config
+    local_rank = pc.data_parallel_rank * pc.ranks_per_node + rank % pc.ranks_per_node
 
     from llmctl.engine.worker.worker import Worker
 

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (200 while
 the engine serves, with its restart count; 503 once it died, while it restarts, or while it has
-work and no step completed for --stall-timeout seconds), GET /version, GET /metrics
+work and no step completed for --stall-timeout seconds; with data-parallel replicas, 200 with a
+"degraded" JSON body naming the stopped ones while one serves), GET /version, GET /metrics
 (Prometheus). Every error, unknown routes and methods included, is OpenAI's error JSON. With an
 API key, every route but /health needs `Authorization: Bearer <key>`.
 
@@ -134,6 +135,21 @@ def build_app(
         error = async_llm.health_error()
         if error is not None:
             return response_for(error)
+        states = async_llm.replica_states()
+        dead = [(replica, e) for replica, _, e in states if e is not None]
+        if dead:  # data parallel: some replicas stopped, the others serve
+            return JSONResponse(
+                {
+                    "status": "degraded",
+                    "message": f"{len(dead)} of {len(states)} data-parallel replicas stopped: "
+                    + "; ".join(f"replica {r}: {e.message}" for r, e in dead),
+                    "replicas": [
+                        {"replica": r, "alive": e is None}
+                        | ({} if e is None else {"reason": e.message})
+                        for r, _, e in states
+                    ],
+                }
+            )
         return JSONResponse(async_llm.health())
 
     @app.get("/version")
@@ -194,7 +210,12 @@ def run_server(
     import uvicorn
 
     config = server_config or ServerConfig()
-    async_llm = AsyncLLM.from_engine_args(engine_args, progress)
+    if engine_args.data_parallel_size > 1:
+        from llmctl.engine.dp_async_llm import DPAsyncLLM
+
+        async_llm = DPAsyncLLM.from_engine_args(engine_args, progress)
+    else:
+        async_llm = AsyncLLM.from_engine_args(engine_args, progress)
     try:
         name = async_llm.engine.config.model_config.served_model_name
 

@@ -13,55 +13,67 @@ _LATENCY_BUCKETS = (
 
 
 class _EngineCollector:
-    """Reads the engine's counters when Prometheus scrapes."""
+    """Reads the engine's counters when Prometheus scrapes, one sample per data-parallel replica
+    (label `replica`; "0" with one engine)."""
 
     def __init__(self, async_llm, model_name: str) -> None:
         self.async_llm = async_llm
-        self.labels = {"model_name": model_name}
+        self.model_name = model_name
 
     def collect(self):
-        stats = self.async_llm.get_stats()
-        names = list(self.labels)
-        values = list(self.labels.values())
+        states = self.async_llm.replica_states()
+        names = ["model_name", "replica"]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=names)
-            family.add_metric(values, value)
-            return family
+        def family(kind, name: str, doc: str, value_of) -> GaugeMetricFamily:
+            metric = kind(name, doc, labels=names)
+            for replica, stats, error in states:
+                metric.add_metric([self.model_name, str(replica)], value_of(stats, error))
+            return metric
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc, labels=names)
-            family.add_metric(values, value)
-            return family
+        def gauge(name: str, doc: str, field: str):
+            return family(GaugeMetricFamily, name, doc, lambda s, e: getattr(s, field))
+
+        def counter(name: str, doc: str, field: str):
+            return family(CounterMetricFamily, name, doc, lambda s, e: getattr(s, field))
 
         yield gauge("llmctl:num_requests_running", "Requests in the running batch.",
-                    stats.num_running)  # fmt: skip
+                    "num_running")  # fmt: skip
         yield gauge("llmctl:num_requests_waiting", "Requests waiting to be scheduled.",
-                    stats.num_waiting)  # fmt: skip
+                    "num_waiting")  # fmt: skip
         yield gauge("llmctl:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
-                    stats.kv_cache_usage)  # fmt: skip
+                    "kv_cache_usage")  # fmt: skip
         yield gauge("llmctl:prefix_cache_hit_rate", "Prompt tokens served by the prefix cache.",
-                    stats.prefix_cache_hit_rate)  # fmt: skip
+                    "prefix_cache_hit_rate")  # fmt: skip
         yield counter("llmctl:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      stats.prefix_cache_queries)  # fmt: skip
+                      "prefix_cache_queries")  # fmt: skip
         yield counter("llmctl:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      stats.prefix_cache_hits)  # fmt: skip
-        yield counter("llmctl:prompt_tokens", "Prompt tokens admitted.", stats.prompt_tokens)
-        yield counter("llmctl:generation_tokens", "Tokens generated.", stats.generation_tokens)
+                      "prefix_cache_hits")  # fmt: skip
+        yield counter("llmctl:prompt_tokens", "Prompt tokens admitted.", "prompt_tokens")
+        yield counter("llmctl:generation_tokens", "Tokens generated.", "generation_tokens")
         yield counter("llmctl:num_preemptions", "Requests preempted for lack of KV blocks.",
-                      stats.num_preemptions)  # fmt: skip
-        llm = self.async_llm
-        yield gauge("llmctl:engine_alive", "1 while the engine serves (/health 200), else 0.",
-                    1.0 if llm.is_running else 0.0)  # fmt: skip
-        yield gauge("llmctl:seconds_since_last_step",
-                    "Seconds the engine has had requests without completing a step (0 idle).",
-                    llm.monitor.seconds_waiting())  # fmt: skip
-        stalled = llm.stall_error is not None or llm.monitor.stalled()
-        yield gauge("llmctl:engine_stalled",
-                    "1 while no step completed for --stall-timeout seconds with requests.",
-                    1.0 if stalled else 0.0)  # fmt: skip
-        yield counter("llmctl:engine_restarts", "Engine restarts (--restart-on-failure).",
-                      llm.restarts)  # fmt: skip
+                      "num_preemptions")  # fmt: skip
+        yield family(GaugeMetricFamily, "llmctl:engine_alive",
+                     "1 while the engine (replica) serves (/health 200), else 0.",
+                     lambda s, e: 0.0 if e is not None else 1.0)  # fmt: skip
+        # Supervision, per replica (a DPAsyncLLM's replicas are AsyncLLMs).
+        replicas = getattr(self.async_llm, "replicas", [self.async_llm])
+
+        def supervision(metric_kind, name: str, doc: str, value_of):
+            metric = metric_kind(name, doc, labels=names)
+            for index, llm in enumerate(replicas):
+                metric.add_metric([self.model_name, str(index)], value_of(llm))
+            return metric
+
+        yield supervision(GaugeMetricFamily, "llmctl:seconds_since_last_step",
+                          "Seconds the engine has had requests without completing a step (0 idle).",
+                          lambda llm: llm.monitor.seconds_waiting())  # fmt: skip
+        yield supervision(GaugeMetricFamily, "llmctl:engine_stalled",
+                          "1 while no step completed for --stall-timeout seconds with requests.",
+                          lambda llm: float(llm.stall_error is not None
+                                            or llm.monitor.stalled()))  # fmt: skip
+        yield supervision(CounterMetricFamily, "llmctl:engine_restarts",
+                          "Engine restarts (--restart-on-failure).",
+                          lambda llm: llm.restarts)  # fmt: skip
 
 
 class ServerMetrics:

@@ -45,6 +45,9 @@ class ScriptedEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def check_alive(self) -> None:
+        pass
+
     def step(self) -> list[RequestOutput]:
         if self.gate is not None:
             self.gate.wait(10)

@@ -29,12 +29,16 @@ def test_options_per_command():
         "stall_timeout",
         "restart_on_failure",
         "max_restarts",
+        # vLLM's multi-node data-parallel flags (refused: not yet)
+        "data_parallel_size_local",
+        "data_parallel_address",
+        "data_parallel_rpc_port",
     }
     assert {o.name for o in cli_options("plan")} == {
         "dtype", "max_model_len", "kv_cache_space_gib", "gpu_memory_utilization", "device",
         "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
         "pipeline_parallel_size", "pipeline_layer_partition", "quantization",
-        "enable_expert_parallel",
+        "enable_expert_parallel", "data_parallel_size",
     }  # fmt: skip
     # LLM(...) keywords only: no flag.
     assert not {
@@ -99,7 +103,7 @@ def test_head_server_argv_is_the_layout_then_the_engine_options():
 def test_plan_options_default_to_the_engine_defaults():
     plan_fields = {f.name: f.default for f in dataclasses.fields(PlanOptions)}
     # The planner's own meaning: a device to plan for (no auto), and None = choose the layout.
-    own = {"device", "tensor_parallel_size", "pipeline_parallel_size"}
+    own = {"device", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"}
     for o in cli_options("plan"):
         assert o.name in plan_fields, f"plan --{o.name} has no PlanOptions field"
         if o.name not in own:

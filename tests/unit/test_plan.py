@@ -17,8 +17,12 @@ SHORT = PlanOptions(max_model_len=4096)
 def test_fits_one_gpu():
     plan = make_plan(CATALOG["Llama-3.1-8B"], inventory_from_flags(1, 8, 80), SHORT)
     assert (plan.tensor_parallel_size, plan.pipeline_parallel_size) == (1, 1)
-    assert plan.distributed_executor_backend == "uni"
+    assert plan.data_parallel_size == 8  # a replica per GPU, each in its own worker process
+    assert plan.distributed_executor_backend == "mp"
     assert plan.alternatives and plan.alternatives[0][0] == "tp=8, pp=1"  # throughput option
+    one = make_plan(CATALOG["Llama-3.1-8B"], inventory_from_flags(1, 8, 80),
+                    PlanOptions(max_model_len=4096, data_parallel_size=1))  # fmt: skip
+    assert (one.data_parallel_size, one.distributed_executor_backend) == (1, "uni")
 
 
 def test_model_needing_4_gpus_on_a_4_gpu_node_gets_tp4():

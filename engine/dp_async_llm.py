@@ -1,0 +1,176 @@
+"""DPAsyncLLM: data-parallel replicas of the engine behind AsyncLLM's interface.
+
+    DPAsyncLLM.generate  ->  DPRouter.route (engine/dp_router.py)  ->  replica r's AsyncLLM
+
+Each replica is a whole engine (`--data-parallel-size N`): its own engine thread, scheduler, KV
+cache and executor with tp x pp worker processes (`mp`: their own rendezvous port, and on the CPU
+cores / (N x tp x pp) torch threads each, so replicas do not fight over cores). Replicas are built
+at the same time and share nothing but this process.
+
+A replica whose worker dies fails its own requests in flight (EngineDeadError, as a single engine
+does) and is routed nothing more; the others serve on. A request that reached a replica already
+dead, before it took the request, is routed again: nothing of it ran. `health_error()` is set
+only once every replica stopped; `replica_states()` tells /health and /metrics which one and why.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import logging
+from collections.abc import AsyncIterator
+
+from llmctl.engine.async_llm import AsyncLLM
+from llmctl.engine.config import EngineConfig
+from llmctl.engine.dp_router import DPRouter
+from llmctl.engine.errors import EngineDeadError
+from llmctl.engine.llm_engine import EngineStats, LLMEngine, PromptType
+from llmctl.engine.outputs import RequestOutput
+from llmctl.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("llmctl")
+
+
+def replica_configs(config: EngineConfig) -> list[EngineConfig]:
+    """One EngineConfig per data-parallel replica, told its data_parallel_rank."""
+    pc = config.parallel_config
+    return [
+        dataclasses.replace(
+            config, parallel_config=dataclasses.replace(pc, data_parallel_rank=rank)
+        )
+        for rank in range(pc.data_parallel_size)
+    ]
+
+
+class DPAsyncLLM:
+    def __init__(self, replicas: list[AsyncLLM]) -> None:
+        self.replicas = replicas
+        self.engine = replicas[0].engine  # config and tokenizer (the same in every replica)
+        config = self.engine.config
+        self.max_model_len = config.model_config.max_model_len
+        self.router = DPRouter(len(replicas), config.cache_config.block_size)
+
+    @classmethod
+    def from_engine_args(cls, engine_args, progress=None) -> DPAsyncLLM:
+        """Build every replica at once, each in its own engine thread; if one fails, the others
+        are stopped and its error raised."""
+        configs = replica_configs(engine_args.create_engine_config(progress))
+
+        def builder(rank: int):
+            # only replica 0 reports loading progress (one bar, not N interleaved)
+            return lambda: LLMEngine(configs[rank], progress if rank == 0 else None)
+
+        def rebuilder(rank: int):
+            return lambda: LLMEngine(configs[rank])
+
+        started = [
+            AsyncLLM.start_building(
+                builder(rank),
+                thread_name=f"llmctl-engine-dp{rank}",
+                rebuild=rebuilder(rank),
+                stall_timeout=engine_args.stall_timeout,
+                restart_on_failure=engine_args.restart_on_failure,
+                max_restarts=engine_args.max_restarts,
+            )
+            for rank in range(len(configs))
+        ]
+        concurrent.futures.wait([built for _, built in started])
+        errors = [built.exception() for _, built in started if built.exception() is not None]
+        if errors:
+            for replica, built in started:
+                if built.exception() is None:
+                    replica.shutdown()
+            raise errors[0]
+        logger.info("Started %d data-parallel replicas", len(started))
+        return cls([replica for replica, _ in started])
+
+    # -- AsyncLLM's interface --------------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self.health_error() is None
+
+    def health_error(self) -> EngineDeadError | None:
+        """None while one replica can serve; else why none can, replica by replica."""
+        self._note_deaths()
+        return None if self.router.live else self.router.none_live_error()
+
+    def replica_states(self) -> list[tuple[int, EngineStats, EngineDeadError | None]]:
+        self._note_deaths()
+        dead = self.router.dead  # also what a request learnt before the replica's thread did
+        return [
+            (i, replica.get_stats(), None if i not in dead else EngineDeadError(dead[i]))
+            for i, replica in enumerate(self.replicas)
+        ]
+
+    def health(self) -> dict:
+        """/health's body while every replica serves."""
+        return {"status": "ok", "replicas": [replica.health() for replica in self.replicas]}
+
+    def get_stats(self) -> EngineStats:
+        """The replicas' counters summed (KV-cache usage: their mean)."""
+        stats = [replica.get_stats() for replica in self.replicas]
+        total = EngineStats(
+            *(sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(EngineStats))
+        )
+        total.kv_cache_usage /= len(stats)
+        return total
+
+    async def generate(
+        self, prompt: PromptType, params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Route the request, then yield its outputs from the replica that took it."""
+        prompt, prompt_ids = self._with_token_ids(prompt)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = max(0, self.max_model_len - len(prompt_ids))
+        while True:
+            self._note_deaths()
+            replica = self.router.route(request_id, prompt_ids, max_tokens * params.n)
+            accepted = []
+            try:
+                stream = self.replicas[replica].generate(
+                    prompt, params, request_id, on_accepted=functools.partial(accepted.append, True)
+                )
+                async with contextlib.aclosing(stream):
+                    async for output in stream:
+                        generated = sum(len(c.token_ids) for c in output.outputs)
+                        self.router.progress(request_id, generated)
+                        yield output
+                return
+            except EngineDeadError as exc:
+                self.router.mark_dead(replica, exc.message)
+                if accepted:
+                    raise  # it ran there: its partial output is lost, say so
+                logger.warning("replica %d is dead; routing request %s again", replica, request_id)
+            finally:
+                self.router.finish(request_id)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        for replica in self.replicas:
+            replica.shutdown(timeout)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _note_deaths(self) -> None:
+        for i, replica in enumerate(self.replicas):
+            error = replica.health_error()
+            if error is not None and i not in self.router.dead:
+                logger.error("data-parallel replica %d stopped: %s", i, error.message)
+                self.router.mark_dead(i, error.message)
+
+    def _with_token_ids(self, prompt: PromptType) -> tuple[PromptType, list[int]]:
+        """The prompt with its token ids (tokenized once, here, for routing); a prompt that is
+        not one goes as it is, for the replica to refuse by name."""
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt, list(prompt["prompt_token_ids"])
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        tokenizer = self.engine.tokenizer
+        if isinstance(text, str) and tokenizer is not None:
+            ids = tokenizer.encode(text)
+            return {"prompt": text, "prompt_token_ids": ids}, ids
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt, prompt
+        return prompt, []

@@ -1,0 +1,81 @@
+"""`llmctl plan` with data-parallel replicas: proposed when a layout fits in fewer GPUs than a node
+has, asked with --data-parallel-size, and refused by name when the inventory cannot hold them."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_a_model_fitting_one_gpu_is_proposed_as_replicas(invoke):
+    args = ("plan", "Llama-3.1-8B", "--gpus-per-node", "2", "--max-model-len", "8192")
+    result = invoke(*args, env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    plan = json.loads(invoke(*args, "--json").stdout)
+    per_replica, total = plan["kv_cache_tokens"], plan["total_kv_cache_tokens"]
+    assert plan["data_parallel_size"] == 2 and total == 2 * per_replica
+    assert plan["total_max_concurrency"] == round(2 * per_replica / 8192, 2)
+    assert f"Per replica: {per_replica:,} KV tokens, maximum concurrency" in out
+    assert f"In total (2 replicas, 2 GPUs): {total:,} KV tokens" in out
+    why = out[out.index("Why") :]
+    assert "fits one GPU of a node of 2: 2 data-parallel replicas" in why
+    assert "serve about 2x the requests of one" in why
+    assert out.rstrip().endswith(
+        "llmctl serve Llama-3.1-8B --max-model-len 8192 --data-parallel-size 2"
+    )
+
+
+def test_asked_replicas_share_the_node(invoke):
+    result = invoke(
+        "plan", "Llama-3.1-70B", "--max-model-len", "8192", "-dp", "2", "--json"
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    # each replica gets 4 of the 8 GPUs; tp=2 is the smallest layout that fits them
+    assert (plan["tensor_parallel_size"], plan["data_parallel_size"]) == (2, 2)
+    assert plan["alternatives"][0]["layout"] == "tp=4, pp=1"  # a replica's share, full width
+    assert plan["commands"]["serve"] == (
+        "llmctl serve Llama-3.1-70B -tp 2 --distributed-executor-backend mp "
+        "--max-model-len 8192 --data-parallel-size 2"
+    )
+
+
+def test_one_replica_asked_proposes_none(invoke):
+    result = invoke("plan", "Llama-3.1-8B", "--gpus-per-node", "4", "-dp", "1", "--json")
+    plan = json.loads(result.stdout)
+    assert plan["data_parallel_size"] == 1
+    assert "--data-parallel-size" not in plan["commands"]["serve"]
+
+
+def test_more_replicas_than_a_node_holds_is_refused(invoke):
+    result = invoke("plan", "GPT-2", "--gpus-per-node", "2", "--data-parallel-size", "4")
+    assert result.exit_code == 1
+    assert "data_parallel_size=4 replicas need 4 GPUs on one node, but a node of this " in (
+        result.stderr
+    )
+    assert "use --data-parallel-size 2 or fewer" in result.stderr
+    assert "multi-node data parallel is not yet supported" in result.stderr
+    tp = invoke("plan", "Llama-3.1-70B", "-tp", "4", "-dp", "3")
+    assert tp.exit_code == 1
+    assert "replicas of tp=4, pp=1 need 12 GPUs" in tp.stderr
+    assert "--data-parallel-size 2 or fewer" in tp.stderr
+
+
+def test_replicas_of_a_model_too_big_for_their_share_are_refused(invoke):
+    result = invoke(
+        "plan", "Llama-3.1-70B", "--max-model-len", "8192", "--gpus-per-node", "4",
+        "--gpu-memory-gib", "48", "-dp", "4",
+    )  # fmt: skip
+    assert result.exit_code == 1
+    assert "data_parallel_size=4: one replica gets 1 of a node's 4 GPUs" in result.stderr
+    assert "use --data-parallel-size 2 or fewer" in result.stderr
+    huge = invoke("plan", "Llama-3.1-405B", "--nodes", "2", "-dp", "2", "--json")
+    assert huge.exit_code == 1
+    error = json.loads(huge.stdout)["error"]
+    assert "drop --data-parallel-size: one replica needs more than a node's GPUs" in error
+
+
+def test_a_bad_data_parallel_size_is_refused(invoke):
+    result = invoke("plan", "GPT-2", "-dp", "0")
+    assert result.exit_code == 1
+    assert "data_parallel_size must be at least 1, got 0" in result.stderr
