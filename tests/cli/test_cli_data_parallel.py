@@ -21,7 +21,8 @@ def test_generate_with_two_replicas_matches_one(invoke, tiny_llama):
 @pytest.mark.parametrize(
     "flags, named",
     [
-        (("--headless",), "--headless"),
+        (("-dp", "2", "-pp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1"),
+         "--data-parallel-size with --nnodes"),
         (("-dp", "2", "--data-parallel-size-local", "1"), "--data-parallel-size-local"),
         (("--data-parallel-address", "10.0.0.1", "--data-parallel-rpc-port", "13345"),
          "--data-parallel-address, --data-parallel-rpc-port"),

@@ -139,9 +139,12 @@ class Engine:
     """Requests produce one output per step; a step waits for `gate` (a stalled rank) when it
     is cleared, and raises what the executor was aborted with."""
 
-    def __init__(self, steps: int = 5, fail_on_step: int | None = None) -> None:
+    def __init__(
+        self, steps: int = 5, fail_on_step: int | None = None, stall_after: int | None = None
+    ) -> None:
         self.steps = steps
         self.fail_on_step = fail_on_step
+        self.stall_after = stall_after  # the gate closes after this step (a rank stops)
         self.gate = threading.Event()
         self.gate.set()
         self.executor = FakeExecutor(self)
@@ -159,11 +162,17 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def check_alive(self) -> None:
+        """The real one raises for a worker gone while idle; here the watchdog sees that
+        (FakeExecutor.exited), as it does on the mp backend."""
+
     def step(self) -> list[RequestOutput]:
         self.gate.wait(30)
         if self.executor.aborted is not None:
             raise self.executor.aborted
         self.step_count += 1
+        if self.step_count == self.stall_after:
+            self.gate.clear()  # here, not by the test: a fast engine would finish first
         if self.step_count == self.fail_on_step:
             raise EngineDeadError("worker rank 1 (pid 99) was killed by SIGKILL")
         outputs = []
@@ -195,19 +204,17 @@ def wait_for(condition, timeout: float = 10.0) -> None:
 
 
 def test_a_stalled_step_turns_health_unhealthy_and_fails_the_request():
-    engine = Engine(steps=1000)
+    engine = Engine(steps=1000, stall_after=2)
     engine.executor.release_on_abort = False  # the workers' end is seen when the test says
     llm = AsyncLLM(engine, stall_timeout=0.3)
     metrics = ServerMetrics(llm, "m")
     assert llm.health_error() is None
-    assert 'llmctl:engine_stalled{model_name="m"} 0.0' in metrics.render().decode()
+    assert 'llmctl:engine_stalled{model_name="m",replica="0"} 0.0' in metrics.render().decode()
     seen: list[str] = []
 
     async def main():
         task = asyncio.create_task(collect(llm, "a"))
-        while engine.step_count < 2:
-            await asyncio.sleep(0.01)
-        engine.gate.clear()  # the next step never completes by itself
+        # the third step never completes by itself (the engine closes the gate after step 2)
         while llm.stall_error is None:
             await asyncio.sleep(0.01)
         seen.append(metrics.render().decode())
@@ -215,9 +222,11 @@ def test_a_stalled_step_turns_health_unhealthy_and_fails_the_request():
         return await asyncio.gather(task, return_exceptions=True)
 
     (result,) = asyncio.run(main())
-    assert 'llmctl:engine_stalled{model_name="m"} 1.0' in seen[0]
-    assert 'llmctl:engine_alive{model_name="m"} 0.0' in seen[0]
-    waited = re.search(r'llmctl:seconds_since_last_step\{model_name="m"\} (\S+)', seen[0])
+    assert 'llmctl:engine_stalled{model_name="m",replica="0"} 1.0' in seen[0]
+    assert 'llmctl:engine_alive{model_name="m",replica="0"} 0.0' in seen[0]
+    waited = re.search(
+        r'llmctl:seconds_since_last_step\{model_name="m",replica="0"\} (\S+)', seen[0]
+    )
     assert float(waited.group(1)) >= 0.3
     assert isinstance(result, EngineStalledError), result
     assert "no engine step completed for" in result.message
@@ -261,7 +270,7 @@ def test_restart_on_failure_fails_the_requests_in_flight_then_serves_again():
     assert served[-1].finished
     assert engines[0].shut_down and len(engines) == 2
     assert llm.restarts == 1 and llm.health()["restarts"] == 1
-    restarts = 'llmctl:engine_restarts_total{model_name="m"} 1.0'
+    restarts = 'llmctl:engine_restarts_total{model_name="m",replica="0"} 1.0'
     assert restarts in ServerMetrics(llm, "m").render().decode()
     assert "SIGKILL" in llm.health()["last_failure"]
 
