@@ -70,7 +70,16 @@ def test_replicas_of_two_tensor_parallel_ranks_each(tiny_models):
             "the uni backend cannot",
             "--distributed-executor-backend mp",
         ),
-        ({"headless": True}, "--headless: multi-node data parallel is not yet", "this node"),
+        (
+            {
+                "data_parallel_size": 2,
+                "pipeline_parallel_size": 2,
+                "nnodes": 2,
+                "master_addr": "127.0.0.1",
+            },  # fmt: skip
+            "--data-parallel-size with --nnodes: multi-node data parallel is not yet",
+            "this node",
+        ),
         (
             {"data_parallel_size": 2, "data_parallel_address": "10.0.0.1"},
             "--data-parallel-address: multi-node data parallel is not yet",
