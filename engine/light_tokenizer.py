@@ -101,7 +101,10 @@ class LightTokenizer:
         return None if token is None else self._backend.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it: a 5 MB prompt would
+        # stop the server's event loop, /health included, for seconds), as transformers calls it.
+        (encoding,) = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return encoding.ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         if isinstance(ids, int):

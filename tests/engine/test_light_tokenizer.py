@@ -7,6 +7,8 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from transformers import AutoConfig
@@ -111,3 +113,29 @@ def test_bundled_model_generates_without_importing_transformers(smol_dir):
     text, imported = done.stdout.strip().splitlines()[-2:]
     assert text not in ("''", "")
     assert imported == "False", "the bundled model's start-up imported transformers"
+
+
+def test_encoding_a_long_text_lets_other_threads_run(both):
+    """The server tokenizes in a thread pool: a 5 MB prompt must not hold the GIL (the event
+    loop, /health included, runs meanwhile)."""
+    light, _ = both
+    text = "hello world, " * 400_000
+    ticks = []
+    done = threading.Event()
+
+    def tick():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.005)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        start = time.perf_counter()
+        light.encode(text)
+        took = time.perf_counter() - start
+    finally:
+        done.set()
+        ticker.join()
+    during = [t for t in ticks if start <= t <= start + took]
+    assert len(during) > 10 * took, f"{len(during)} ticks in {took:.2f} s of encoding"
