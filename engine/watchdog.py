@@ -1,10 +1,10 @@
 """Watchdog: the thread beside AsyncLLM's engine thread that fails an engine which cannot fail by
 itself.
 
-Two things never raise in the engine thread on their own: a step that never completes (a
-deadlocked collective, a SIGSTOPped or hung rank: the engine thread waits on it forever) and a
-worker that dies while the engine is idle (no call in flight notices it). Every `period` the
-watchdog asks the StallMonitor and the executor; on a stall it records the stall (for /health),
+A step that never completes (a deadlocked collective, a SIGSTOPped or hung rank) never raises in
+the engine thread on its own: the engine thread waits on it forever. (A worker that dies while the
+engine is idle is the engine thread's own check: LLMEngine.check_alive between idle waits.) Every
+`period` the watchdog asks the StallMonitor; on a stall it records the stall (for /health),
 aborts the executor (its workers are killed, the engine thread's wait raises the stall, and the
 engine thread fails the requests, then restarts or dies) and, if the engine thread does not come
 out within `grace_s` (a step stuck in this process: the uni backend), fails the requests itself.
@@ -51,11 +51,6 @@ class Watchdog:
         llm = self.llm
         if llm.monitor.stalled():
             self.tear_down_stall()
-            return
-        executor = getattr(llm.engine, "executor", None)
-        exited = executor.exited_worker() if executor is not None else None
-        if exited is not None:
-            llm.abort_engine(exited)
 
     def tear_down_stall(self) -> None:
         llm = self.llm

@@ -173,11 +173,6 @@ class RemoteWorker:
         exit = self.node.exited.get(self.rank)
         return None if exit is None else exit[1]
 
-    def poll(self) -> int | None:
-        """The exit code its node's agent has reported, or None (the executor's waits read
-        the agent's reports)."""
-        return self.returncode
-
     def wait(self, timeout: float) -> int | None:
         deadline = time.monotonic() + timeout
         while self.returncode is None and not self.node.lost:

@@ -232,11 +232,6 @@ class Executor(ABC):
         processes; None where the backend cannot tell (uni: the step runs in the caller)."""
         return None
 
-    def exited_worker(self) -> EngineDeadError | None:
-        """A worker that is gone although nothing was asked of it (an idle engine has no call
-        in flight to notice it); None while every worker runs. Any thread may call it."""
-        return None
-
     def abort(self, error: EngineDeadError) -> None:
         """Make the wait in progress, and every later call, raise `error`, and stop the workers
         at once (a stalled group would not answer a graceful shutdown). Any thread may call it."""

@@ -348,14 +348,6 @@ class MultiprocExecutor(Executor):
             reason=what,
         )
 
-    def exited_worker(self) -> WorkerError | None:
-        if self.is_dead:  # stopped on purpose, or the failure is already known
-            return None
-        for rank, process in enumerate(list(self.processes)):
-            if process.poll() is not None:
-                return self._worker_error(rank, describe_exit(process.returncode))
-        return None
-
     def _time_out(self, missing: set[int], timeout: float) -> None:
         self.is_dead = True
         self._stop_reason.append(f"worker ranks {sorted(missing)} did not answer in time")
@@ -373,6 +365,8 @@ class MultiprocExecutor(Executor):
 
     def _kill_workers(self) -> None:
         for process in list(self.processes):
+            if isinstance(process, RemoteWorker):
+                continue  # its pid is on another node: its agent stops it when the group ends
             if process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     # SIGKILL ends a stopped process too; SIGCONT first, so that none stays stopped

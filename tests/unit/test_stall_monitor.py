@@ -126,9 +126,6 @@ class FakeExecutor:
     def stalled_ranks(self) -> StalledRanks:
         return StalledRanks((0, 1), ((1, 99, "T"),))
 
-    def exited_worker(self) -> EngineDeadError | None:
-        return self.exited
-
     def abort(self, error: EngineDeadError) -> None:
         self.aborted = error
         if self.release_on_abort:
@@ -163,8 +160,9 @@ class Engine:
         return bool(self.requests)
 
     def check_alive(self) -> None:
-        """The real one raises for a worker gone while idle; here the watchdog sees that
-        (FakeExecutor.exited), as it does on the mp backend."""
+        """As the real one: a worker gone while the engine was idle fails it."""
+        if self.executor.exited is not None:
+            raise self.executor.exited
 
     def step(self) -> list[RequestOutput]:
         self.gate.wait(30)
