@@ -27,6 +27,8 @@ $(STAMP): pyproject.toml Makefile
 		|| echo "kernel not built: llmctl will decode with gather + SDPA"
 	$(PY) -m llmctl.engine.layers.quantization.kernels \
 		|| echo "kernel not built: quantized weights will run on dequantized tiles"
+	$(PY) -m llmctl.engine.layers.fused_decode \
+		|| echo "kernel not built: decode steps will run layer by layer"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -15,6 +15,7 @@ from llmctl.engine.distributed.parallel_state import get_tp_group
 from llmctl.engine.distributed.partition import PipelineShard, head_shards
 from llmctl.engine.layers.activation import SiluAndMul
 from llmctl.engine.layers.attention import Attention
+from llmctl.engine.layers.fused_decode import DecodeStack
 from llmctl.engine.layers.fused_moe import expert_param
 from llmctl.engine.layers.layernorm import RMSNorm
 from llmctl.engine.layers.linear import (
@@ -134,6 +135,12 @@ class LlamaModel(nn.Module):
         if shard.is_last:
             self.norm = RMSNorm(shape.hidden_size, config.rms_norm_eps)
 
+    def fused_decode(self, layers, hidden_states: torch.Tensor) -> DecodeStack | None:
+        """The C++ decode stack for this step, when every layer is a dense Llama layer."""
+        if not all(isinstance(layer.mlp, LlamaMLP) for layer in layers):
+            return None  # mixtures of experts run their modules
+        return DecodeStack.for_step(self, layers, hidden_states)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -145,8 +152,13 @@ class LlamaModel(nn.Module):
         else:
             hidden_states = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
-        for layer in self.layers[self.shard.start_layer : self.shard.end_layer]:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+        layers = self.layers[self.shard.start_layer : self.shard.end_layer]
+        fused = self.fused_decode(layers, hidden_states)
+        if fused is not None:  # a small decode step on the CPU: all layers in one C++ call
+            hidden_states, residual = fused(hidden_states, residual, positions)
+        else:
+            for layer in layers:
+                hidden_states, residual = layer(positions, hidden_states, residual)
         if not self.shard.is_last:
             return {"hidden_states": hidden_states, "residual": residual}
         hidden_states, _ = self.norm(hidden_states, residual)

@@ -1,0 +1,298 @@
+// A Llama-family decoder's decode step on the CPU in one call: every layer of a pipeline stage,
+// from the hidden states after the embedding (or the previous stage) to the last MLP's output.
+//
+// Single-stream decode of a small quantized model spends most of its time outside the matmuls:
+// ~40 torch ops and a dozen Python module calls per layer, each a few microseconds, against
+// ~0.2 ms of matmul. This does the same math with the Python and the per-op dispatch gone: the
+// elementwise work (RMSNorm with the residual add, RoPE, the KV-cache write, SiLU-and-mul) runs
+// as plain loops over the step's few rows, and the heavy parts call the same kernels the Python
+// path calls (the quantized matmul ops, the paged decode attention op, torch's GEMM for float
+// weights), looked up once through the dispatcher by the names the Python side gives.
+//
+// Per layer (HF's LlamaDecoderLayer, as engine/models/llama.py computes it):
+//   residual += h (or residual = h at the stage's first layer); x = rmsnorm(residual)
+//   q, k, v = split(x W_qkv^T + b); [q, k = per-head rmsnorm (Qwen3)]; rope(q, k)
+//   kv_cache[slot] = k, v; a = paged_attention(q); residual += a W_o^T; x = rmsnorm(residual)
+//   h = (silu(x W_gate^T) * x W_up^T) W_down^T
+//
+// A linear is one or more row blocks ("parts"; a GGUF Q4_K_M layer mixes Q4_K and Q6_K rows),
+// each int4 or int8 packed (quantization/kernels.py's PackedLinearWeight) or float32 [N, K].
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#ifndef LLMCTL_OP_NAMESPACE
+#define LLMCTL_OP_NAMESPACE llmctl_fused_decode
+#endif
+
+namespace {
+
+using Int4Mm = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, int64_t);
+using Int8Mm = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
+using PagedAttention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, const at::Tensor&, double,
+                                  std::optional<int64_t>);
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> find_op(const std::string& name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "").typed<Sig>();
+}
+
+struct Part {
+  int64_t bits = 0;  // 4, 8; 0: a float32 [N, K] weight in q; -1: oneDNN's prepacked weight
+  int64_t group = 0;
+  at::Tensor q, scales, zeros;
+};
+
+struct Linear {
+  std::vector<Part> parts;
+  at::Tensor bias;  // undefined when the layer has none
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm, q_norm, k_norm, kv_cache;
+  Linear qkv, o, gate_up, down;
+};
+
+// x[M, H] -> w * (x * rsqrt(mean(x^2) + eps)), row by row (RMSNorm as layernorm.py computes it)
+void rmsnorm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t n, float eps,
+                  int64_t x_stride, int64_t out_stride) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_stride;
+    float* o = out + r * out_stride;
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; ++i) o[i] = w[i] * (xr[i] * inv);
+  }
+}
+
+class DecodeStack : public torch::CustomClassHolder {
+ public:
+  // tensors: cos_cache, sin_cache, then per layer: input_norm, post_norm, kv_cache, q_norm?,
+  //   k_norm? (when qk_norm), then for qkv, o, gate_up, down: per part q, scales, zeros (an
+  //   empty tensor when none), then the bias when it has one.
+  // meta: num_layers, num_heads, num_kv_heads, head_dim, qk_norm, then per layer and linear:
+  //   num_parts, has_bias, then per part: bits, group.
+  // ops: the qualified names of int4_group_mm, int8_group_mm and paged_decode_attention.
+  DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> meta, double eps,
+              double scale, std::string int4_op, std::string int8_op, std::string attention_op)
+      : eps_(static_cast<float>(eps)), scale_(scale) {
+    size_t t = 0, m = 0;
+    auto next_t = [&]() {
+      TORCH_CHECK(t < tensors.size(), "DecodeStack: too few tensors");
+      return tensors[t++];
+    };
+    auto next_m = [&]() {
+      TORCH_CHECK(m < meta.size(), "DecodeStack: too few meta values");
+      return meta[m++];
+    };
+    cos_ = next_t().contiguous();
+    sin_ = next_t().contiguous();
+    const int64_t num_layers = next_m();
+    num_heads_ = next_m();
+    num_kv_heads_ = next_m();
+    head_dim_ = next_m();
+    const bool qk_norm = next_m() != 0;
+    auto read_linear = [&]() {
+      Linear lin;
+      const int64_t num_parts = next_m();
+      const bool has_bias = next_m() != 0;
+      for (int64_t p = 0; p < num_parts; ++p) {
+        Part part;
+        part.bits = next_m();
+        part.group = next_m();
+        part.q = next_t();
+        part.scales = next_t();
+        part.zeros = next_t();
+        lin.parts.push_back(part);
+      }
+      if (has_bias) lin.bias = next_t();
+      return lin;
+    };
+    for (int64_t i = 0; i < num_layers; ++i) {
+      Layer layer;
+      layer.input_norm = next_t();
+      layer.post_norm = next_t();
+      layer.kv_cache = next_t();
+      if (qk_norm) {
+        layer.q_norm = next_t();
+        layer.k_norm = next_t();
+      }
+      layer.qkv = read_linear();
+      layer.o = read_linear();
+      layer.gate_up = read_linear();
+      layer.down = read_linear();
+      layers_.push_back(std::move(layer));
+    }
+    TORCH_CHECK(t == tensors.size() && m == meta.size(), "DecodeStack: unused inputs");
+    mkldnn_linear_ = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    if (!int4_op.empty()) int4_ = find_op<Int4Mm>(int4_op);
+    if (!int8_op.empty()) int8_ = find_op<Int8Mm>(int8_op);
+    attention_ = find_op<PagedAttention>(attention_op);
+  }
+
+  // hidden: [M, H] float32; residual: [M, H] or None at the model's first layer; positions,
+  // slot_mapping: [M] int64; block_tables [M, width], seq_lens [M]: the decode attention's.
+  // Returns (the last MLP's output, the residual), as LlamaModel's layer loop leaves them.
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, std::optional<at::Tensor> residual,
+                                             at::Tensor positions, at::Tensor slot_mapping,
+                                             at::Tensor block_tables, at::Tensor seq_lens,
+                                             std::optional<int64_t> sliding_window) {
+    TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat,
+                "hidden must be float32 [num_tokens, hidden_size]");
+    const int64_t M = hidden.size(0), H = hidden.size(1);
+    const int64_t D = head_dim_, half = D / 2;
+    const int64_t q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
+    at::Tensor h = hidden.contiguous();
+    bool have_residual = residual.has_value();
+    // Our own residual buffer: the caller's tensors are not written.
+    at::Tensor res = have_residual ? residual->clone(at::MemoryFormat::Contiguous)
+                                   : at::empty({M, H}, hidden.options());
+    at::Tensor x = at::empty({M, H}, hidden.options());
+    const at::Tensor pos = positions.contiguous();
+    const at::Tensor slots = slot_mapping.contiguous();
+    const int64_t* pos_p = pos.data_ptr<int64_t>();
+    const int64_t* slot_p = slots.data_ptr<int64_t>();
+    const float* cos_p = cos_.data_ptr<float>();
+    const float* sin_p = sin_.data_ptr<float>();
+    const int64_t rope_width = cos_.size(1);
+
+    for (auto& L : layers_) {
+      add_and_norm(h, res, x, L.input_norm, have_residual);
+      have_residual = true;
+      at::Tensor qkv = linear(x, L.qkv);  // [M, q + 2 kv]
+      float* qkv_p = qkv.data_ptr<float>();
+      const int64_t ld = qkv.size(1);
+      if (L.q_norm.defined()) {  // Qwen3: per-head RMSNorm of q and k before RoPE
+        for (int64_t r = 0; r < M; ++r) {
+          float* row = qkv_p + r * ld;
+          rmsnorm_rows(row, L.q_norm.data_ptr<float>(), row, num_heads_, D, eps_, D, D);
+          rmsnorm_rows(row + q_size, L.k_norm.data_ptr<float>(), row + q_size, num_kv_heads_, D,
+                       eps_, D, D);
+        }
+      }
+      // RoPE, "rotate half": x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin
+      for (int64_t r = 0; r < M; ++r) {
+        const float* c = cos_p + pos_p[r] * rope_width;
+        const float* s = sin_p + pos_p[r] * rope_width;
+        float* row = qkv_p + r * ld;
+        for (int64_t head = 0; head < num_heads_ + num_kv_heads_; ++head) {
+          float* v = row + head * D;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = v[i], x2 = v[i + half];
+            v[i] = x1 * c[i] + (-x2) * s[i];
+            v[i + half] = x2 * c[i + half] + x1 * s[i + half];
+          }
+        }
+      }
+      // The new token's key and value into its slot of the paged cache.
+      at::Tensor key_cache = L.kv_cache.select(0, 0), value_cache = L.kv_cache.select(0, 1);
+      float* kc = key_cache.data_ptr<float>();
+      float* vc = value_cache.data_ptr<float>();
+      const int64_t slot_stride = num_kv_heads_ * D;  // [num_blocks * block_size, kvh, D] rows
+      for (int64_t r = 0; r < M; ++r) {
+        if (slot_p[r] < 0) continue;
+        const float* row = qkv_p + r * ld;
+        std::copy(row + q_size, row + q_size + kv_size, kc + slot_p[r] * slot_stride);
+        std::copy(row + q_size + kv_size, row + q_size + 2 * kv_size,
+                  vc + slot_p[r] * slot_stride);
+      }
+      at::Tensor q = qkv.narrow(1, 0, q_size).contiguous().view({M, num_heads_, D});
+      at::Tensor attn =
+          attention_->call(q, key_cache, value_cache, block_tables, seq_lens, scale_,
+                          sliding_window)
+              .view({M, q_size});
+      at::Tensor o = linear(attn, L.o);
+      add_and_norm(o, res, x, L.post_norm, true);
+      at::Tensor gu = linear(x, L.gate_up);  // [M, 2 I] as [gate | up]
+      const int64_t I = gu.size(1) / 2;
+      at::Tensor act = at::empty({M, I}, hidden.options());
+      const float* gu_p = gu.data_ptr<float>();
+      float* act_p = act.data_ptr<float>();
+      for (int64_t r = 0; r < M; ++r) {
+        const float* g = gu_p + r * 2 * I;
+        const float* u = g + I;
+        float* a = act_p + r * I;
+        for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      }
+      h = linear(act, L.down);
+    }
+    return std::make_tuple(h, res);
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  // res += h (res = h when there is none yet); x = rmsnorm(res) * w
+  void add_and_norm(const at::Tensor& h, at::Tensor& res, at::Tensor& x, const at::Tensor& w,
+                    bool have_residual) {
+    const int64_t n = h.numel();
+    const float* hp = h.data_ptr<float>();
+    float* rp = res.data_ptr<float>();
+    if (have_residual) {
+      for (int64_t i = 0; i < n; ++i) rp[i] = hp[i] + rp[i];
+    } else {
+      std::copy(hp, hp + n, rp);
+    }
+    const int64_t H = h.size(1);
+    rmsnorm_rows(rp, w.data_ptr<float>(), x.data_ptr<float>(), h.size(0), H, eps_, H, H);
+  }
+
+  at::Tensor part_mm(const at::Tensor& x, const Part& p) {
+    if (p.bits == 4) return int4_->call(x, p.q, p.scales, p.zeros, p.group);
+    if (p.bits == 8) return int8_->call(x, p.q, p.scales, p.group);
+    if (p.bits == -1) {  // linear.py's prepacked float weight: mkldnn::_linear_pointwise
+      torch::jit::Stack stack{x, p.q, c10::IValue(), std::string("none"),
+                              c10::List<std::optional<c10::Scalar>>(), std::string("")};
+      mkldnn_linear_->callBoxed(&stack);
+      return stack[0].toTensor();
+    }
+    return at::mm(x, p.q.t());
+  }
+
+  at::Tensor linear(const at::Tensor& x, const Linear& lin) {
+    at::Tensor y;
+    if (lin.parts.size() == 1) {
+      y = part_mm(x, lin.parts[0]);
+    } else {
+      std::vector<at::Tensor> outs;
+      for (const auto& p : lin.parts) outs.push_back(part_mm(x, p));
+      y = at::cat(outs, 1);
+    }
+    if (lin.bias.defined()) y.add_(lin.bias);
+    return y;
+  }
+
+  float eps_;
+  double scale_;
+  int64_t num_heads_ = 0, num_kv_heads_ = 0, head_dim_ = 0;
+  at::Tensor cos_, sin_;
+  std::vector<Layer> layers_;
+  std::optional<c10::TypedOperatorHandle<Int4Mm>> int4_;
+  std::optional<c10::TypedOperatorHandle<Int8Mm>> int8_;
+  std::optional<c10::TypedOperatorHandle<PagedAttention>> attention_;
+  std::optional<c10::OperatorHandle> mkldnn_linear_;
+};
+
+}  // namespace
+
+// TORCH_LIBRARY pastes its namespace argument: expand LLMCTL_OP_NAMESPACE first.
+#define LLMCTL_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+
+LLMCTL_LIBRARY(LLMCTL_OP_NAMESPACE, m) {
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double, double, std::string,
+                       std::string, std::string>())
+      .def("forward", &DecodeStack::forward)
+      .def("num_layers", &DecodeStack::num_layers);
+}

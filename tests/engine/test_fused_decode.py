@@ -1,0 +1,70 @@
+"""The CPU decode step in one C++ call (engine/layers/fused_decode.py) against the module path.
+
+Every family it takes (Llama with GQA, Mistral's sliding window, Qwen2's QKV bias, float
+weights prepacked for oneDNN, int4/int8 packed weights, GGUF blocks) must give the module path's
+greedy tokens, alone and in a batch, and each test checks that the fused stack really ran (and,
+under LLMCTL_FUSED_DECODE=0, that it did not): a silently skipped fast path would pass otherwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+from support import random_prompts
+
+from test_quantized import assert_same_greedy, tiny_prompts, write_tiny_gguf
+
+from llmctl.engine import LLM, SamplingParams
+from llmctl.engine.layers.fused_decode import DecodeStack, kernel_available
+
+pytestmark = pytest.mark.skipif(not kernel_available(), reason="no C++ compiler for the kernel")
+
+TINY = dict(use_tqdm_on_load=False, dtype="float32", kv_cache_space_gib=0.02, max_model_len=128)
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+
+
+def fused_stack(llm: LLM):
+    """The decoder's DecodeStack after a generate (False when it was found not to fit)."""
+    model = llm.llm_engine.executor.worker.model_runner.model
+    return model.model.__dict__.get("_fused_decode_stack")
+
+
+def run(path, monkeypatch, fused: bool, prompts, **kw):
+    monkeypatch.setenv("LLMCTL_FUSED_DECODE", "1" if fused else "0")
+    llm = LLM(str(path), **TINY, **kw)
+    with llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        stack = fused_stack(llm)
+    assert isinstance(stack, DecodeStack) if fused else stack is False
+    return outputs
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_fused_decode_gives_the_module_paths_tokens(family, quantization, tiny_models, monkeypatch):
+    path = tiny_models.path(family)
+    # One alone, then a batch of 5 with different lengths (Mistral's window of 24 is crossed).
+    for prompts in (random_prompts([7]), random_prompts([3, 9, 17, 30, 40], seed=1)):
+        fused = run(path, monkeypatch, True, prompts, quantization=quantization)
+        modules = run(path, monkeypatch, False, prompts, quantization=quantization)
+        assert_same_greedy(fused, modules)
+
+
+def test_fused_decode_on_gguf_blocks_matches_the_module_path(tmp_path, monkeypatch):
+    # Q4_K_M's mix: a layer's qkv is Q4_K rows then Q6_K rows, two parts of one linear.
+    tiny_gguf = tmp_path / "tiny-q4_k_m.gguf"
+    types = {"default": "Q4_K", "token_embd": "Q6_K", "attn_v": "Q6_K", "ffn_down": "Q6_K"}
+    write_tiny_gguf(tiny_gguf, types=types, hidden=256)
+    fused = run(tiny_gguf, monkeypatch, True, tiny_prompts(), skip_tokenizer_init=True)
+    modules = run(tiny_gguf, monkeypatch, False, tiny_prompts(), skip_tokenizer_init=True)
+    assert_same_greedy(fused, modules)
+
+
+def test_a_pipeline_stage_runs_its_own_layers_fused(tiny_models, monkeypatch):
+    path = tiny_models.path("llama")
+    prompts = random_prompts([5, 12])
+    # pp=2 over mp workers: each stage's worker builds the stack of its layers (the second
+    # stage starting from the first's residual); the tokens say whether both were right.
+    monkeypatch.setenv("LLMCTL_FUSED_DECODE", "1")
+    with LLM(str(path), pipeline_parallel_size=2, **TINY) as llm:
+        split = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_same_greedy(split, run(path, monkeypatch, False, prompts))
