@@ -51,9 +51,10 @@ class DecodeStack:
         self.stack = namespace.DecodeStack(tensors, meta, float(eps), float(attn.scale), *ops)
 
     def current(self, layers: Sequence[nn.Module]) -> bool:
-        return len(layers) == len(self.caches) and all(
-            layer.self_attn.attn.kv_cache is cache for layer, cache in zip(layers, self.caches)
-        )
+        if len(layers) != len(self.caches):
+            return False
+        pairs = zip(layers, self.caches, strict=True)
+        return all(layer.self_attn.attn.kv_cache is cache for layer, cache in pairs)
 
     def __call__(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor

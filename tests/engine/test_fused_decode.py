@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 from support import random_prompts
-
 from test_quantized import assert_same_greedy, tiny_prompts, write_tiny_gguf
 
 from llmctl.engine import LLM, SamplingParams
