@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from llmctl.engine import platform
 from llmctl.engine.async_llm import AsyncLLM
 from llmctl.engine.engine_args import EngineArgs
 from llmctl.engine.errors import LLMCtlError
@@ -83,6 +84,9 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        # Set-up's temporaries (the vocabulary scan below, the app's import) leave the heap:
+        # the allocator is tuned never to shrink it by itself (platform.tune_cpu_allocator).
+        platform.release_free_heap()
         if on_ready is not None:
             on_ready()
         yield
