@@ -2,8 +2,8 @@
 
 Single-stream decode of a small model is bound by per-op overhead, not by the matmuls: SmolLM2's
 30 layers make ~1200 torch ops and ~500 module calls a token. `DecodeStack` runs the same layers
-(RMSNorm with the residual add, QKV, optional per-head q/k norm, RoPE, the KV-cache write, paged
-decode attention, O, SiLU-gated MLP) in one call, with the same kernels for the heavy parts: the
+(RMSNorm with the residual add, QKV, RoPE, the KV-cache write, paged decode attention, O,
+SiLU-gated MLP) in one call, with the same kernels for the heavy parts: the
 packed quantized matmuls (quantization/kernels.py), the paged decode attention kernel
 (paged_attention_cpu.py) and torch's GEMM for float weights. Results match the module path up to
 float rounding (reduction order in the norms, FMA contraction).
@@ -167,6 +167,8 @@ def _fusable(layer: nn.Module) -> bool:
     mlp = getattr(layer, "mlp", None)
     if attn is None or not isinstance(getattr(mlp, "act_fn", None), SiluAndMul):
         return False
+    if attn.qk_norm:  # Qwen3's per-head q/k norm: not in the C++ layer
+        return False
     if attn.attn.kv_cache.dtype != torch.float32 or attn.attn.kv_cache.numel() == 0:
         return False
     if attn.rotary_emb.cos_cache.dtype != torch.float32 or attn.head_dim % 2:
@@ -185,13 +187,7 @@ def _flatten(layers: Sequence[nn.Module]) -> tuple[list[torch.Tensor], list[int]
     first = layers[0].self_attn
     rotary = first.rotary_emb
     tensors: list[torch.Tensor] = [rotary.cos_cache, rotary.sin_cache]
-    meta = [
-        len(layers),
-        first.attn.num_heads,
-        first.attn.num_kv_heads,
-        first.head_dim,
-        int(first.qk_norm),
-    ]
+    meta = [len(layers), first.attn.num_heads, first.attn.num_kv_heads, first.head_dim]
     for layer in layers:
         attn = layer.self_attn
         tensors += [
@@ -199,8 +195,6 @@ def _flatten(layers: Sequence[nn.Module]) -> tuple[list[torch.Tensor], list[int]
             layer.post_attention_layernorm.weight,
             attn.attn.kv_cache,
         ]
-        if attn.qk_norm:
-            tensors += [attn.q_norm.weight, attn.k_norm.weight]
         for linear in _linears(layer):
             parts = _parts(linear)
             meta += [len(parts), int(linear.bias is not None)]

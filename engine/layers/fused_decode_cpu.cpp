@@ -11,7 +11,7 @@
 //
 // Per layer (HF's LlamaDecoderLayer, as engine/models/llama.py computes it):
 //   residual += h (or residual = h at the stage's first layer); x = rmsnorm(residual)
-//   q, k, v = split(x W_qkv^T + b); [q, k = per-head rmsnorm (Qwen3)]; rope(q, k)
+//   q, k, v = split(x W_qkv^T + b); rope(q, k)
 //   kv_cache[slot] = k, v; a = paged_attention(q); residual += a W_o^T; x = rmsnorm(residual)
 //   h = (silu(x W_gate^T) * x W_up^T) W_down^T
 //
@@ -59,7 +59,7 @@ struct Linear {
 };
 
 struct Layer {
-  at::Tensor input_norm, post_norm, q_norm, k_norm, kv_cache;
+  at::Tensor input_norm, post_norm, kv_cache;
   Linear qkv, o, gate_up, down;
 };
 
@@ -78,10 +78,10 @@ void rmsnorm_rows(const float* x, const float* w, float* out, int64_t rows, int6
 
 class DecodeStack : public torch::CustomClassHolder {
  public:
-  // tensors: cos_cache, sin_cache, then per layer: input_norm, post_norm, kv_cache, q_norm?,
-  //   k_norm? (when qk_norm), then for qkv, o, gate_up, down: per part q, scales, zeros (an
-  //   empty tensor when none), then the bias when it has one.
-  // meta: num_layers, num_heads, num_kv_heads, head_dim, qk_norm, then per layer and linear:
+  // tensors: cos_cache, sin_cache, then per layer: input_norm, post_norm, kv_cache, then for
+  //   qkv, o, gate_up, down: per part q, scales, zeros (an empty tensor when none), then the
+  //   bias when it has one.
+  // meta: num_layers, num_heads, num_kv_heads, head_dim, then per layer and linear:
   //   num_parts, has_bias, then per part: bits, group.
   // ops: the qualified names of int4_group_mm, int8_group_mm and paged_decode_attention.
   DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> meta, double eps,
@@ -102,7 +102,6 @@ class DecodeStack : public torch::CustomClassHolder {
     num_heads_ = next_m();
     num_kv_heads_ = next_m();
     head_dim_ = next_m();
-    const bool qk_norm = next_m() != 0;
     auto read_linear = [&]() {
       Linear lin;
       const int64_t num_parts = next_m();
@@ -124,10 +123,6 @@ class DecodeStack : public torch::CustomClassHolder {
       layer.input_norm = next_t();
       layer.post_norm = next_t();
       layer.kv_cache = next_t();
-      if (qk_norm) {
-        layer.q_norm = next_t();
-        layer.k_norm = next_t();
-      }
       layer.qkv = read_linear();
       layer.o = read_linear();
       layer.gate_up = read_linear();
@@ -135,7 +130,8 @@ class DecodeStack : public torch::CustomClassHolder {
       layers_.push_back(std::move(layer));
     }
     TORCH_CHECK(t == tensors.size() && m == meta.size(), "DecodeStack: unused inputs");
-    mkldnn_linear_ = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    mkldnn_linear_ =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
     if (!int4_op.empty()) int4_ = find_op<Int4Mm>(int4_op);
     if (!int8_op.empty()) int8_ = find_op<Int8Mm>(int8_op);
     attention_ = find_op<PagedAttention>(attention_op);
@@ -166,6 +162,14 @@ class DecodeStack : public torch::CustomClassHolder {
     const float* cos_p = cos_.data_ptr<float>();
     const float* sin_p = sin_.data_ptr<float>();
     const int64_t rope_width = cos_.size(1);
+    TORCH_CHECK(pos.numel() == M && slots.numel() == M, "one position and slot per token");
+    const int64_t num_slots =
+        layers_.empty() ? 0 : layers_[0].kv_cache.size(1) * layers_[0].kv_cache.size(2);
+    for (int64_t r = 0; r < M; ++r) {  // the loops below index with these: check them first
+      TORCH_CHECK(pos_p[r] >= 0 && pos_p[r] < cos_.size(0), "position ", pos_p[r],
+                  " is outside the rotary table (", cos_.size(0), " positions)");
+      TORCH_CHECK(slot_p[r] < num_slots, "slot ", slot_p[r], " is outside the KV cache");
+    }
 
     for (auto& L : layers_) {
       add_and_norm(h, res, x, L.input_norm, have_residual);
@@ -173,14 +177,6 @@ class DecodeStack : public torch::CustomClassHolder {
       at::Tensor qkv = linear(x, L.qkv);  // [M, q + 2 kv]
       float* qkv_p = qkv.data_ptr<float>();
       const int64_t ld = qkv.size(1);
-      if (L.q_norm.defined()) {  // Qwen3: per-head RMSNorm of q and k before RoPE
-        for (int64_t r = 0; r < M; ++r) {
-          float* row = qkv_p + r * ld;
-          rmsnorm_rows(row, L.q_norm.data_ptr<float>(), row, num_heads_, D, eps_, D, D);
-          rmsnorm_rows(row + q_size, L.k_norm.data_ptr<float>(), row + q_size, num_kv_heads_, D,
-                       eps_, D, D);
-        }
-      }
       // RoPE, "rotate half": x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin
       for (int64_t r = 0; r < M; ++r) {
         const float* c = cos_p + pos_p[r] * rope_width;

@@ -67,3 +67,19 @@ def test_a_pipeline_stage_runs_its_own_layers_fused(tiny_models, monkeypatch):
     with LLM(str(path), pipeline_parallel_size=2, **TINY) as llm:
         split = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_same_greedy(split, run(path, monkeypatch, False, prompts))
+
+
+def test_positions_and_slots_outside_the_tables_are_refused(tiny_models, monkeypatch):
+    import torch
+
+    monkeypatch.setenv("LLMCTL_FUSED_DECODE", "1")
+    with LLM(str(tiny_models.path("llama")), **TINY) as llm:
+        llm.generate(random_prompts([4]), GREEDY, use_tqdm=False)
+        stack = fused_stack(llm).stack
+        hidden = torch.zeros(1, 64)
+        tables, lens = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+        one = torch.zeros(1, dtype=torch.long)
+        with pytest.raises(RuntimeError, match="outside the rotary table"):
+            stack.forward(hidden, None, one + 10**6, one, tables, lens, None)
+        with pytest.raises(RuntimeError, match="outside the KV cache"):
+            stack.forward(hidden, None, one, one + 10**9, tables, lens, None)
