@@ -202,7 +202,8 @@ class DPCoordinator:
     def _wait_ready(self, replica: JoinedReplica) -> dict:
         """Until the node has built the replica's engine (its "ready" report)."""
         try:
-            message = replica.first or replica.conn.recv()
+            # kept in `first`, so that left() never reads from the replica's connection again
+            message = replica.first = replica.first or replica.conn.recv()
         except (EOFError, OSError):
             raise DataParallelJoinError(
                 f"{replica.describe()} closed its connection to the head before its engine "
@@ -246,6 +247,11 @@ class DPCoordinator:
         rank, host, pid = int(hello["dp_rank"]), str(hello["host"]), int(hello["pid"])
         with self._lock:
             other = self.joined.get(rank)
+            if other is not None and other.left():  # its node went away before "ready"
+                logger.warning("%s left before the head started", other.describe())
+                other.conn.close()
+                del self.joined[rank]
+                other = None
             if other is not None or self._closed:
                 if other is None:
                     return _refuse(sock, "the head accepts no more replicas", "start it again")

@@ -55,9 +55,8 @@ def run_dp_headless(engine_args) -> None:
     replicas: list[AsyncLLM] = []
     try:
         for rank in placement.local_ranks:
-            conns[rank] = join_head(
-                placement, replica_hello(placement, config, rank), deadline, engine_args
-            )
+            hello = replica_hello(placement, config, rank)
+            conns[rank] = join_head(placement, hello, engine_args.rendezvous_timeout, deadline)
         logger.info(
             "Data-parallel replicas %s joined the head at %s; building their engines",
             placement.local_ranks,
@@ -155,6 +154,9 @@ class ReplicaServer:
             for task in self._tasks.values():
                 task.cancel()
             await asyncio.gather(reporter, *self._tasks.values(), return_exceptions=True)
+            # the replica's workers stop before the head learns it ended (the connection's end)
+            await asyncio.to_thread(self.replica.shutdown)
+            self.conn.close()
 
     async def _run(self, request_id: str, prompt, params) -> None:
         try:
@@ -210,11 +212,15 @@ class ReplicaServer:
                 return
 
 
-def join_head(placement: DPPlacement, hello: dict, deadline: float, engine_args) -> Connection:
-    """Connect to the head, retrying until `deadline` (the head may start later), and join with
-    `hello`. An unreachable head ends in DataParallelJoinTimeoutError naming its address; a
-    refusal in DataParallelJoinError with the head's reason."""
+def join_head(
+    placement: DPPlacement, hello: dict, timeout: float, deadline: float | None = None
+) -> Connection:
+    """Connect to the head, retrying for `timeout` seconds or until `deadline` (the head may
+    start later), and join with `hello`. An unreachable head ends in
+    DataParallelJoinTimeoutError naming its address; a refusal in DataParallelJoinError with the
+    head's reason."""
     address, port, rank = placement.address, placement.port, hello["dp_rank"]
+    deadline = time.monotonic() + timeout if deadline is None else deadline
     where = placement.endpoint
     last = "nothing answered"
     while True:
@@ -222,7 +228,7 @@ def join_head(placement: DPPlacement, hello: dict, deadline: float, engine_args)
         if remaining <= 0:
             raise DataParallelJoinTimeoutError(
                 f"data-parallel replica {rank} could not reach the head at {where} within "
-                f"{engine_args.rendezvous_timeout:g} s (last error: {last})",
+                f"{timeout:g} s (last error: {last})",
                 f"start the head (llmctl serve MODEL -dp {placement.size} "
                 "--data-parallel-size-local L --data-parallel-address "
                 f"{address} --data-parallel-rpc-port {port}), check that --data-parallel-address "

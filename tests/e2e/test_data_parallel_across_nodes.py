@@ -209,3 +209,47 @@ def test_killing_the_remote_node_degrades_health_and_the_head_serves_on(group):
     # new requests go to the survivor and succeed
     assert len(asyncio.run(complete(head.url, PROMPTS, 4))) == len(PROMPTS)
     assert head.stop() == 0  # and nothing of the head is left (Server.stop checks)
+
+
+def test_a_head_without_replicas_serves_through_the_other_node(tiny_models, server_factory):
+    """vLLM's `--data-parallel-size-local 0`: the head runs the API server alone; the other node
+    runs both replicas (start rank 0); SIGTERM on the head ends them, and the node exits 0."""
+    model = str(tiny_models.path("llama"))
+    port = free_port()
+    flags = ("-dp", "2", "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port",
+             str(port))  # fmt: skip
+    node = subprocess.Popen(
+        [
+            LLMCTL,
+            "serve",
+            model,
+            *TINY_ARGS,
+            *flags,
+            "--data-parallel-size-local",
+            "2",
+            "--headless",
+            "--rendezvous-timeout",
+            "240",
+        ],  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        head = server_factory(model, *TINY_ARGS, *flags, "--data-parallel-size-local", "0")
+        assert not live_pids(parent=head.process.pid)  # no worker on the head
+        answers = asyncio.run(complete(head.url, PROMPTS, 6))
+        assert [len(a) for a in answers] == [6] * len(PROMPTS)
+        prompt_tokens = per_replica(head.url, "llmctl:prompt_tokens_total")
+        assert set(prompt_tokens) == {"0", "1"} and all(v > 0 for v in prompt_tokens.values())
+        assert head.stop() == 0
+        out, _ = node.communicate(timeout=60)
+        assert node.returncode == 0, out
+        assert "Data-parallel replica 0: the head ended it" in out
+        deadline = time.monotonic() + 10
+        while live_pids(session=node.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not live_pids(session=node.pid)
+    finally:
+        kill_session(node)
