@@ -140,6 +140,12 @@ class ReplicaServer:
                     if task is not None:
                         task.cancel()
                 elif kind == "shutdown":
+                    reason = message[1]
+                    if reason:  # the head failed to start (a replica of another node, ...)
+                        return EngineDeadError(
+                            f"the head ended data-parallel replica {self.rank}: {reason}",
+                            "see the head's log for more",
+                        )
                     logger.info("Data-parallel replica %d: the head ended it", self.rank)
                     return None
                 elif kind == "lost":

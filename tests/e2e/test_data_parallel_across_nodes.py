@@ -253,3 +253,24 @@ def test_a_head_without_replicas_serves_through_the_other_node(tiny_models, serv
         assert not live_pids(session=node.pid)
     finally:
         kill_session(node)
+
+
+def test_a_node_whose_head_dies_stops_its_replicas_and_names_the_head(tiny_models, server_factory):
+    model = str(tiny_models.path("llama"))
+    port = free_port()
+    node = headless_node(model, port)
+    try:
+        head = server_factory(model, *TINY_ARGS, *dp_flags(port))
+        kill_session(head.process)  # the head's host dies: no "shutdown" reaches the node
+        out, _ = node.communicate(timeout=60)
+        assert node.returncode == 1, out
+        assert (
+            f"error: the head at 127.0.0.1:{port} closed its connection to data-parallel "
+            "replica 1 without ending it" in out
+        )
+        deadline = time.monotonic() + 10
+        while live_pids(session=node.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not live_pids(session=node.pid)  # its replica's worker stopped too
+    finally:
+        kill_session(node)
