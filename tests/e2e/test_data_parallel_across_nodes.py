@@ -169,6 +169,32 @@ def test_a_rank_given_twice_is_refused_while_the_group_runs(group, extra, messag
     assert "--data-parallel-start-rank" in out  # the hint
 
 
+def test_a_client_that_goes_away_aborts_its_request_on_the_remote_node(group):
+    head = group.head
+    running = lambda: per_replica(head.url, "llmctl:num_requests_running")  # noqa: E731
+    generated = lambda: per_replica(head.url, "llmctl:generation_tokens_total")  # noqa: E731
+    before = generated()
+    streams = [
+        head.client().completions.create(
+            model="tiny",
+            prompt=[11 + i] * 5,
+            max_tokens=250,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    for stream in streams:
+        next(iter(stream))  # streaming: the request runs on its replica
+    wait_until(lambda: running() == {"0": 1.0, "1": 1.0}, 60, "one request per replica")
+    for stream in streams:
+        stream.close()  # the client disconnects mid-stream
+    wait_until(lambda: running() == {"0": 0.0, "1": 0.0}, 30, "both requests gone")
+    # aborted, not finished: each replica generated fewer than its request's 250 tokens
+    after = generated()
+    assert all(after[r] - before[r] < 250 for r in ("0", "1")), (before, after)
+
+
 def test_killing_the_remote_node_degrades_health_and_the_head_serves_on(group):
     head = group.head
     outcomes: dict[int, str] = {}
