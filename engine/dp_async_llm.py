@@ -104,7 +104,9 @@ class DPAsyncLLM:
         if placement.remote_ranks:
             from llmctl.engine.dp_coordinator import DPCoordinator
 
-            coordinator = DPCoordinator(placement, config, engine_args.rendezvous_timeout)
+            coordinator = DPCoordinator(
+                placement, config, engine_args.rendezvous_timeout, engine_args.stall_timeout
+            )
         try:
             replicas = start_replicas(
                 replica_configs(config, placement.local), engine_args, progress

@@ -107,12 +107,20 @@ class JoinedReplica:
 
 
 class DPCoordinator:
-    def __init__(self, placement: DPPlacement, config: EngineConfig, timeout: float) -> None:
+    def __init__(
+        self,
+        placement: DPPlacement,
+        config: EngineConfig,
+        timeout: float,
+        silence_timeout: float = 0.0,
+    ) -> None:
         """Bind the head's address and port (typed errors name them), then accept replicas in
-        a thread until close()."""
+        a thread until close(). `timeout`: seconds the replicas have to join;
+        `silence_timeout`: see RemoteReplica."""
         self.placement = placement
         self.config = config
         self.timeout = timeout
+        self.silence_timeout = silence_timeout
         self.joined: dict[int, JoinedReplica] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -144,7 +152,9 @@ class DPCoordinator:
             raise
         engine = EngineView.of(self.config) if self.placement.local == 0 else None
         return [
-            RemoteReplica(joined[rank], reports[rank], self.placement.endpoint, engine)
+            RemoteReplica(
+                joined[rank], reports[rank], self.placement.endpoint, engine, self.silence_timeout
+            )
             for rank in sorted(joined)
         ]
 

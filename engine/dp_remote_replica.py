@@ -7,10 +7,11 @@ a remote replica as a local one. A reader thread takes the node's frames and han
 request's asyncio queue (call_soon_threadsafe), as AsyncLLM's engine thread does.
 
 When the connection ends without the head's "shutdown" (the node died, was stopped, or its
-network went away), the replica is dead: every request in flight there gets EngineDeadError
-naming the replica and its host, and /health turns degraded. Sends happen on the caller's event
-loop; they are small (a prompt, an abort), and a node that stops reading is seen as the
-connection's end by TCP keep-alive (rendezvous.tune).
+network went away), or the node sends nothing for the head's --stall-timeout (a stopped or hung
+node: it reports every REPORT_INTERVAL_S, idle or not), the replica is dead: every request in
+flight there gets EngineDeadError naming the replica and its host, and /health turns degraded.
+Sends happen on the caller's event loop; they are small (a prompt, an abort), and a node that
+stops reading is seen as the connection's end by TCP keep-alive (rendezvous.tune).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmctl.engine.config import EngineConfig
-from llmctl.engine.dp_coordinator import JoinedReplica
+from llmctl.engine.dp_coordinator import REPORT_INTERVAL_S, JoinedReplica
 from llmctl.engine.errors import EngineDeadError, EngineStalledError, InvalidRequestError
 from llmctl.engine.llm_engine import EngineStats, PromptType
 from llmctl.engine.outputs import RequestOutput
@@ -65,8 +66,15 @@ class _ReportedMonitor:
 
 class RemoteReplica:
     def __init__(
-        self, joined: JoinedReplica, report: dict, head: str, engine: EngineView | None = None
+        self,
+        joined: JoinedReplica,
+        report: dict,
+        head: str,
+        engine: EngineView | None = None,
+        silence_timeout: float = 0.0,
     ) -> None:
+        """`silence_timeout` (the head's --stall-timeout; 0: never): a node that sends nothing
+        for so long (it reports every REPORT_INTERVAL_S) is declared stalled."""
         self.rank = joined.rank
         self.host = joined.host
         self.pid = joined.pid
@@ -75,6 +83,8 @@ class RemoteReplica:
         self.dead_error: EngineDeadError | None = None
         self.monitor = _ReportedMonitor(self)
         self._head = head
+        self._silence_timeout = silence_timeout
+        self._silent = False  # the node sent nothing for silence_timeout
         self._conn = joined.conn
         self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._lock = threading.Lock()  # orders registering a stream against the replica's death
@@ -171,8 +181,12 @@ class RemoteReplica:
             pass  # the reader sees the connection's end and fails the requests
 
     def _read(self) -> None:
+        silence = self._silence_timeout or None
         while True:
             try:
+                if not self._conn.poll(silence):
+                    self._silent = True
+                    break
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
@@ -191,6 +205,14 @@ class RemoteReplica:
     def _lost(self) -> None:
         if self._stopping:
             error = EngineDeadError(f"{self.describe()} was shut down")
+        elif self._silent:
+            error = EngineStalledError(
+                f"{self.describe()} sent nothing for {self._silence_timeout:g} s (it reports "
+                f"every {REPORT_INTERVAL_S:g} s): its node is stopped, hung or unreachable",
+                "see that node; the head closed its connection, so it stops its replica when it "
+                "resumes (raise --stall-timeout if its node is only slow)",
+            )
+            self._conn.close()
         else:
             error = EngineDeadError(
                 f"{self.describe()} lost its connection to the head at {self._head}: its "

@@ -140,9 +140,10 @@ def test_both_nodes_serve_and_match_the_single_engine(group):
         kv_cache_space_gib=0.02,
         distributed_executor_backend="uni",
     ) as llm:
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
         offline = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    assert asyncio.run(complete(group.head.url, PROMPTS, 12)) == offline
+    # concurrent and long enough to overlap: the router spreads them over both replicas
+    assert asyncio.run(complete(group.head.url, PROMPTS, 64)) == offline
     prompt_tokens = per_replica(group.head.url, "llmctl:prompt_tokens_total")
     assert set(prompt_tokens) == {"0", "1"} and all(v > 0 for v in prompt_tokens.values())
     assert per_replica(group.head.url, "llmctl:engine_alive") == {"0": 1.0, "1": 1.0}
@@ -265,8 +266,8 @@ def test_a_head_without_replicas_serves_through_the_other_node(tiny_models, serv
     try:
         head = server_factory(model, *TINY_ARGS, *flags, "--data-parallel-size-local", "0")
         assert not live_pids(parent=head.process.pid)  # no worker on the head
-        answers = asyncio.run(complete(head.url, PROMPTS, 6))
-        assert [len(a) for a in answers] == [6] * len(PROMPTS)
+        answers = asyncio.run(complete(head.url, PROMPTS, 64))  # long enough to overlap
+        assert [len(a) for a in answers] == [64] * len(PROMPTS)
         prompt_tokens = per_replica(head.url, "llmctl:prompt_tokens_total")
         assert set(prompt_tokens) == {"0", "1"} and all(v > 0 for v in prompt_tokens.values())
         assert head.stop() == 0
@@ -299,4 +300,53 @@ def test_a_node_whose_head_dies_stops_its_replicas_and_names_the_head(tiny_model
             time.sleep(0.1)
         assert not live_pids(session=node.pid)  # its replica's worker stopped too
     finally:
+        kill_session(node)
+
+
+def test_a_stopped_remote_node_is_declared_stalled_after_the_stall_timeout(
+    tiny_models, server_factory
+):
+    """SIGSTOP on the node (its host hangs): the head hears nothing from replica 1 for
+    --stall-timeout seconds, fails its request in flight and serves on with replica 0; the node,
+    continued, finds its connection closed and stops its replica."""
+    model = str(tiny_models.path("llama"))
+    port = free_port()
+    node = headless_node(model, port)
+    try:
+        head = server_factory(model, *TINY_ARGS, *dp_flags(port), "--stall-timeout", "3")
+        outcomes: dict[int, str] = {}
+
+        def long_request(i: int) -> None:
+            try:
+                stream = head.client().completions.create(
+                    model="tiny", prompt=[21 + i] * 5, max_tokens=250, stream=True,
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                for _ in stream:
+                    pass
+                outcomes[i] = "finished"
+            except openai.APIError as exc:
+                outcomes[i] = f"error: {exc}"
+
+        threads = [threading.Thread(target=long_request, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        running = lambda: per_replica(head.url, "llmctl:num_requests_running")  # noqa: E731
+        wait_until(lambda: running() == {"0": 1.0, "1": 1.0}, 60, "one request per replica")
+        os.kill(node.pid, signal.SIGSTOP)
+        for t in threads:
+            t.join(timeout=120)
+        assert sorted(o.split(":")[0] for o in outcomes.values()) == ["error", "finished"]
+        body = httpx.get(f"{head.url}/health", timeout=10).json()
+        assert body["status"] == "degraded"
+        assert "replica 1: data-parallel replica 1 on host" in body["message"]
+        assert "sent nothing for 3 s" in body["message"], body
+        assert len(asyncio.run(complete(head.url, PROMPTS[:2], 4))) == 2
+        os.kill(node.pid, signal.SIGCONT)
+        out, _ = node.communicate(timeout=60)
+        assert node.returncode == 1
+        assert "closed its connection to data-parallel replica 1 without ending it" in out
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(node.pid, signal.SIGCONT)
         kill_session(node)
