@@ -5,7 +5,9 @@
 Each replica is a whole engine (`--data-parallel-size N`): its own engine thread, scheduler, KV
 cache and executor with tp x pp worker processes (`mp`: their own rendezvous port, and on the CPU
 cores / (N x tp x pp) torch threads each, so replicas do not fight over cores). Replicas are built
-at the same time and share nothing but this process.
+at the same time and share nothing but this process. Across nodes (--data-parallel-size-local),
+the others run on --headless nodes and join here (engine/dp_coordinator.py); each is a
+RemoteReplica (engine/dp_remote_replica.py) with the same interface, routed as a local one.
 
 A replica whose worker dies fails its own requests in flight (EngineDeadError, as a single engine
 does) and is routed nothing more; the others serve on. A request that reached a replica already
