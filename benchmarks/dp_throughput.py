@@ -11,8 +11,14 @@ On a CPU each replica's workers get cores / 2 torch threads: the ratio measures 
 the cores into two engines buys over one engine with all of them (on GPUs each replica has its
 own devices, and the ratio approaches 2).
 
+`--across-nodes` adds a third run: dp=2 with replica 1 on a second "node" (`llmctl serve
+--headless --data-parallel-start-rank 1`, joined over 127.0.0.1), the head pinned to the first
+half of the cores and the node to the other half (taskset), so each replica has the threads it
+has in the one-node dp=2 run: the difference is what driving a replica over its socket costs.
+
     python benchmarks/dp_throughput.py                      # 128 requests at concurrency 32
     python benchmarks/dp_throughput.py --requests 8 --concurrency 4 --output-len 8   # smoke
+    python benchmarks/dp_throughput.py --across-nodes
 """
 
 from __future__ import annotations
@@ -82,12 +88,16 @@ async def run_load(base_url: str, prompts: list[list[int]], concurrency: int, ou
     }
 
 
-def start_server(port: int, dp: int, kv_gib: float) -> subprocess.Popen:
+LLMCTL = str(Path(sys.executable).with_name("llmctl"))
+
+
+def start_server(
+    port: int, dp: int, kv_gib: float, extra: tuple[str, ...] = (), prefix: tuple[str, ...] = ()
+) -> subprocess.Popen:
     import httpx
 
-    llmctl = str(Path(sys.executable).with_name("llmctl"))
-    cmd = [llmctl, "-q", "serve", "--port", str(port), "--served-model-name", "bench"]
-    cmd += ["--kv-cache-space-gib", str(kv_gib), "--data-parallel-size", str(dp)]
+    cmd = [*prefix, LLMCTL, "-q", "serve", "--port", str(port), "--served-model-name", "bench"]
+    cmd += ["--kv-cache-space-gib", str(kv_gib), "--data-parallel-size", str(dp), *extra]
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -111,11 +121,49 @@ def requests_per_replica(port: int) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(pattern, text)}
 
 
-def measure(dp: int, args) -> dict:
+def halves() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """taskset prefixes pinning two processes to the two halves of this process's cores."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cores) // 2)
+    first, second = cores[:half], cores[half:] or cores[:half]
+    return (("taskset", "-c", ",".join(map(str, first))),
+            ("taskset", "-c", ",".join(map(str, second))))  # fmt: skip
+
+
+def measure(dp: int, args, across_nodes: bool = False) -> dict:
     from llmctl.engine.distributed.ports import free_port
 
     port = free_port()
-    server = start_server(port, dp, args.kv_cache_space_gib)
+    node, extra, prefix = None, (), ()
+    if across_nodes:  # replica 1 on a --headless "node"
+        rpc = ("--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(free_port()))
+        head_cores, node_cores = halves()
+        node = subprocess.Popen(
+            [
+                *node_cores,
+                LLMCTL,
+                "-q",
+                "serve",
+                "--served-model-name",
+                "bench",
+                "--kv-cache-space-gib",
+                str(args.kv_cache_space_gib),
+                "-dp",
+                str(dp),
+                "--data-parallel-size-local",
+                "1",
+                "--data-parallel-start-rank",
+                "1",
+                *rpc,
+                "--headless",
+            ],  # fmt: skip
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        extra, prefix = ("--data-parallel-size-local", "1", *rpc), head_cores
+    server = start_server(port, dp, args.kv_cache_space_gib, extra, prefix)
     try:
         url = f"http://127.0.0.1:{port}/v1"
         warm = make_prompts(2, args.prompt_len, seed=99)
@@ -127,6 +175,12 @@ def measure(dp: int, args) -> dict:
     finally:
         server.terminate()
         server.wait(timeout=60)
+        if node is not None:  # it ends with the head; terminate it if the head did not start
+            try:
+                node.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                node.terminate()
+                node.wait(timeout=60)
 
 
 def main() -> None:
@@ -136,21 +190,29 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--kv-cache-space-gib", type=float, default=1.0)
+    parser.add_argument(
+        "--across-nodes", action="store_true", help="also dp=2 with replica 1 on a headless node"
+    )
     args = parser.parse_args()
-    results = {dp: measure(dp, args) for dp in (1, 2)}
+    results = {str(dp): measure(dp, args) for dp in (1, 2)}
+    if args.across_nodes:
+        results["2 (2 nodes)"] = measure(2, args, across_nodes=True)
     print(f"\nllmctl serve, SmolLM2-135M: {args.requests} requests, concurrency "
           f"{args.concurrency}, prompts of {args.prompt_len} token ids, {args.output_len} "
           "output tokens, streaming")  # fmt: skip
-    print(f"  {'':6s} {'req/s':>7s} {'out tok/s':>10s} {'TTFT p50':>9s} {'ITL p50':>8s}  "
+    print(f"  {'':14s} {'req/s':>7s} {'out tok/s':>10s} {'TTFT p50':>9s} {'ITL p50':>8s}  "
           "prompt tokens per replica")  # fmt: skip
     for dp, r in results.items():
         spread = ", ".join(
             f"{k}: {v:.0f}" for k, v in sorted(r["prompt_tokens_by_replica"].items())
         )
-        print(f"  dp={dp:<3d} {r['req_per_s']:7.2f} {r['tok_per_s']:10.1f} "
+        print(f"  dp={dp:<11s} {r['req_per_s']:7.2f} {r['tok_per_s']:10.1f} "
               f"{r['ttft_p50'] * 1e3:7.0f}ms {r['itl_p50'] * 1e3:6.0f}ms  {spread}")  # fmt: skip
-    ratio = results[2]["tok_per_s"] / results[1]["tok_per_s"]
+    ratio = results["2"]["tok_per_s"] / results["1"]["tok_per_s"]
     print(f"  dp=2 / dp=1 output tokens/s: {ratio:.2f}x")
+    if args.across_nodes:
+        ratio = results["2 (2 nodes)"]["tok_per_s"] / results["2"]["tok_per_s"]
+        print(f"  dp=2 on 2 nodes / dp=2 on one node, output tokens/s: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

@@ -136,6 +136,11 @@ def serve(
     from llmctl.engine.server.api_server import run_server
 
     engine_args = EngineArgs(model=model, **engine)
+    if engine_args.data_parallel_placement().headless:  # replicas for the head's router
+        from llmctl.engine.dp_replica_server import run_dp_headless
+
+        run_dp_headless(engine_args)
+        return
     if engine_args.headless:  # this node's ranks, driven by node 0's engine; no API here
         from llmctl.engine.executor.node_agent import run_headless
 

@@ -5,7 +5,9 @@
 Each replica is a whole engine (`--data-parallel-size N`): its own engine thread, scheduler, KV
 cache and executor with tp x pp worker processes (`mp`: their own rendezvous port, and on the CPU
 cores / (N x tp x pp) torch threads each, so replicas do not fight over cores). Replicas are built
-at the same time and share nothing but this process.
+at the same time and share nothing but this process. Across nodes (--data-parallel-size-local),
+the others run on --headless nodes and join here (engine/dp_coordinator.py); each is a
+RemoteReplica (engine/dp_remote_replica.py) with the same interface, routed as a local one.
 
 A replica whose worker dies fails its own requests in flight (EngineDeadError, as a single engine
 does) and is routed nothing more; the others serve on. A request that reached a replica already
@@ -33,58 +35,99 @@ from llmctl.engine.sampling_params import SamplingParams
 logger = logging.getLogger("llmctl")
 
 
-def replica_configs(config: EngineConfig) -> list[EngineConfig]:
-    """One EngineConfig per data-parallel replica, told its data_parallel_rank."""
+def replica_configs(config: EngineConfig, local: int | None = None) -> list[EngineConfig]:
+    """One EngineConfig per data-parallel replica on this node (`local` of them; default all),
+    told its index here: data_parallel_rank and data_parallel_size are this node's, which place
+    a replica's devices and share out the cores (across nodes, DPPlacement keeps the global
+    ranks)."""
     pc = config.parallel_config
+    local = pc.data_parallel_size if local is None else local
     return [
         dataclasses.replace(
-            config, parallel_config=dataclasses.replace(pc, data_parallel_rank=rank)
+            config,
+            parallel_config=dataclasses.replace(
+                pc, data_parallel_size=local, data_parallel_rank=index
+            ),
         )
-        for rank in range(pc.data_parallel_size)
+        for index in range(local)
     ]
 
 
+def start_replicas(configs: list[EngineConfig], engine_args, progress=None) -> list[AsyncLLM]:
+    """Build every replica at once, each in its own engine thread; if one fails, the others
+    are stopped and its error raised."""
+
+    def builder(index: int):
+        # only the first replica reports loading progress (one bar, not N interleaved)
+        return lambda: LLMEngine(configs[index], progress if index == 0 else None)
+
+    def rebuilder(index: int):
+        return lambda: LLMEngine(configs[index])
+
+    started = [
+        AsyncLLM.start_building(
+            builder(index),
+            thread_name=f"llmctl-engine-dp{index}",
+            rebuild=rebuilder(index),
+            stall_timeout=engine_args.stall_timeout,
+            restart_on_failure=engine_args.restart_on_failure,
+            max_restarts=engine_args.max_restarts,
+        )
+        for index in range(len(configs))
+    ]
+    concurrent.futures.wait([built for _, built in started])
+    errors = [built.exception() for _, built in started if built.exception() is not None]
+    if errors:
+        for replica, built in started:
+            if built.exception() is None:
+                replica.shutdown()
+        raise errors[0]
+    return [replica for replica, _ in started]
+
+
 class DPAsyncLLM:
-    def __init__(self, replicas: list[AsyncLLM]) -> None:
+    def __init__(self, replicas: list) -> None:
+        """`replicas`: AsyncLLMs, or RemoteReplicas (engine/dp_remote_replica.py) of other
+        nodes, in data-parallel rank order; the router treats both alike."""
         self.replicas = replicas
         self.engine = replicas[0].engine  # config and tokenizer (the same in every replica)
         config = self.engine.config
         self.max_model_len = config.model_config.max_model_len
         self.router = DPRouter(len(replicas), config.cache_config.block_size)
+        self.coordinator = None  # the head's listener for replicas of other nodes
 
     @classmethod
     def from_engine_args(cls, engine_args, progress=None) -> DPAsyncLLM:
-        """Build every replica at once, each in its own engine thread; if one fails, the others
-        are stopped and its error raised."""
-        configs = replica_configs(engine_args.create_engine_config(progress))
+        """Build this node's replicas; with replicas on other nodes (--data-parallel-size-local),
+        wait for them to join (engine/dp_coordinator.py). Raises what building one raised."""
+        placement = engine_args.data_parallel_placement()
+        config = engine_args.create_engine_config(progress)
+        coordinator = None
+        if placement.remote_ranks:
+            from llmctl.engine.dp_coordinator import DPCoordinator
 
-        def builder(rank: int):
-            # only replica 0 reports loading progress (one bar, not N interleaved)
-            return lambda: LLMEngine(configs[rank], progress if rank == 0 else None)
-
-        def rebuilder(rank: int):
-            return lambda: LLMEngine(configs[rank])
-
-        started = [
-            AsyncLLM.start_building(
-                builder(rank),
-                thread_name=f"llmctl-engine-dp{rank}",
-                rebuild=rebuilder(rank),
-                stall_timeout=engine_args.stall_timeout,
-                restart_on_failure=engine_args.restart_on_failure,
-                max_restarts=engine_args.max_restarts,
+            coordinator = DPCoordinator(
+                placement, config, engine_args.rendezvous_timeout, engine_args.stall_timeout
             )
-            for rank in range(len(configs))
-        ]
-        concurrent.futures.wait([built for _, built in started])
-        errors = [built.exception() for _, built in started if built.exception() is not None]
-        if errors:
-            for replica, built in started:
-                if built.exception() is None:
+        try:
+            replicas = start_replicas(
+                replica_configs(config, placement.local), engine_args, progress
+            )
+        except BaseException:
+            if coordinator is not None:
+                coordinator.close(reason="the head failed to start its own replicas")
+            raise
+        if coordinator is not None:
+            try:
+                replicas += coordinator.wait_for_replicas()
+            except BaseException:
+                for replica in replicas:
                     replica.shutdown()
-            raise errors[0]
-        logger.info("Started %d data-parallel replicas", len(started))
-        return cls([replica for replica, _ in started])
+                raise
+        logger.info("Started %d data-parallel replicas", len(replicas))
+        dp = cls(replicas)
+        dp.coordinator = coordinator
+        return dp
 
     # -- AsyncLLM's interface --------------------------------------------------------------------
 
@@ -151,6 +194,8 @@ class DPAsyncLLM:
     def shutdown(self, timeout: float = 30.0) -> None:
         for replica in self.replicas:
             replica.shutdown(timeout)
+        if self.coordinator is not None:
+            self.coordinator.close()
 
     # -- internals -------------------------------------------------------------------------------
 

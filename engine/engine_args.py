@@ -260,31 +260,40 @@ class EngineArgs:
         panel=PARALLEL,
         commands=PLANNER,
     )
-    # vLLM's multi-node data parallel (replicas on several nodes joining the head's router):
-    # declared so they are refused by name, not yet implemented.
+    # vLLM's multi-node data parallel (engine/dp_placement.py): whole replicas on several
+    # nodes, driven by the head's router (engine/dp_coordinator.py).
     data_parallel_size_local: int | None = option(
-        "Multi-node data parallel: replicas on this node (not yet supported; all replicas run "
-        "on this node).",
+        "Multi-node data parallel: replicas on this node (the head runs replicas 0 to L-1; 0: "
+        "the API server alone); the other nodes run the rest with --headless.",
         default=None,
         default_help="--data-parallel-size",
         panel=PARALLEL,
         commands=(SERVE,),
     )
-    data_parallel_address: str | None = option(
-        "Multi-node data parallel: the head node's address (not yet supported).",
+    data_parallel_start_rank: int | None = option(
+        "Multi-node data parallel, on a --headless node: the rank of its first replica.",
         default=None,
+        default_help="0",
+        panel=PARALLEL,
+        commands=(SERVE,),
+    )
+    data_parallel_address: str | None = option(
+        "Multi-node data parallel: the head node's address, which every node reaches.",
+        default=None,
+        default_help="required with replicas on other nodes",
         panel=PARALLEL,
         commands=(SERVE,),
     )
     data_parallel_rpc_port: int | None = option(
-        "Multi-node data parallel: the head's port for replicas (not yet supported).",
+        "Multi-node data parallel: the head's port where replicas of other nodes join.",
         default=None,
+        default_help="29550",
         panel=PARALLEL,
         commands=(SERVE,),
     )
     headless: bool = option(
         "Run this node's ranks, no API server: every node but node 0. Runs until node 0 ends "
-        "the group.",
+        "the group. With --data-parallel-address: run this node's replicas for the head.",
         default=False,
         negatable=False,
         panel=PARALLEL,
@@ -318,7 +327,8 @@ class EngineArgs:
                 "allow a positive token budget per step",
             )
         self.create_parallel_config()
-        if self.headless and self.node_rank == 0:
+        placement = self.data_parallel_placement()  # typed errors for the multi-node DP flags
+        if self.headless and self.node_rank == 0 and not placement.headless:
             raise ConfigError(
                 "--headless runs no API server, but node rank 0 serves it",
                 "drop --headless on node 0; give the other nodes --node-rank 1 to "
@@ -329,7 +339,6 @@ class EngineArgs:
                 f"node rank {self.node_rank} runs ranks for node 0, which serves the API",
                 "add --headless (llmctl serve ... --headless) on every node but node 0",
             )
-        self._check_multi_node_data_parallel()
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(
                 f"max_model_len must be at least 1, got {self.max_model_len}",
@@ -356,7 +365,7 @@ class EngineArgs:
         from llmctl.engine.model_loader.source import resolve_model
         from llmctl.engine.models.registry import check_architecture
 
-        if self.headless:
+        if self.headless and not self.data_parallel_placement().headless:
             raise ConfigError(
                 "headless=True starts no engine: it runs a node's ranks for node 0's engine",
                 "on nodes 1 to N-1 run `llmctl serve ... --node-rank R --headless`; drop "
@@ -450,30 +459,26 @@ class EngineArgs:
             rendezvous_timeout=self.rendezvous_timeout,
         )
 
-    def _check_multi_node_data_parallel(self) -> None:
-        """vLLM's multi-node data-parallel flags: refused by name until replicas on other nodes
-        can join the head's router (a local size equal to the whole size changes nothing)."""
-        local = self.data_parallel_size_local
-        given = [
-            flag
-            for flag, value in (
-                ("--data-parallel-size-local", local not in (None, self.data_parallel_size)),
-                ("--data-parallel-address", self.data_parallel_address is not None),
-                ("--data-parallel-rpc-port", self.data_parallel_rpc_port is not None),
-                (
-                    "--data-parallel-size with --nnodes",
-                    self.data_parallel_size > 1 and self.nnodes > 1,
-                ),
-            )
-            if value
-        ]
-        if given:
-            raise ConfigError(
-                f"{', '.join(given)}: multi-node data parallel is not yet supported (replicas on "
-                "other nodes cannot join this server's router)",
-                "run every replica on this node with --data-parallel-size N alone, or one "
-                "`llmctl serve` per node behind your own load balancer",
-            )
+    def data_parallel_placement(self):
+        """Which data-parallel replicas run on this node (engine/dp_placement.py)."""
+        from llmctl.engine.dp_placement import DPPlacement
+
+        # --headless is the data-parallel one when a data-parallel flag comes with it (else it
+        # is an --nnodes node's)
+        dp_flags = (
+            self.data_parallel_size > 1
+            or self.data_parallel_size_local is not None
+            or self.data_parallel_address is not None
+        )
+        return DPPlacement(
+            size=self.data_parallel_size,
+            size_local=self.data_parallel_size_local,
+            start_rank=self.data_parallel_start_rank,
+            address=self.data_parallel_address,
+            rpc_port=self.data_parallel_rpc_port,
+            headless=self.headless and dp_flags and self.nnodes == 1,
+            nnodes=self.nnodes,
+        )
 
     def _quantization(self, gguf_file: str | None) -> QuantizationConfig | None:
         """--quantization, or a GGUF file's own (refusing the flag on a quantized file)."""

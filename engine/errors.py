@@ -162,3 +162,20 @@ class RendezvousTimeoutError(RendezvousError):
         super().__init__(message, hint)
         self.missing_node_ranks = missing_node_ranks
         self.missing_ranks = missing_ranks
+
+
+class DataParallelJoinError(RendezvousError):
+    """Data-parallel replicas on several nodes could not join the head's router: the head
+    unreachable (its address named), a replica rank given twice, nodes started with different
+    sizes or models. Nothing is left running on the node that raises it."""
+
+
+class DataParallelJoinTimeoutError(DataParallelJoinError):
+    """Replicas did not join the head within --rendezvous-timeout; `missing_replicas` are their
+    data-parallel ranks."""
+
+    def __init__(
+        self, message: str, hint: str | None = None, *, missing_replicas: tuple[int, ...] = ()
+    ) -> None:
+        super().__init__(message, hint)
+        self.missing_replicas = missing_replicas

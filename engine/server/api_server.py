@@ -214,7 +214,7 @@ def run_server(
     import uvicorn
 
     config = server_config or ServerConfig()
-    if engine_args.data_parallel_size > 1:
+    if engine_args.data_parallel_size > 1 or engine_args.data_parallel_placement().multi_node:
         from llmctl.engine.dp_async_llm import DPAsyncLLM
 
         async_llm = DPAsyncLLM.from_engine_args(engine_args, progress)

@@ -81,9 +81,10 @@ def test_replicas_of_two_tensor_parallel_ranks_each(tiny_models):
             "this node",
         ),
         (
-            {"data_parallel_size": 2, "data_parallel_address": "10.0.0.1"},
-            "--data-parallel-address: multi-node data parallel is not yet",
-            "--data-parallel-size N alone",
+            {"data_parallel_size": 2, "data_parallel_size_local": 1},
+            "--data-parallel-size-local 1 of --data-parallel-size 2 places replicas on several "
+            "nodes, but no head address is given",
+            "add --data-parallel-address",
         ),
     ],
 )

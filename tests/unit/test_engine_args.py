@@ -29,8 +29,9 @@ def test_options_per_command():
         "stall_timeout",
         "restart_on_failure",
         "max_restarts",
-        # vLLM's multi-node data-parallel flags (refused: not yet)
+        # vLLM's multi-node data-parallel flags (engine/dp_placement.py)
         "data_parallel_size_local",
+        "data_parallel_start_rank",
         "data_parallel_address",
         "data_parallel_rpc_port",
     }

@@ -1,0 +1,154 @@
+"""The head's DPCoordinator against real joins on 127.0.0.1 (engine/dp_replica_server.join_head,
+what a --headless node calls): each way a replica is refused names it and what to change, a
+replica that never joins is named after --rendezvous-timeout, and a node that fails or leaves
+before its engine is built fails the head's start by name. No model loads: the head's config is
+read from a tiny checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+import pytest
+
+from llmctl.engine.distributed import rendezvous
+from llmctl.engine.distributed.ports import free_port
+from llmctl.engine.dp_coordinator import PROTOCOL, DPCoordinator, replica_hello
+from llmctl.engine.dp_replica_server import join_head
+from llmctl.engine.engine_args import EngineArgs
+from llmctl.engine.errors import (
+    ConfigError,
+    DataParallelJoinError,
+    DataParallelJoinTimeoutError,
+)
+
+
+@pytest.fixture
+def head(tiny_models):
+    """A head of -dp 3 --data-parallel-size-local 1 (it runs replica 0; 1 and 2 are remote)."""
+    args = EngineArgs(
+        model=str(tiny_models.path("llama")),
+        served_model_name="tiny",
+        data_parallel_size=3,
+        data_parallel_size_local=1,
+        data_parallel_address="127.0.0.1",
+        data_parallel_rpc_port=free_port(),
+    )
+    placement = args.data_parallel_placement()
+    config = args.create_engine_config()
+    coordinator = DPCoordinator(placement, config, timeout=0.5)
+    yield placement, config, coordinator
+    coordinator.close(reason="the test ended")
+
+
+def join(head, rank: int, **changes):
+    placement, config, _ = head
+    hello = replica_hello(placement, config, rank) | changes
+    return join_head(placement, hello, timeout=5)
+
+
+@pytest.mark.parametrize(
+    "rank, changes, message, hint",
+    [
+        (1, {"dp_size": 2}, "was started with --data-parallel-size 2, the head with 3",
+         "give every node the same --data-parallel-size"),
+        (1, {"tp": 2}, "was started with -tp 2 -pp 1, the head with -tp 1 -pp 1",
+         "the same -tp and -pp"),
+        (1, {"model": "other"}, "serves model 'other', the head 'tiny'", "the same MODEL"),
+        (0, {}, "data-parallel replica rank 0 was given twice: the head runs replicas 0 to 0 "
+         "itself", "--data-parallel-start-rank 1 on the first"),
+        (3, {}, "data-parallel replica 3 (host", "must add up to --data-parallel-size"),
+        (1, {"llmctl": PROTOCOL + 1}, "is no llmctl data-parallel replica of this version",
+         "the same llmctl version"),
+    ],
+)  # fmt: skip
+def test_a_replica_that_does_not_fit_is_refused_by_name(head, rank, changes, message, hint):
+    with pytest.raises(DataParallelJoinError) as err:
+        join(head, rank, **changes)
+    assert message in err.value.message
+    assert hint in err.value.hint
+    assert not head[2].joined
+
+
+def test_a_rank_given_twice_names_the_node_that_holds_it(head):
+    first = join(head, 1)
+    with pytest.raises(DataParallelJoinError) as err:
+        join(head, 1, pid=4242)
+    assert "data-parallel replica rank 1 was given twice: it already joined from host" in (
+        err.value.message
+    )
+    assert f"(pid {head[2].joined[1].pid})" in err.value.message
+    assert "(pid 4242) is refused" in err.value.message
+    assert "its own --data-parallel-start-rank" in err.value.hint
+    first.close()
+
+
+def test_replicas_that_never_join_are_named(head):
+    placement, _, coordinator = head
+    joined = join(head, 1)
+    with pytest.raises(DataParallelJoinTimeoutError) as err:
+        coordinator.wait_for_replicas()
+    assert err.value.missing_replicas == (2,)
+    assert (
+        f"data-parallel replica(s) [2] of 3 did not join the head at {placement.endpoint} "
+        "within 0.5 s (joined: [1]; the head runs [0])" in err.value.message
+    )
+    assert "--data-parallel-start-rank 2" in err.value.hint and "--headless" in err.value.hint
+    # the replica that joined is told the head did not start
+    message = joined.recv()
+    assert message[0] == "shutdown" and "did not join" in message[1]
+
+
+def test_a_node_that_fails_to_build_its_replica_fails_the_head_by_name(head):
+    _, _, coordinator = head
+    one, two = join(head, 1), join(head, 2)
+    two.send(("failed", ConfigError("the KV cache does not fit", "lower --max-model-len")))
+    one.send(("ready", {}))
+    with pytest.raises(DataParallelJoinError) as err:
+        coordinator.wait_for_replicas()
+    assert err.value.message.startswith("data-parallel replica 2 (host ")
+    assert "failed to start its engine: the KV cache does not fit" in err.value.message
+    assert err.value.hint == "lower --max-model-len"
+    assert one.recv()[0] == "shutdown"
+
+
+def test_a_node_that_leaves_before_the_head_started_may_join_again(head):
+    _, _, coordinator = head
+    join(head, 1).close()  # it left (its node was restarted) before the others joined
+    again = join(head, 1)  # ... and joins again: not "given twice"
+    join(head, 2).close()  # replica 2's node leaves before its engine is built
+    again.send(("ready", {}))
+    with pytest.raises(DataParallelJoinTimeoutError) as err:
+        coordinator.wait_for_replicas()  # replica 2 is awaited again, then named
+    assert err.value.missing_replicas == (2,)
+    assert "(joined: [1]; the head runs [0])" in err.value.message
+
+
+def test_the_head_names_its_address_and_port_when_it_cannot_listen(head):
+    placement, config, _ = head
+    with pytest.raises(DataParallelJoinError) as err:  # the fixture's head holds the port
+        DPCoordinator(placement, config, timeout=1)
+    assert f"port {placement.port} (--data-parallel-rpc-port) is already in use" in (
+        err.value.message
+    )
+    elsewhere = dataclasses.replace(placement, address="10.255.255.1")
+    with pytest.raises(DataParallelJoinError) as err:
+        DPCoordinator(elsewhere, config, timeout=1)
+    assert "--data-parallel-address 10.255.255.1 is not an address of the head" in (
+        err.value.message
+    )
+
+
+def test_a_foreign_peer_is_dropped_and_the_head_serves_on(head):
+    placement, _, coordinator = head
+    with socket.create_connection(("127.0.0.1", placement.port)) as peer:
+        peer.sendall(b"GET / HTTP/1.1\r\n\r\n")  # no JSON line: dropped (closed or reset)
+        try:
+            assert peer.recv(1024) == b""
+        except ConnectionResetError:
+            pass
+    join(head, 1).close()
+    with socket.create_connection(("127.0.0.1", placement.port)) as peer:
+        rendezvous.send_line(peer, {"llmctl": PROTOCOL, "kind": "node"})
+        assert rendezvous.recv_line(peer, 5)["ok"] is False
+    assert coordinator._thread.is_alive()
