@@ -32,8 +32,10 @@ Data parallel (`--data-parallel-size N`, engine/dp_async_llm.py): a layout that 
 fewer GPUs than the node has (and was not asked with -tp/-pp) is proposed as replicas, as many
 as the node holds (each its own engine and KV cache: N replicas serve about N times the
 requests); the plan prints the KV tokens and concurrency per replica and in total. An asked N
-plans one replica on the node's GPUs / N. Replicas run on one node (multi-node data parallel is
-not yet supported).
+plans one replica on the node's GPUs / N. With several GPU nodes and a layout that fits one, the
+replicas span the nodes (vLLM's multi-node data parallel: the head serves the API with its
+--data-parallel-size-local replicas, every other node runs its own with --headless), one serve
+command per node.
 """
 
 from __future__ import annotations
@@ -609,18 +611,55 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
     if dp is not None or asked or plan.device == "cpu" or plan.nodes_used > 1:
         return plan  # an asked layout is evaluated as asked: replicas only with -dp
     gpus_per_node = min(n.gpus for n in inventory.nodes if n.gpus)
-    replicas = gpus_per_node // plan.gpus_used
+    per_node = gpus_per_node // plan.gpus_used
+    nodes = _gpu_nodes(inventory)
+    replicas = per_node * len(nodes)
     if replicas < 2:
         return plan
     where = f"{plan.gpus_used} GPUs" if plan.gpus_used > 1 else "one GPU"
+    if len(nodes) == 1:
+        reason = (
+            f"fits {where} of a node of {gpus_per_node}: {replicas} data-parallel replicas "
+            f"(--data-parallel-size {replicas}), each its own engine and KV cache, serve about "
+            f"{replicas}x the requests of one"
+        )
+        return _with_replicas(plan, replicas, reason)
     reason = (
-        f"fits {where} of a node of {gpus_per_node}: {replicas} data-parallel replicas "
-        f"(--data-parallel-size {replicas}), each its own engine and KV cache, serve about "
-        f"{replicas}x the requests of one"
+        f"fits {where} of a node of {gpus_per_node}: {replicas} data-parallel replicas, "
+        f"{per_node} on each of {len(nodes)} nodes (--data-parallel-size {replicas} "
+        f"--data-parallel-size-local {per_node}), each its own engine and KV cache, serve about "
+        f"{replicas}x the requests of one; node 0 serves the API, the others join it headless"
     )
-    if len([n for n in inventory.nodes if n.gpus]) > 1:
-        reason += " (on one node: multi-node data parallel is not yet supported)"
-    return _with_replicas(plan, replicas, reason)
+    return _across_nodes(plan, nodes, per_node, reason)
+
+
+def _gpu_nodes(inventory: Inventory) -> list:
+    """The nodes with GPUs, the head first (it runs the API server and the router)."""
+    nodes = [n for n in inventory.nodes if n.gpus]
+    return sorted(nodes, key=lambda n: not n.head)
+
+
+def _across_nodes(plan: Plan, nodes: list, per_node: int, reason: str) -> Plan:
+    """`per_node` replicas on each of `nodes`: one serve command per node, as vLLM's multi-node
+    data parallel runs them (the head's address and RPC port on every node's command)."""
+    from llmctl.engine.dp_placement import DEFAULT_RPC_PORT
+
+    replicas = per_node * len(nodes)
+    plan = _with_replicas(plan, replicas, reason)
+    one = plan.commands["serve"]  # a layout of one node: no -i, each node starts its own
+    base = {
+        "data_parallel_size_local": per_node,
+        "data_parallel_address": nodes[0].ip,
+        "data_parallel_rpc_port": DEFAULT_RPC_PORT,
+    }
+    commands = {k: v for k, v in plan.commands.items() if k != "serve"}
+    commands["serve"] = f"{one} {' '.join(engine_args_to_argv(base))}  # on {nodes[0].host}"
+    for i, node in enumerate(nodes[1:], start=1):
+        extra = {**base, "data_parallel_start_rank": i * per_node, "headless": True}
+        commands[f"serve_node_{i}"] = (
+            f"{one} {' '.join(engine_args_to_argv(extra))}  # on {node.host}"
+        )
+    return dataclasses.replace(plan, commands=commands)
 
 
 def _asked_replicas(spec: ModelSpec, inventory: Inventory, options: PlanOptions, dp: int) -> Plan:
@@ -630,9 +669,12 @@ def _asked_replicas(spec: ModelSpec, inventory: Inventory, options: PlanOptions,
         plan = _replica_plan(spec, inventory, options)
         return _with_replicas(plan, dp, f"{dp} data-parallel replicas as asked")
     per_node = min((n.gpus for n in inventory.nodes if n.gpus), default=0)
-    local = "replicas run on one node: multi-node data parallel is not yet supported"
+    nodes = _gpu_nodes(inventory)
     tp, pp = options.tensor_parallel_size or 1, options.pipeline_parallel_size or 1
     asked = tp * pp
+    if len(nodes) > 1 and (dp % len(nodes) == 0 or per_node < dp * asked):
+        # spread over the nodes: N / nodes replicas each, none left idle
+        return _asked_across_nodes(spec, inventory, options, dp, nodes, per_node)
     if per_node < dp * asked:
         fewer = per_node // asked
         layout = f" of {_layout(tp, pp)}" if asked > 1 else ""
@@ -640,9 +682,9 @@ def _asked_replicas(spec: ModelSpec, inventory: Inventory, options: PlanOptions,
             f"data_parallel_size={dp} replicas{layout} need {dp * asked} GPUs on one node, but "
             f"a node of this inventory has {per_node}",
             (f"use --data-parallel-size {fewer} or fewer" if fewer else "use fewer GPUs per "
-             "replica (-tp/-pp)") + f" ({local})",
+             "replica (-tp/-pp)") + ", or add nodes to the inventory",
         )  # fmt: skip
-    head = next((n for n in inventory.nodes if n.gpus), inventory.nodes[0])
+    head = nodes[0] if nodes else inventory.nodes[0]
 
     def on_share(k: int) -> Plan:
         """One replica planned on a node's GPUs / k."""
@@ -669,6 +711,50 @@ def _asked_replicas(spec: ModelSpec, inventory: Inventory, options: PlanOptions,
         f"(its layout chosen for those {share}); each its own engine and KV cache"
     )
     return _with_replicas(plan, dp, reason)
+
+
+def _asked_across_nodes(
+    spec: ModelSpec, inventory: Inventory, options: PlanOptions, dp: int, nodes: list, per_node: int
+) -> Plan:
+    """--data-parallel-size N on several GPU nodes: N / nodes replicas on each node (N a multiple
+    of the node count), each planned on a node's GPUs / (N / nodes)."""
+    tp, pp = options.tensor_parallel_size or 1, options.pipeline_parallel_size or 1
+    asked = tp * pp
+    capacity = (per_node // asked) * len(nodes)
+    if dp % len(nodes) or dp > capacity:
+        fits = [k for k in range(len(nodes), capacity + 1, len(nodes))]
+        layout = f" of {_layout(tp, pp)}" if asked > 1 else ""
+        raise ConfigError(
+            f"data_parallel_size={dp} replicas{layout} do not divide evenly over this "
+            f"inventory's {len(nodes)} nodes of {per_node} GPUs"
+            if dp <= capacity
+            else f"data_parallel_size={dp} replicas{layout} need {dp * asked} GPUs, but this "
+            f"inventory's {len(nodes)} nodes have {per_node * len(nodes)}",
+            f"use --data-parallel-size {' or '.join(map(str, fits))}"
+            if fits
+            else "use fewer GPUs per replica (-tp/-pp)",
+        )
+    local = dp // len(nodes)
+    node = dataclasses.replace(nodes[0], head=True, gpus=per_node // local)
+    try:
+        plan = _replica_plan(spec, dataclasses.replace(inventory, nodes=(node,)), options)
+    except PlanError as too_big:
+        fix = (
+            "drop --data-parallel-size: one replica needs more than a node's GPUs"
+            if local == 1
+            else f"use --data-parallel-size {len(nodes)}"
+        )
+        raise PlanError(
+            f"data_parallel_size={dp}: one replica gets {per_node // local} of a node's "
+            f"{per_node} GPUs, and {too_big.message}",
+            f"{fix}; {too_big.hint}",
+        ) from None
+    reason = (
+        f"{dp} data-parallel replicas as asked, {local} on each of {len(nodes)} nodes (each on "
+        f"{per_node // local} of a node's {per_node} GPUs); node 0 serves the API, the others "
+        "join it headless"
+    )
+    return _across_nodes(plan, nodes, local, reason)
 
 
 def _fits(plan_for, k: int) -> bool:

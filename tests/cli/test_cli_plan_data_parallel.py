@@ -54,7 +54,7 @@ def test_more_replicas_than_a_node_holds_is_refused(invoke):
         result.stderr
     )
     assert "use --data-parallel-size 2 or fewer" in result.stderr
-    assert "multi-node data parallel is not yet supported" in result.stderr
+    assert "or add nodes to the inventory" in result.stderr
     tp = invoke("plan", "Llama-3.1-70B", "-tp", "4", "-dp", "3")
     assert tp.exit_code == 1
     assert "replicas of tp=4, pp=1 need 12 GPUs" in tp.stderr
@@ -69,9 +69,14 @@ def test_replicas_of_a_model_too_big_for_their_share_are_refused(invoke):
     assert result.exit_code == 1
     assert "data_parallel_size=4: one replica gets 1 of a node's 4 GPUs" in result.stderr
     assert "use --data-parallel-size 2 or fewer" in result.stderr
-    huge = invoke("plan", "Llama-3.1-405B", "--nodes", "2", "-dp", "2", "--json")
+    # Two nodes of 8: -dp 4 puts 2 replicas of 4 GPUs on each, too few for 405B; -dp 2 fits.
+    huge = invoke("plan", "Llama-3.1-405B", "--nodes", "2", "-dp", "4", "--json")
     assert huge.exit_code == 1
     error = json.loads(huge.stdout)["error"]
+    assert "data_parallel_size=4: one replica gets 4 of a node's 8 GPUs" in error
+    assert "use --data-parallel-size 2" in error
+    whole = invoke("plan", "Llama-3.1-405B", "--nodes", "1", "-dp", "2", "--json")
+    error = json.loads(whole.stdout)["error"]
     assert "drop --data-parallel-size: one replica needs more than a node's GPUs" in error
 
 
@@ -79,3 +84,40 @@ def test_a_bad_data_parallel_size_is_refused(invoke):
     result = invoke("plan", "GPT-2", "-dp", "0")
     assert result.exit_code == 1
     assert "data_parallel_size must be at least 1, got 0" in result.stderr
+
+
+def test_a_second_node_gets_replicas_of_its_own(invoke):
+    # The user: the model fits one node, and a second node has no other way to be used.
+    args = ("plan", "Llama-3.1-8B", "--nodes", "2", "--gpus-per-node", "2", "--max-model-len")
+    plan = json.loads(invoke(*args, "8192", "--json").stdout)
+    assert plan["data_parallel_size"] == 4
+    assert plan["total_kv_cache_tokens"] == 4 * plan["kv_cache_tokens"]
+    head, other = plan["commands"]["serve"], plan["commands"]["serve_node_1"]
+    common = (
+        "llmctl serve Llama-3.1-8B --max-model-len 8192 --data-parallel-size 4 "
+        "--data-parallel-size-local 2 "
+    )
+    assert head == common + (
+        "--data-parallel-address 10.0.0.1 --data-parallel-rpc-port 29550  # on node0"
+    )
+    assert other == common + (
+        "--data-parallel-start-rank 2 --data-parallel-address 10.0.0.1 "
+        "--data-parallel-rpc-port 29550 --headless  # on node1"
+    )
+    assert any("2 on each of 2 nodes" in reason for reason in plan["reasons"])
+
+
+def test_asked_replicas_spread_over_the_nodes_or_are_refused_by_name(invoke):
+    spread = invoke("plan", "Llama-3.1-70B", "--nodes", "2", "--max-model-len", "8192", "-dp", "2",
+                    "--json")  # fmt: skip
+    plan = json.loads(spread.stdout)
+    assert plan["data_parallel_size"] == 2 and plan["tensor_parallel_size"] <= 8
+    assert "--data-parallel-size-local 1" in plan["commands"]["serve"]
+    assert "--data-parallel-start-rank 1" in plan["commands"]["serve_node_1"]
+    uneven = invoke("plan", "Llama-3.1-8B", "--nodes", "2", "--gpus-per-node", "2", "-dp", "3")
+    assert uneven.exit_code == 1
+    assert "do not divide evenly over this inventory's 2 nodes of 2 GPUs" in uneven.stderr
+    assert "use --data-parallel-size 2 or 4" in uneven.stderr
+    many = invoke("plan", "Llama-3.1-8B", "--nodes", "2", "--gpus-per-node", "2", "-dp", "6")
+    assert many.exit_code == 1
+    assert "need 6 GPUs, but this inventory's 2 nodes have 4" in many.stderr
