@@ -1,0 +1,417 @@
+"""A GGUF file's config and tokenizer, written without transformers (issue 15, cold start), give
+what transformers' own GGUF conversion gives: the same ids, text, chat template and special
+tokens, the same config values where the engine reads them; and the bundled model's first start
+with an empty cache imports no transformers and generates what it generated before."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmctl.engine.config import checkpoint_dtype
+from llmctl.engine.hf_config_view import HFConfigView
+from llmctl.engine.layers.rotary_embedding import rope_parameters
+from llmctl.engine.light_tokenizer import LightTokenizer
+from llmctl.engine.model_loader.default_model import default_model_path
+from llmctl.engine.model_loader.gguf import _COMPLETE_MARKER, converted_dir, ensure_converted
+from llmctl.engine.model_loader.gguf_file import read_gguf_metadata
+from llmctl.engine.model_loader.gguf_tokenizer import TOKENIZER_ARRAYS
+from llmctl.engine.model_loader.source import CONFIG_VIEW_FILE
+from llmctl.engine.model_shape import ModelShape
+from llmctl.engine.tokenizer import get_tokenizer
+
+TEXTS = [
+    "Hello world!",
+    "",
+    " ",
+    "   leading, trailing and  double  spaces   ",
+    "tabs\tand\nnewlines\r\n\n\n  indented",
+    "héllo ünïcode: naïve café, Ελληνικά, русский, 日本語のテキスト, 한국어",
+    "emoji 😀👍🏽 🇫🇷 ZWJ 👩‍👩‍👧 and ☃",
+    "digits 0 12 345 6789 3.14159 1,000,000 2024-11-24",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)  # code\n",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|> special tokens in text",
+    "<s> </s> <unk> <think>not special here</think>",
+    "Don't stop , ok ? I 'm sure . It's they're we've I'd",
+    "\u00a0non-breaking\u2009thin\u3000ideographic spaces",
+    "a" * 300,
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2? {{ not a template }} 😀"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"},
+    ],
+]
+
+
+def transformers_tokenizer(gguf: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def transformers_config(gguf: Path):
+    """The config as llmctl wrote it before (transformers' GGUF mapping + ModelShape's sizes)."""
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from llmctl.engine.model_shape import GGUF_ARCHITECTURES
+
+    metadata, types = read_gguf_metadata(gguf)
+    shape = ModelShape.from_gguf_metadata(metadata, tuple(n for n, _ in types))
+    values = dict(load_gguf_checkpoint(str(gguf), return_tensors=False)["config"])
+    model_type = values.pop("model_type")
+    values.pop("_model_name_or_path", None)
+    values.update(shape.hf_config_values())
+    config = AutoConfig.for_model(model_type, **values)
+    config.architectures = [GGUF_ARCHITECTURES[metadata["general.architecture"]]]
+    config.dtype = "float32"
+    return config
+
+
+def assert_same_tokenizer(ours, theirs, texts=TEXTS, conversations=()) -> None:
+    for text in texts:
+        for add in (True, False):
+            ids = theirs.encode(text, add_special_tokens=add)
+            assert ours.encode(text, add_special_tokens=add) == ids, (text, add)
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(
+                    ids, skip_special_tokens=skip
+                ), (text, skip)
+    for name in ("bos", "eos", "pad", "unk"):
+        assert getattr(ours, f"{name}_token") == getattr(theirs, f"{name}_token"), name
+        assert getattr(ours, f"{name}_token_id") == getattr(theirs, f"{name}_token_id"), name
+    assert ours.get_vocab() == theirs.get_vocab()
+    for conversation in conversations:
+        for add_generation_prompt in (True, False):
+            kw = dict(tokenize=False, add_generation_prompt=add_generation_prompt)
+            assert ours.apply_chat_template(conversation, **kw) == theirs.apply_chat_template(
+                conversation, **kw
+            )
+
+
+def assert_same_config(directory: Path, theirs) -> None:
+    """What the engine reads from our view equals what it read from transformers' config, and
+    transformers reading our config.json gets transformers' own config back."""
+    from transformers import AutoConfig
+
+    view = HFConfigView.from_json((directory / CONFIG_VIEW_FILE).read_text())
+    assert ModelShape.from_hf_config(view) == ModelShape.from_hf_config(theirs)
+    assert rope_parameters(view) == rope_parameters(theirs)
+    assert checkpoint_dtype(view) == checkpoint_dtype(theirs)
+    for name, value in vars(view).items():
+        if name != "_config_class":
+            assert value == getattr(theirs, name), name
+    assert view._config_class == type(theirs).__name__
+
+    reread = AutoConfig.from_pretrained(directory).to_dict()
+    expected = theirs.to_dict()
+    for key in ("transformers_version", "_name_or_path"):
+        reread.pop(key, None)
+        expected.pop(key, None)
+    assert reread == expected
+
+
+# -- the bundled model ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return default_model_path()
+
+
+def test_bundled_tokenizer_matches_transformers_gguf_conversion(smol_dir, bundled):
+    from transformers import AutoTokenizer
+
+    ours = get_tokenizer(str(smol_dir))
+    assert isinstance(ours, LightTokenizer)
+    theirs = transformers_tokenizer(bundled)
+    assert_same_tokenizer(ours, theirs, conversations=CONVERSATIONS)
+    assert (ours.bos_token_id, ours.eos_token_id) == (1, 2)  # <|im_start|>, <|im_end|>
+    # transformers reading the written directory sees the same tokenizer
+    assert_same_tokenizer(
+        AutoTokenizer.from_pretrained(smol_dir), theirs, conversations=CONVERSATIONS
+    )
+
+
+def test_bundled_config_matches_transformers(smol_dir, bundled):
+    assert_same_config(smol_dir, transformers_config(bundled))
+    values = json.loads((smol_dir / "config.json").read_text())
+    assert values["architectures"] == ["LlamaForCausalLM"]
+    assert values["tie_word_embeddings"] is True  # no output.weight in the file
+    assert values["max_position_embeddings"] == 8192
+    assert (values["bos_token_id"], values["eos_token_id"], values["pad_token_id"]) == (1, 2, 2)
+
+
+COLD_SCRIPT = """
+import json, sys
+from llmctl.engine import LLM, SamplingParams
+llm = LLM(use_tqdm_on_load=False)  # the bundled GGUF
+params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+chat = llm.chat([{"role": "user", "content": "Name a fruit."}], params, use_tqdm=False)
+text = llm.generate(["Hello, my name is"], params, use_tqdm=False)
+out = [chat[0], text[0]]
+print(json.dumps([[o.prompt_token_ids, o.outputs[0].token_ids, o.outputs[0].text] for o in out]))
+print("transformers" in sys.modules)
+"""
+
+
+def test_cold_start_imports_no_transformers_and_generates_as_before(tmp_path, bundled, monkeypatch):
+    """An empty LLMCTL_CACHE_DIR: the GGUF's config and tokenizer are written at start-up. The
+    prompts' ids and the greedy tokens equal those of an engine started on the directory
+    transformers wrote (what llmctl wrote before)."""
+    env = {**os.environ, "LLMCTL_CACHE_DIR": str(tmp_path / "cold")}
+    done = subprocess.run(
+        [sys.executable, "-c", COLD_SCRIPT], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    outputs, imported = done.stdout.strip().splitlines()[-2:]
+    assert imported == "False", "the cold start imported transformers"
+
+    from llmctl.engine import LLM, SamplingParams
+    from llmctl.engine.model_loader.source import write_config_view
+
+    monkeypatch.setenv("LLMCTL_CACHE_DIR", str(tmp_path / "transformers-written"))
+    target = converted_dir(bundled)
+    target.mkdir(parents=True)
+    config = transformers_config(bundled)
+    config.save_pretrained(target)
+    write_config_view(config, target)
+    transformers_tokenizer(bundled).save_pretrained(target)
+    (target / _COMPLETE_MARKER).write_text(str(bundled))
+    llm = LLM(use_tqdm_on_load=False)
+    assert llm.llm_engine.config.model_config.path == str(target)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    chat = llm.chat([{"role": "user", "content": "Name a fruit."}], params, use_tqdm=False)
+    text = llm.generate(["Hello, my name is"], params, use_tqdm=False)
+    before = [
+        [o.prompt_token_ids, list(o.outputs[0].token_ids), o.outputs[0].text]
+        for o in (chat[0], text[0])
+    ]
+    assert json.loads(outputs) == before
+
+
+# -- other architectures and tokenizer models, in small files written here ---------------------
+
+
+def write_gguf(path: Path, arch: str, metadata: dict, tensors: tuple[str, ...]) -> Path:
+    """A GGUF file of `arch` ("{arch}" in a key stands for it) with these metadata values (the
+    value type picked from the Python type: lists of str, int or float are arrays of string,
+    int32 or float32) and tiny tensors of these names (the conversion reads their names only)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        key = key.replace("{arch}", arch)
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, value)
+    for name in tensors:
+        writer.add_tensor(name, np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def llama_shape_keys(hidden: int = 64, heads: int = 4, kv_heads: int = 2) -> dict:
+    return {
+        "{arch}.context_length": 512,
+        "{arch}.embedding_length": hidden,
+        "{arch}.block_count": 2,
+        "{arch}.feed_forward_length": 2 * hidden,
+        "{arch}.attention.head_count": heads,
+        "{arch}.attention.head_count_kv": kv_heads,
+        "{arch}.attention.layer_norm_rms_epsilon": 1e-5,
+        "{arch}.rope.freq_base": 500000.0,
+    }
+
+
+def converted(gguf: Path, monkeypatch, cache: Path) -> Path:
+    monkeypatch.setenv("LLMCTL_CACHE_DIR", str(cache))
+    return ensure_converted(gguf)
+
+
+SPM_CORPUS = (
+    "the quick brown fox jumps over the lazy dog hello world héllo naïve café def return fib "
+    "numbers 12 345 6789 they're don't stop it's"
+)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
+def sentencepiece_metadata() -> dict:
+    """A small SentencePiece vocabulary as llama.cpp writes one: <unk> <s> </s>, the 256 byte
+    tokens, pieces scored by frequency x length (no merges: they follow from the scores), a
+    user-defined <think> and a control token."""
+    counts: dict[str, int] = {}
+    for word in SPM_CORPUS.split():
+        word = "▁" + word
+        for i in range(len(word)):
+            for j in range(i + 1, min(len(word), i + 5) + 1):
+                counts[word[i:j]] = counts.get(word[i:j], 0) + 1
+    pieces = sorted(counts, key=lambda p: (-counts[p] * len(p), p))
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    tokens += ["<think>", "<|ctrl|>"]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0, 0.0]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces) + [4, 3]
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.chat_template": CHAT_TEMPLATE,
+    }  # no add_bos_token: llama.cpp (and transformers) add BOS to a SentencePiece vocabulary
+
+
+def byte_level_metadata(pre: str, size: int = 4000) -> dict:
+    """The bundled SmolLM2 vocabulary's first `size` tokens and the merges among them, with a
+    user-defined and a control token added, split as `pre` says."""
+    metadata, _ = read_gguf_metadata(default_model_path(), TOKENIZER_ARRAYS)
+    tokens = metadata["tokenizer.ggml.tokens"][:size] + ["<think>", "<|tool|>"]
+    vocab = set(tokens)
+    merges = [
+        m
+        for m in metadata["tokenizer.ggml.merges"]
+        if all(p in vocab for p in m.split(" ")) and m.replace(" ", "") in vocab
+    ]
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": metadata["tokenizer.ggml.token_type"][:size] + [4, 3],
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.chat_template": CHAT_TEMPLATE,
+    }
+
+
+def test_llama_sentencepiece_gguf_matches_transformers(tmp_path, monkeypatch):
+    gguf = write_gguf(
+        tmp_path / "spm.gguf",
+        "llama",
+        {**llama_shape_keys(), **sentencepiece_metadata()},
+        ("token_embd.weight", "output.weight"),
+    )
+    directory = converted(gguf, monkeypatch, tmp_path / "cache")
+    ours = get_tokenizer(str(directory))
+    assert isinstance(ours, LightTokenizer)
+    theirs = transformers_tokenizer(gguf)
+    assert_same_tokenizer(ours, theirs, conversations=CONVERSATIONS)
+    assert ours.encode("hello")[0] == 1  # BOS, as llama.cpp adds it
+    assert_same_config(directory, transformers_config(gguf))
+    assert json.loads((directory / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "smollm"])
+def test_qwen2_byte_level_gguf_matches_transformers(tmp_path, monkeypatch, pre):
+    """Qwen2's own split regex (digits one by one), Llama 3's (up to three), GPT-2's."""
+    metadata = {**llama_shape_keys(hidden=64, heads=4, kv_heads=4), **byte_level_metadata(pre)}
+    gguf = write_gguf(tmp_path / "qwen2.gguf", "qwen2", metadata, ("token_embd.weight",))
+    directory = converted(gguf, monkeypatch, tmp_path / "cache")
+    ours = get_tokenizer(str(directory))
+    assert isinstance(ours, LightTokenizer)
+    assert_same_tokenizer(ours, transformers_tokenizer(gguf), conversations=CONVERSATIONS)
+    assert_same_config(directory, transformers_config(gguf))
+
+
+def test_gpt2_gguf_config_matches_transformers(tmp_path, monkeypatch):
+    metadata = {
+        "{arch}.context_length": 256,
+        "{arch}.embedding_length": 64,
+        "{arch}.block_count": 2,
+        "{arch}.feed_forward_length": 256,
+        "{arch}.attention.head_count": 4,
+        "{arch}.attention.layer_norm_epsilon": 1e-5,
+        **byte_level_metadata("gpt-2"),
+    }
+    tensors = ("token_embd.weight", "position_embd.weight", "output.weight")
+    gguf = write_gguf(tmp_path / "gpt2.gguf", "gpt2", metadata, tensors)
+    directory = converted(gguf, monkeypatch, tmp_path / "cache")
+    from transformers import AutoConfig
+
+    theirs = transformers_config(gguf)
+    view = HFConfigView.from_json((directory / CONFIG_VIEW_FILE).read_text())
+    assert ModelShape.from_hf_config(view) == ModelShape.from_hf_config(theirs)
+    for name in ("layer_norm_epsilon", "activation_function", "n_positions", "n_embd", "n_layer"):
+        assert getattr(view, name) == getattr(theirs, name), name
+    # transformers' GGUF mapping adds two keys GPT2Config does not know (n_ctx,
+    # feed_forward_length: unread); every other value is the same.
+    reread = AutoConfig.from_pretrained(directory).to_dict()
+    expected = {
+        k: v
+        for k, v in theirs.to_dict().items()
+        if k not in ("n_ctx", "feed_forward_length", "transformers_version", "_name_or_path")
+    }
+    for key in ("transformers_version", "_name_or_path"):
+        reread.pop(key, None)
+    assert reread == expected
+
+
+def test_linear_rope_scaling_is_kept(tmp_path, monkeypatch):
+    """transformers' GGUF mapping drops rope.scaling.*; llama.cpp applies it, and so does llmctl."""
+    metadata = {
+        **llama_shape_keys(),
+        "{arch}.rope.scaling.type": "linear",
+        "{arch}.rope.scaling.factor": 4.0,
+        **sentencepiece_metadata(),
+    }
+    gguf = write_gguf(tmp_path / "linear.gguf", "llama", metadata, ("token_embd.weight",))
+    directory = converted(gguf, monkeypatch, tmp_path / "cache")
+    view = HFConfigView.from_json((directory / CONFIG_VIEW_FILE).read_text())
+    assert rope_parameters(view) == {"rope_theta": 500000.0, "rope_type": "linear", "factor": 4.0}
+
+
+def test_tokenizer_models_not_built_natively_go_to_transformers(tmp_path, monkeypatch, caplog):
+    """A tokenizer model this does not build (here a unigram "t5" vocabulary) is converted by
+    transformers, with a line in the log saying so."""
+    import logging
+
+    metadata = {**llama_shape_keys(), **sentencepiece_metadata(), "tokenizer.ggml.model": "t5"}
+    gguf = write_gguf(tmp_path / "t5tok.gguf", "llama", metadata, ("token_embd.weight",))
+    with caplog.at_level(logging.INFO, logger="llmctl"):
+        directory = converted(gguf, monkeypatch, tmp_path / "cache")
+    assert any("converting its tokenizer with transformers" in r.message for r in caplog.records)
+    assert (directory / "tokenizer.json").is_file()
+    theirs = transformers_tokenizer(gguf)
+    ours = get_tokenizer(str(directory))
+    for text in TEXTS[:6]:
+        assert ours.encode(text) == theirs.encode(text)
+
+
+def test_a_file_without_vocabulary_converts_its_config(tmp_path, monkeypatch, caplog):
+    gguf = write_gguf(tmp_path / "bare.gguf", "llama", llama_shape_keys(), ("token_embd.weight",))
+    monkeypatch.setenv("LLMCTL_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(Exception) as failed:  # no vocab_size and no vocabulary: no shape
+        ensure_converted(gguf)
+    assert "vocab_size" in str(failed.value)
+    metadata = {**llama_shape_keys(), "{arch}.vocab_size": 300}
+    gguf = write_gguf(tmp_path / "novocab.gguf", "llama", metadata, ("token_embd.weight",))
+    directory = ensure_converted(gguf)
+    assert (directory / "config.json").is_file()
+    assert not (directory / "tokenizer.json").exists()
+    assert "holds no tokenizer" in caplog.text
