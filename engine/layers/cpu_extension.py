@@ -54,6 +54,10 @@ def compile_extension(
 
     name, cflags, ldflags = build_spec(source, prefix, march, extra_cflags)
     build_dir = build_root() / name
+    prebuilt = _setup_build(name, build_dir)
+    if prebuilt is not None:
+        torch.ops.load_library(str(prebuilt))
+        return name
     build_dir.mkdir(parents=True, exist_ok=True)
     library = build_dir / f"{name}.so"
     with exclusive(build_dir.with_suffix(".lock")):
@@ -84,11 +88,30 @@ def compile_extension(
 
 
 def build_root() -> Path:
-    from torch.utils.cpp_extension import get_default_build_root
-
     if os.environ.get("LLMCTL_CACHE_DIR"):
         return Path(os.environ["LLMCTL_CACHE_DIR"]) / "torch_extensions"
+    return _torch_root()
+
+
+def _torch_root() -> Path:
+    from torch.utils.cpp_extension import get_default_build_root
+
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+def _setup_build(name: str, build_dir: Path) -> Path | None:
+    """The library of this name that `make setup` built in torch's extensions directory, for a
+    LLMCTL_CACHE_DIR that holds no build of it yet: a fresh cache directory would otherwise
+    compile for 10-40 s at the first engine start. The name hashes everything the binary
+    depends on, and a finished build never changes, so it loads without the lock."""
+    if build_dir.exists():
+        return None  # this cache's own build (or a build of it under way) comes first
+    setup_dir = _torch_root() / name
+    library = setup_dir / f"{name}.so"
+    if setup_dir != build_dir and (setup_dir / _BUILT_MARKER).exists() and library.exists():
+        logger.debug("loading the %s build from %s", name, setup_dir)
+        return library
+    return None
 
 
 @contextlib.contextmanager
