@@ -50,6 +50,7 @@ def ensure_converted(gguf_path: Path, progress: ProgressFn | None = None) -> Pat
     if (target / _COMPLETE_MARKER).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("Writing the config and tokenizer of %s into %s (once)", gguf_path.name, target)
     # Convert into a private directory, then rename: concurrent ranks never see half a model.
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:

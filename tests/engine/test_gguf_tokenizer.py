@@ -129,12 +129,23 @@ def bundled():
     return default_model_path()
 
 
-def test_bundled_tokenizer_matches_transformers_gguf_conversion(smol_dir, bundled):
+@pytest.fixture(scope="module")
+def their_tokenizer(bundled):
+    """transformers' conversion of the bundled GGUF's tokenizer (~10 s)."""
+    return transformers_tokenizer(bundled)
+
+
+@pytest.fixture(scope="module")
+def their_config(bundled):
+    return transformers_config(bundled)
+
+
+def test_bundled_tokenizer_matches_transformers_gguf_conversion(smol_dir, their_tokenizer):
     from transformers import AutoTokenizer
 
     ours = get_tokenizer(str(smol_dir))
     assert isinstance(ours, LightTokenizer)
-    theirs = transformers_tokenizer(bundled)
+    theirs = their_tokenizer
     assert_same_tokenizer(ours, theirs, conversations=CONVERSATIONS)
     assert (ours.bos_token_id, ours.eos_token_id) == (1, 2)  # <|im_start|>, <|im_end|>
     # transformers reading the written directory sees the same tokenizer
@@ -143,8 +154,8 @@ def test_bundled_tokenizer_matches_transformers_gguf_conversion(smol_dir, bundle
     )
 
 
-def test_bundled_config_matches_transformers(smol_dir, bundled):
-    assert_same_config(smol_dir, transformers_config(bundled))
+def test_bundled_config_matches_transformers(smol_dir, their_config):
+    assert_same_config(smol_dir, their_config)
     values = json.loads((smol_dir / "config.json").read_text())
     assert values["architectures"] == ["LlamaForCausalLM"]
     assert values["tie_word_embeddings"] is True  # no output.weight in the file
@@ -165,7 +176,9 @@ print("transformers" in sys.modules)
 """
 
 
-def test_cold_start_imports_no_transformers_and_generates_as_before(tmp_path, bundled, monkeypatch):
+def test_cold_start_imports_no_transformers_and_generates_as_before(
+    tmp_path, bundled, their_tokenizer, their_config, monkeypatch
+):
     """An empty LLMCTL_CACHE_DIR: the GGUF's config and tokenizer are written at start-up. The
     prompts' ids and the greedy tokens equal those of an engine started on the directory
     transformers wrote (what llmctl wrote before)."""
@@ -183,10 +196,9 @@ def test_cold_start_imports_no_transformers_and_generates_as_before(tmp_path, bu
     monkeypatch.setenv("LLMCTL_CACHE_DIR", str(tmp_path / "transformers-written"))
     target = converted_dir(bundled)
     target.mkdir(parents=True)
-    config = transformers_config(bundled)
-    config.save_pretrained(target)
-    write_config_view(config, target)
-    transformers_tokenizer(bundled).save_pretrained(target)
+    their_config.save_pretrained(target)
+    write_config_view(their_config, target)
+    their_tokenizer.save_pretrained(target)
     (target / _COMPLETE_MARKER).write_text(str(bundled))
     llm = LLM(use_tqdm_on_load=False)
     assert llm.llm_engine.config.model_config.path == str(target)
@@ -198,6 +210,38 @@ def test_cold_start_imports_no_transformers_and_generates_as_before(tmp_path, bu
         for o in (chat[0], text[0])
     ]
     assert json.loads(outputs) == before
+
+
+KERNELS_SCRIPT = """
+import logging
+logging.basicConfig(level=logging.INFO)
+from llmctl.engine.layers import paged_attention_cpu
+from llmctl.engine.layers.quantization import kernels
+paged_attention_cpu.build_kernel()
+kernels.build_kernel()
+"""
+
+
+def test_a_fresh_cache_dir_loads_the_kernels_make_setup_built(tmp_path, monkeypatch):
+    """The kernels `make setup` compiled into torch's extensions directory serve an engine whose
+    LLMCTL_CACHE_DIR is new, instead of a ~30 s compile at its first start."""
+    from llmctl.engine.layers import paged_attention_cpu
+    from llmctl.engine.layers.quantization import kernels
+
+    monkeypatch.delenv("LLMCTL_CACHE_DIR", raising=False)
+    try:  # what `make setup` does (a cached build returns at once)
+        paged_attention_cpu.build_kernel()
+        kernels.build_kernel()
+    except Exception as exc:  # noqa: BLE001 - no compiler here: nothing was built at setup
+        pytest.skip(f"the kernels cannot be built here: {exc}")
+    fresh = tmp_path / "fresh"
+    env = {**os.environ, "LLMCTL_CACHE_DIR": str(fresh)}
+    done = subprocess.run(
+        [sys.executable, "-c", KERNELS_SCRIPT], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Compiling" not in done.stderr
+    assert not (fresh / "torch_extensions").exists()
 
 
 # -- other architectures and tokenizer models, in small files written here ---------------------
