@@ -4,6 +4,8 @@ machine with torch.utils.cpp_extension into a cache directory, then loaded as to
 Each build's name hashes everything the binary depends on (source, flags, torch, Python, the CPU's
 features), so several builds load side by side in one process and a changed machine rebuilds.
 Builders of one directory serialise on an flock, which the kernel releases if a builder dies.
+A LLMCTL_CACHE_DIR with no build of a name yet loads the one `make setup` left in torch's
+extensions directory, if any, instead of compiling again (a fresh cache is a first start).
 """
 
 from __future__ import annotations

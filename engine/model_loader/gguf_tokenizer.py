@@ -120,7 +120,8 @@ class GGUFTokenizer:
         special = {}
         for name, key in _SPECIAL_IDS.items():
             token_id = metadata.get(f"tokenizer.ggml.{key}")
-            special[name] = tokens[token_id] if token_id is not None else None
+            valid = isinstance(token_id, int) and 0 <= token_id < len(tokens)
+            special[name] = tokens[token_id] if valid else None
         types = metadata.get("tokenizer.ggml.token_type")
         scores = metadata.get("tokenizer.ggml.scores")
         merges = metadata.get("tokenizer.ggml.merges")
