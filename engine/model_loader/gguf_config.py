@@ -87,7 +87,7 @@ class GGUFConfig:
         values["rms_norm_eps"] = float(eps) if eps is not None else _DEFAULT_RMS_NORM_EPS
         values["rope_parameters"] = _rope_parameters(arch, metadata)
         values["hidden_act"] = "silu"
-        if arch != "qwen2":  # Qwen2's bias is its architecture's (ModelShape), not an option
+        if arch == "llama":  # LlamaConfig's options (Qwen2's bias is its architecture's)
             values["attention_bias"] = False
             values["mlp_bias"] = False
         if arch == "mistral":

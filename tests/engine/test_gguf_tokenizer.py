@@ -416,6 +416,33 @@ def test_gpt2_gguf_config_matches_transformers(tmp_path, monkeypatch):
     assert reread == expected
 
 
+def test_mistral_gguf_config_matches_transformers_but_for_the_window(tmp_path, monkeypatch):
+    """MistralConfig's default window (4096) is not the file's: a file that states no window
+    gets none (llama.cpp applies none), one that states a window gets it."""
+    from transformers import AutoConfig
+
+    metadata = {**llama_shape_keys(), **sentencepiece_metadata()}
+    gguf = write_gguf(tmp_path / "mistral.gguf", "mistral", metadata, ("token_embd.weight",))
+    directory = converted(gguf, monkeypatch, tmp_path / "cache")
+    theirs = transformers_config(gguf)
+    assert theirs.sliding_window == 4096
+    view = HFConfigView.from_json((directory / CONFIG_VIEW_FILE).read_text())
+    assert ModelShape.from_hf_config(view).sliding_window is None
+    reread = AutoConfig.from_pretrained(directory).to_dict()
+    expected = theirs.to_dict()
+    assert reread.pop("sliding_window") is None
+    expected.pop("sliding_window")
+    for key in ("transformers_version", "_name_or_path"):
+        reread.pop(key, None)
+        expected.pop(key, None)
+    assert reread == expected
+
+    metadata["{arch}.attention.sliding_window"] = 64
+    gguf = write_gguf(tmp_path / "window.gguf", "mistral", metadata, ("token_embd.weight",))
+    view = HFConfigView.from_json((ensure_converted(gguf) / CONFIG_VIEW_FILE).read_text())
+    assert ModelShape.from_hf_config(view).sliding_window == 64
+
+
 def test_linear_rope_scaling_is_kept(tmp_path, monkeypatch):
     """transformers' GGUF mapping drops rope.scaling.*; llama.cpp applies it, and so does llmctl."""
     metadata = {
