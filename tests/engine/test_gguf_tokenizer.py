@@ -486,3 +486,104 @@ def test_a_file_without_vocabulary_converts_its_config(tmp_path, monkeypatch, ca
     assert (directory / "config.json").is_file()
     assert not (directory / "tokenizer.json").exists()
     assert "holds no tokenizer" in caplog.text
+
+
+def random_tensors(arch: str, vocab: int, hidden: int, heads: int, kv_heads: int, ffn: int):
+    """One decoder layer's random float32 tensors under llama.cpp's names."""
+    rng = np.random.default_rng(0)
+    head_dim = hidden // heads
+    normal = lambda *shape: (rng.standard_normal(shape) * 0.3).astype(np.float32)  # noqa: E731
+    near_one = lambda n: (1 + rng.standard_normal(n) * 0.1).astype(np.float32)  # noqa: E731
+    if arch == "gpt2":
+        return {
+            "token_embd.weight": normal(vocab, hidden),
+            "position_embd.weight": normal(1024, hidden),
+            "blk.0.attn_norm.weight": near_one(hidden),
+            "blk.0.attn_norm.bias": normal(hidden),
+            "blk.0.attn_qkv.weight": normal(3 * hidden, hidden),
+            "blk.0.attn_qkv.bias": normal(3 * hidden),
+            "blk.0.attn_output.weight": normal(hidden, hidden),
+            "blk.0.attn_output.bias": normal(hidden),
+            "blk.0.ffn_norm.weight": near_one(hidden),
+            "blk.0.ffn_norm.bias": normal(hidden),
+            "blk.0.ffn_up.weight": normal(ffn, hidden),
+            "blk.0.ffn_up.bias": normal(ffn),
+            "blk.0.ffn_down.weight": normal(hidden, ffn),
+            "blk.0.ffn_down.bias": normal(hidden),
+            "output_norm.weight": near_one(hidden),
+            "output_norm.bias": normal(hidden),
+        }
+    return {  # qwen2: biases on q, k and v
+        "token_embd.weight": normal(vocab, hidden),
+        "blk.0.attn_norm.weight": near_one(hidden),
+        "blk.0.attn_q.weight": normal(heads * head_dim, hidden),
+        "blk.0.attn_q.bias": normal(heads * head_dim),
+        "blk.0.attn_k.weight": normal(kv_heads * head_dim, hidden),
+        "blk.0.attn_k.bias": normal(kv_heads * head_dim),
+        "blk.0.attn_v.weight": normal(kv_heads * head_dim, hidden),
+        "blk.0.attn_v.bias": normal(kv_heads * head_dim),
+        "blk.0.attn_output.weight": normal(hidden, heads * head_dim),
+        "blk.0.ffn_norm.weight": near_one(hidden),
+        "blk.0.ffn_gate.weight": normal(ffn, hidden),
+        "blk.0.ffn_up.weight": normal(ffn, hidden),
+        "blk.0.ffn_down.weight": normal(hidden, ffn),
+        "output_norm.weight": near_one(hidden),
+        "output.weight": normal(vocab, hidden),
+    }
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_engine_on_the_written_config_generates_as_transformers(
+    arch, tmp_path, monkeypatch, hf_greedy
+):
+    """The config written for Qwen2 and GPT-2 GGUF files runs the engine token-exact against
+    transformers' own GGUF loader (norm epsilon, rope base, activation, biases, positions)."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    from llmctl.engine import LLM, SamplingParams
+
+    vocab, hidden, heads, kv_heads, ffn = 96, 32, 4, 2, 64
+    path = tmp_path / f"tiny-{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    if arch == "gpt2":
+        # transformers' GGUF mapping for GPT-2 reads no vocab_size, n_inner or n_positions: its
+        # loader needs GPT2Config's defaults (4 x hidden, 1024) and the vocabulary's length.
+        kv_heads, ffn = heads, 4 * hidden
+        tokens = [chr(c) for c in range(ord("!"), ord("~") + 1)] + ["Ġ", "Ġt"]
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(tokens)
+        writer.add_token_merges(["Ġ t"])
+        assert len(tokens) == vocab
+    writer.add_context_length(1024 if arch == "gpt2" else 64)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    if arch == "gpt2":
+        writer.add_layer_norm_eps(1e-5)
+    else:
+        writer.add_head_count_kv(kv_heads)
+        writer.add_layer_norm_rms_eps(1e-6)
+        writer.add_rope_freq_base(100.0)
+    writer.add_vocab_size(vocab)
+    for name, tensor in random_tensors(arch, vocab, hidden, heads, kv_heads, ffn).items():
+        writer.add_tensor(name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    monkeypatch.setenv("LLMCTL_CACHE_DIR", str(tmp_path / "cache"))
+    prompt = [(7 * i + 3) % vocab for i in range(24)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(
+        str(path),
+        skip_tokenizer_init=True,
+        use_tqdm_on_load=False,
+        dtype="float32",
+        kv_cache_space_gib=0.01,
+    ) as llm:
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    hf_model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert out.token_ids == hf_greedy(hf_model.eval(), prompt, 8)
