@@ -104,10 +104,13 @@ def _convert(gguf_path: Path, out: Path, progress: ProgressFn | None) -> None:
         return
     reason = tokenizer.unsupported()
     if reason is None:
-        tokenizer.save(out)
-        return
+        try:
+            tokenizer.save(out)
+            return
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises bare Exception on bad data
+            reason = f"a vocabulary the tokenizers library refused ({exc})"
     logger.info(
-        "%s: converting its tokenizer with transformers (%s is not built natively); this "
+        "%s: converting its tokenizer with transformers (not built natively: %s); this "
         "takes tens of seconds, once",
         gguf_path.name,
         reason,
@@ -120,7 +123,7 @@ def _convert_tokenizer_with_transformers(gguf_path: Path, out: Path) -> None:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    except (ValueError, KeyError, TypeError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises bare Exception on bad data
         logger.warning("%s holds no tokenizer transformers can read (%s)", gguf_path, exc)
     else:
         tokenizer.save_pretrained(out)

@@ -474,6 +474,21 @@ def test_tokenizer_models_not_built_natively_go_to_transformers(tmp_path, monkey
         assert ours.encode(text) == theirs.encode(text)
 
 
+def test_a_vocabulary_tokenizers_refuses_goes_to_transformers(tmp_path, monkeypatch, caplog):
+    """Merges naming a token the vocabulary lacks: the tokenizers library refuses them, and the
+    conversion goes on with transformers' converter (which refuses them too, with a warning);
+    the config is written either way."""
+    import logging
+
+    metadata = {**llama_shape_keys(), **byte_level_metadata("qwen2", size=300)}
+    metadata["tokenizer.ggml.merges"] = [*metadata["tokenizer.ggml.merges"], "Ġ zzzz"]
+    gguf = write_gguf(tmp_path / "bad-merges.gguf", "qwen2", metadata, ("token_embd.weight",))
+    with caplog.at_level(logging.INFO, logger="llmctl"):
+        directory = converted(gguf, monkeypatch, tmp_path / "cache")
+    assert "a vocabulary the tokenizers library refused" in caplog.text
+    assert (directory / "config.json").is_file()
+
+
 def test_a_file_without_vocabulary_converts_its_config(tmp_path, monkeypatch, caplog):
     gguf = write_gguf(tmp_path / "bare.gguf", "llama", llama_shape_keys(), ("token_embd.weight",))
     monkeypatch.setenv("LLMCTL_CACHE_DIR", str(tmp_path / "cache"))
