@@ -6,7 +6,7 @@ ModelShape's GGUF table (`shape.hf_config_values()`, what the planner reads too)
 here: the rope base and scaling, the norm epsilon, the special token ids, the activation.
 
 The values equal what transformers' `load_gguf_checkpoint` + `AutoConfig.for_model` gave for the
-keys the engine reads (tests/engine/test_gguf_tokenizer.py compares them on the bundled model and
+keys the engine reads (tests/engine/test_gguf_config.py compares them on the bundled model and
 on files of the other architectures), with three deliberate differences: a token id the file
 does not give stays unset (transformers' LlamaConfig would say bos 1 and eos 2), linear rope
 scaling is kept (transformers drops `rope.scaling.*`), and Mistral's sliding window is the file's
