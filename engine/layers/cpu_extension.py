@@ -4,6 +4,8 @@ machine with torch.utils.cpp_extension into a cache directory, then loaded as to
 Each build's name hashes everything the binary depends on (source, flags, torch, Python, the CPU's
 features), so several builds load side by side in one process and a changed machine rebuilds.
 Builders of one directory serialise on an flock, which the kernel releases if a builder dies.
+A LLMCTL_CACHE_DIR with no build of a name yet loads the one `make setup` left in torch's
+extensions directory, if any, instead of compiling again (a fresh cache is a first start).
 """
 
 from __future__ import annotations
@@ -50,10 +52,12 @@ def compile_extension(
     """Compile (or load the cached build of) `source` for -march=`march`; returns its op
     namespace name (`getattr(torch.ops, name)`). `what` names the kernel in the log and the
     spinner. Raises when it cannot be built (no compiler, ninja or header)."""
-    from torch.utils import cpp_extension
-
     name, cflags, ldflags = build_spec(source, prefix, march, extra_cflags)
     build_dir = build_root() / name
+    prebuilt = _setup_build(name, build_dir)
+    if prebuilt is not None:
+        torch.ops.load_library(str(prebuilt))
+        return name
     build_dir.mkdir(parents=True, exist_ok=True)
     library = build_dir / f"{name}.so"
     with exclusive(build_dir.with_suffix(".lock")):
@@ -65,6 +69,8 @@ def compile_extension(
             # lock file found here is stale.
             with contextlib.suppress(FileNotFoundError):
                 (build_dir / "lock").unlink()
+            from torch.utils import cpp_extension  # imports setuptools: ~0.2 s
+
             compiler = os.environ.get("CXX", "c++")  # what cpp_extension runs
             if not shutil.which(compiler):
                 raise RuntimeError(f"no C++ compiler ({compiler}) on PATH; install g++")
@@ -84,11 +90,38 @@ def compile_extension(
 
 
 def build_root() -> Path:
-    from torch.utils.cpp_extension import get_default_build_root
-
     if os.environ.get("LLMCTL_CACHE_DIR"):
         return Path(os.environ["LLMCTL_CACHE_DIR"]) / "torch_extensions"
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    return _torch_root()
+
+
+def _torch_root() -> Path:
+    """torch's extensions directory (cpp_extension.get_default_build_root), without importing
+    cpp_extension (and with it setuptools, ~0.2 s of every start) where torch's appdirs answer."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    try:
+        from torch._appdirs import user_cache_dir
+    except ImportError:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        return Path(get_default_build_root())
+    return Path(os.path.realpath(user_cache_dir(appname="torch_extensions")))
+
+
+def _setup_build(name: str, build_dir: Path) -> Path | None:
+    """The library of this name that `make setup` built in torch's extensions directory, for a
+    LLMCTL_CACHE_DIR that holds no build of it yet: a fresh cache directory would otherwise
+    compile for 10-40 s at the first engine start. The name hashes everything the binary
+    depends on, and a finished build never changes, so it loads without the lock."""
+    if build_dir.exists():
+        return None  # this cache's own build (or a build of it under way) comes first
+    setup_dir = _torch_root() / name
+    library = setup_dir / f"{name}.so"
+    if setup_dir != build_dir and (setup_dir / _BUILT_MARKER).exists() and library.exists():
+        logger.debug("loading the %s build from %s", name, setup_dir)
+        return library
+    return None
 
 
 @contextlib.contextmanager

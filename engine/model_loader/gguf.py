@@ -1,8 +1,8 @@
 """GGUF files: their config and tokenizer, written once into a small cached directory.
 
-Parsing a GGUF file's metadata takes seconds (its tokenizer arrays are read value by value), so
-the first load writes config.json and the tokenizer (with its chat template) from the GGUF
-metadata into a directory that later loads (and every rank) read. The weights are not copied:
+The first load writes config.json (gguf_config.py) and the tokenizer with its chat template
+(gguf_tokenizer.py) from the GGUF metadata into a directory that later loads (and every rank)
+read, without importing transformers. The weights are not copied:
 they are read in place from the memory-mapped GGUF file (gguf_file.py), quantized tensors staying
 in their blocks. The cache key is the file's path, size and mtime.
 """
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmctl.engine.errors import ConfigError, ModelLoadError, UnsupportedArchitectureError
-from llmctl.engine.model_shape import GGUF_ARCHITECTURES, GGUF_TOKENS, ModelShape
+from llmctl.engine.model_shape import GGUF_ARCHITECTURES, ModelShape
 
 # llama.cpp permutes the rows of q and k for these architectures; undo it.
 _PERMUTED_QK = ("llama", "mistral")
@@ -37,8 +37,9 @@ def cache_root() -> Path:
 
 def converted_dir(gguf_path: Path) -> Path:
     stat = gguf_path.stat()
-    # "config": the directory holds config and tokenizer only (older ones held float weights).
-    key = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:config"
+    # "config": the directory holds config and tokenizer only (older ones held float weights);
+    # "-native": written by gguf_config.py and gguf_tokenizer.py (older ones by transformers).
+    key = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:config-native"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_root() / f"{gguf_path.stem}-{digest}"
 
@@ -49,6 +50,7 @@ def ensure_converted(gguf_path: Path, progress: ProgressFn | None = None) -> Pat
     if (target / _COMPLETE_MARKER).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("Writing the config and tokenizer of %s into %s (once)", gguf_path.name, target)
     # Convert into a private directory, then rename: concurrent ranks never see half a model.
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
@@ -65,61 +67,25 @@ def ensure_converted(gguf_path: Path, progress: ProgressFn | None = None) -> Pat
     return target
 
 
-def gguf_metadata(reader) -> dict:
-    """A GGUFReader's key-value metadata as plain values; arrays (the tokenizer's vocabulary)
-    by their length, since decoding them value by value takes seconds."""
-    metadata = {}
-    for key, field in reader.fields.items():
-        if key == GGUF_TOKENS or (len(field.types) > 1 and key.startswith("tokenizer.")):
-            metadata[key] = len(field.data)
-            continue
-        try:
-            metadata[key] = field.contents()
-        except Exception:  # noqa: BLE001 - a field the reader cannot decode is left out
-            continue
-    return metadata
-
-
-def gguf_shape(reader) -> ModelShape:
-    """The model's shape from a GGUFReader, through ModelShape's one table of GGUF keys."""
-    return ModelShape.from_gguf_metadata(
-        gguf_metadata(reader), tuple(t.name for t in reader.tensors)
-    )
-
-
-def read_gguf_shape(path: Path) -> ModelShape:
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # the gguf package raises bare ValueError/KeyError on bad files
-        raise ModelLoadError(
-            f"{path} is not a readable GGUF file ({exc})",
-            "check that the download finished, or name another model",
-        ) from exc
-    return gguf_shape(reader)
-
-
 def _convert(gguf_path: Path, out: Path, progress: ProgressFn | None) -> None:
-    import gguf
-    from transformers import AutoConfig, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    """Write config.json (+ its view) and the tokenizer from the file's metadata, without
+    transformers (whose GGUF reader decodes the vocabulary value by value, and whose tokenizer
+    converter builds it in Python: ~25 s for the bundled model, against ~0.3 s here)."""
+    from llmctl.engine.model_loader.gguf_config import GGUFConfig
+    from llmctl.engine.model_loader.gguf_file import read_gguf_metadata
+    from llmctl.engine.model_loader.gguf_tokenizer import TOKENIZER_ARRAYS, GGUFTokenizer
 
-    try:
-        reader = gguf.GGUFReader(str(gguf_path))
-        arch = str(reader.fields["general.architecture"].contents())
-    except Exception as exc:  # the gguf package raises bare ValueError/KeyError on bad files
-        raise ModelLoadError(
-            f"{gguf_path} is not a readable GGUF file ({exc})",
-            "check that the download finished, or name another model",
-        ) from exc
+    del progress  # nothing here takes a noticeable time (the fallback below logs a line)
+    metadata, types = read_gguf_metadata(gguf_path, TOKENIZER_ARRAYS)
+    arch = str(metadata.get("general.architecture", ""))
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"GGUF architecture {arch!r} is not supported",
             f"llmctl reads GGUF files of {', '.join(sorted(GGUF_ARCHITECTURES))}",
         )
+    tensor_names = tuple(name for name, _ in types)
     try:
-        shape = gguf_shape(reader)
+        shape = ModelShape.from_gguf_metadata(metadata, tensor_names)
     except ConfigError as exc:
         raise ModelLoadError(f"{gguf_path}: {exc.message}", exc.hint) from exc
     if shape.num_experts:
@@ -128,31 +94,39 @@ def _convert(gguf_path: Path, out: Path, progress: ProgressFn | None) -> None:
             "runs MoE models from Hugging Face checkpoints only",
             "serve the model's safetensors directory instead of its GGUF file",
         )
-    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=False)
-    config_dict = dict(parsed["config"])
-    model_type = config_dict.pop("model_type", arch)
-    config_dict.pop("_model_name_or_path", None)
-    # The sizes come from ModelShape's GGUF table (the planner reads the same); transformers'
-    # mapping supplies the rest (rope, norm epsilon, special tokens).
-    config_dict.update(shape.hf_config_values())
-    config = AutoConfig.for_model(model_type, **config_dict)
-    config.architectures = [GGUF_ARCHITECTURES.get(model_type, GGUF_ARCHITECTURES[arch])]
-    config.dtype = "float32"
-    config.save_pretrained(out)
-    from llmctl.engine.model_loader.source import write_config_view
+    GGUFConfig.from_metadata(metadata, tensor_names, shape).save(out)
 
-    write_config_view(config, out)  # later loads read this, without importing transformers
+    tokenizer = GGUFTokenizer.from_metadata(metadata)
+    if tokenizer is None:
+        # The weights still load: the model runs with skip_tokenizer_init, and without it
+        # loading the tokenizer from the converted directory fails with a typed error.
+        logger.warning("%s holds no tokenizer (no tokenizer.ggml.tokens)", gguf_path)
+        return
+    reason = tokenizer.unsupported()
+    if reason is None:
+        try:
+            tokenizer.save(out)
+            return
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises bare Exception on bad data
+            reason = f"a vocabulary the tokenizers library refused ({exc})"
+    logger.info(
+        "%s: converting its tokenizer with transformers (not built natively: %s); this "
+        "takes tens of seconds, once",
+        gguf_path.name,
+        reason,
+    )
+    _convert_tokenizer_with_transformers(gguf_path, out)
+
+
+def _convert_tokenizer_with_transformers(gguf_path: Path, out: Path) -> None:
+    from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    except (ValueError, KeyError, TypeError, OSError) as exc:
-        # The weights still convert: the model runs with skip_tokenizer_init, and without it
-        # loading the tokenizer from the converted directory fails with a typed error.
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises bare Exception on bad data
         logger.warning("%s holds no tokenizer transformers can read (%s)", gguf_path, exc)
     else:
         tokenizer.save_pretrained(out)
-
-    del progress  # writing the config takes no noticeable time after the parse
 
 
 _GPT2_CONV1D = (

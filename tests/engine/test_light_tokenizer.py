@@ -97,7 +97,8 @@ def test_saved_config_view_answers_as_the_config(smol_dir):
 
 
 def test_bundled_model_generates_without_importing_transformers(smol_dir):
-    # smol_dir: the GGUF's config and tokenizer are written (the first run imports transformers)
+    # smol_dir: the GGUF's config and tokenizer are written (test_gguf_cold_start.py checks that
+    # the first run, which writes them, imports no transformers either)
     script = (
         "import sys\n"
         "from llmctl.engine import LLM, SamplingParams\n"

@@ -1,0 +1,129 @@
+"""GGUFConfig: a GGUF file's metadata as a Hugging Face config.json, without transformers.
+
+llama.cpp writes the model's config as metadata under its own key names. This module maps them
+once, for the architectures llmctl converts (ModelShape's GGUF_ARCHITECTURES): the sizes through
+ModelShape's GGUF table (`shape.hf_config_values()`, what the planner reads too), and the rest
+here: the rope base and scaling, the norm epsilon, the special token ids, the activation.
+
+The values equal what transformers' `load_gguf_checkpoint` + `AutoConfig.for_model` gave for the
+keys the engine reads (tests/engine/test_gguf_config.py compares them on the bundled model and
+on files of the other architectures), with three deliberate differences: a token id the file
+does not give stays unset (transformers' LlamaConfig would say bos 1 and eos 2), linear rope
+scaling is kept (transformers drops `rope.scaling.*`), and Mistral's sliding window is the file's
+(MistralConfig's default 4096 would narrow the attention of a file that states none).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmctl.engine.hf_config_view import HFConfigView
+from llmctl.engine.model_shape import GGUF_ARCHITECTURES, ModelShape
+
+logger = logging.getLogger("llmctl")
+
+# GGUF architecture -> (transformers model_type, its config class).
+_MODEL_TYPES = {
+    "llama": ("llama", "LlamaConfig"),
+    "mistral": ("mistral", "MistralConfig"),
+    "qwen2": ("qwen2", "Qwen2Config"),
+    "gpt2": ("gpt2", "GPT2Config"),
+}
+# tokenizer.ggml.<key> -> config key
+_TOKEN_IDS = {
+    "bos_token_id": "bos_token_id",
+    "eos_token_id": "eos_token_id",
+    "unknown_token_id": "unk_token_id",
+    "padding_token_id": "pad_token_id",
+}
+# GPT2Config's attribute_map: the generic names the view answers as well.
+_GPT2_ALIASES = {
+    "hidden_size": "n_embd",
+    "max_position_embeddings": "n_positions",
+    "num_attention_heads": "n_head",
+    "num_hidden_layers": "n_layer",
+}
+_DEFAULT_ROPE_THETA = 10000.0
+_DEFAULT_RMS_NORM_EPS = 1e-6  # LlamaConfig's, MistralConfig's and Qwen2Config's default
+_DEFAULT_LAYER_NORM_EPS = 1e-5  # GPT2Config's
+
+
+@dataclass(frozen=True)
+class GGUFConfig:
+    model_type: str  # transformers' model_type: llama, mistral, qwen2, gpt2
+    config_class: str  # e.g. "LlamaConfig": what the view reports
+    values: dict[str, Any]  # config.json's contents
+
+    @classmethod
+    def from_metadata(
+        cls, metadata: Mapping[str, Any], tensor_names: tuple[str, ...], shape: ModelShape
+    ) -> GGUFConfig:
+        """From the file's metadata (gguf_file.read_gguf_metadata), its tensor names and the
+        shape ModelShape.from_gguf_metadata read from them."""
+        arch = str(metadata["general.architecture"])
+        model_type, config_class = _MODEL_TYPES[arch]
+        key = lambda name: metadata.get(f"{arch}.{name}")  # noqa: E731
+        values: dict[str, Any] = {
+            "architectures": [GGUF_ARCHITECTURES[arch]],
+            "model_type": model_type,
+            "dtype": "float32",  # the quantized blocks dequantize to float32
+        }
+        values.update(shape.hf_config_values())
+        for gguf_key, name in _TOKEN_IDS.items():
+            token_id = metadata.get(f"tokenizer.ggml.{gguf_key}")
+            if token_id is not None:
+                values[name] = int(token_id)
+        if arch == "gpt2":
+            eps = key("attention.layer_norm_epsilon")
+            values["layer_norm_epsilon"] = _DEFAULT_LAYER_NORM_EPS if eps is None else float(eps)
+            values["activation_function"] = "gelu_new"  # GPT2Config's default; GGUF names none
+            return cls(model_type, config_class, values)
+        eps = key("attention.layer_norm_rms_epsilon")
+        values["rms_norm_eps"] = float(eps) if eps is not None else _DEFAULT_RMS_NORM_EPS
+        values["rope_parameters"] = _rope_parameters(arch, metadata)
+        values["hidden_act"] = "silu"
+        if arch == "llama":  # LlamaConfig's options (Qwen2's bias is its architecture's)
+            values["attention_bias"] = False
+            values["mlp_bias"] = False
+        if arch == "mistral":
+            values["sliding_window"] = shape.sliding_window
+        if arch == "qwen2":
+            values["use_sliding_window"] = False  # Qwen2Config's default, as transformers has it
+            values["sliding_window"] = shape.sliding_window
+        return cls(model_type, config_class, values)
+
+    def view(self) -> HFConfigView:
+        """The config as the engine and its workers read it (no transformers import)."""
+        attributes = dict(self.values)
+        if self.model_type == "gpt2":
+            attributes.update({alias: self.values[name] for alias, name in _GPT2_ALIASES.items()})
+        return HFConfigView(attributes, self.config_class)
+
+    def save(self, directory: Path) -> None:
+        """config.json (which transformers' AutoConfig reads as well) and the view beside it."""
+        from llmctl.engine.model_loader.source import write_config_view
+
+        (directory / "config.json").write_text(json.dumps(self.values, indent=2, sort_keys=True))
+        write_config_view(self.view(), directory)
+
+
+def _rope_parameters(arch: str, metadata: Mapping[str, Any]) -> dict[str, Any]:
+    theta = metadata.get(f"{arch}.rope.freq_base")
+    params: dict[str, Any] = {
+        "rope_theta": float(theta) if theta is not None else _DEFAULT_ROPE_THETA,
+        "rope_type": "default",
+    }
+    scaling = metadata.get(f"{arch}.rope.scaling.type")
+    factor = metadata.get(f"{arch}.rope.scaling.factor")
+    if scaling == "linear" and factor is not None:
+        params.update(rope_type="linear", factor=float(factor))
+    elif scaling not in (None, "none"):
+        # llama.cpp's yarn/longrope settings have no counterpart in the engine's rotary layer
+        # (transformers' GGUF mapping drops them too): the model runs with plain rope.
+        logger.warning("GGUF rope scaling %r is not applied: the model runs plain rope", scaling)
+    return params
