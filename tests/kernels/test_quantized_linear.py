@@ -132,10 +132,13 @@ def test_embedding_rows(kernel, qtype):
     assert torch.equal(packed.embedding(ids), reference[ids])
 
 
-def test_thread_split_changes_no_bits(kernel):
-    raw = gguf_blocks(T.Q4_1, 1000, 576)
-    packed = gguf_quants.pack_gguf(raw, T.Q4_1, 1000, 576)
-    x = torch.randn(3, 576)
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K])
+def test_thread_split_and_batch_change_no_bits(kernel, qtype):
+    # 1002 rows: blocks of 4 weight rows (decode) with a remainder, split anew by each thread count
+    k = 512
+    raw = gguf_blocks(qtype, 1002, k)
+    packed = gguf_quants.pack_gguf(raw, qtype, 1002, k)
+    x = torch.randn(3, k)
     out = packed.matmul(x)
     threads = torch.get_num_threads()
     try:
@@ -143,6 +146,9 @@ def test_thread_split_changes_no_bits(kernel):
         assert torch.equal(packed.matmul(x), out)
     finally:
         torch.set_num_threads(threads)
+    # A sequence decoded alone (M=1, the row-blocked path) gets its row of the batch's bits.
+    for m in range(3):
+        assert torch.equal(packed.matmul(x[m : m + 1].contiguous()), out[m : m + 1])
 
 
 def test_unsupported_gguf_type_names_the_supported_ones():

@@ -11,9 +11,16 @@
 //   scales, zeros: [N, K / g], both float32 or both float16 (GGUF's Q4_0, Q4_1 and Q8_0 keep the
 //         file's own fp16 values: half the bytes, exact).
 //
-// Decode (small M) is bound by the bytes of W read: each thread owns a range of output rows and
-// reads each weight byte once, dequantizing it in registers for all M activation rows. The zero
-// term is sum_g zeros[n, g] * xsum[m, g], with xsum the per-group sums of x computed once.
+// Decode (small M): each thread owns a range of output rows and reads each weight byte once,
+// dequantizing it in registers for all M activation rows. The zero term is
+// sum_g zeros[n, g] * xsum[m, g], with xsum the per-group sums of x computed once. Widening the
+// 4-bit weights to float, not reading them, bounds a single row: on AVX2 a sequence decoded alone
+// (M = 1) takes 4 weight rows a pass (independent FMA chains, each load of x shared, a software
+// prefetch per row since side-by-side rows defeat the hardware's stream detection), and each
+// 8-byte half of a 32-weight chunk is widened to 32-bit lanes once, its low and high nibbles then
+// an AND and a shift apart (two shuffles per chunk where there were six). A row's sum takes the
+// same operations in the same order on every path, so its bits do not depend on the batch or
+// the thread split.
 // Larger M (prefill) goes through `tiled_group_mm`: tiles of W expanded to float32 and multiplied
 // with torch's GEMM, the dequantization amortised over the M rows.
 //
@@ -67,6 +74,84 @@ inline float hsum(__m256 v) {
 // 8 bytes (int8 or uint8 nibbles already widened) -> 8 floats
 inline __m256 i8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
 inline __m256 u8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
+// 8 int8 weights from memory -> 8 floats (one widening shuffle, its load folded in)
+inline __m256 i8_mem_to_ps(const int8_t* p) {
+  return i8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+// 32 nibbles (16 bytes, GGUF's Q4_0 order) -> weights 0-7, 8-15, 16-23, 24-31 as floats
+// Each half of the bytes is widened to 32-bit lanes once (two shuffles in all): a lane's low
+// nibble is its AND with 15, its high nibble its shift right by 4.
+inline void nibbles_to_ps(const uint8_t* b16, __m128i /*mask*/, __m256* w) {
+  const __m256i m = _mm256_set1_epi32(0x0F);
+  const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b16)));
+  const __m256i v1 =
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b16 + 8)));
+  w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(v0, m));
+  w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(v1, m));
+  w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));
+  w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));
+}
+#endif
+
+#if defined(LLMCTL_Q_AVX2)
+// Decode (one activation row): NR weight rows per pass share each load of x, and their NR
+// independent FMA chains hide each other's latency (one row alone is latency bound). Per row,
+// the same operations in the same order as row_int4 / row_int8 with R = 1.
+constexpr int kBlockRows = 4;
+template <int NR, typename S>
+void rows_int4_m1(const uint8_t* qp, int64_t row_bytes, const S* scales, int64_t G,
+                  const float* x, int64_t g, float* out) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t gi = 0; gi < G; ++gi) {
+    __m256 p[NR];
+    for (int r = 0; r < NR; ++r) p[r] = _mm256_setzero_ps();
+    for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
+      const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+      const __m256 x2 = _mm256_loadu_ps(x + k + 16), x3 = _mm256_loadu_ps(x + k + 24);
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* b = qp + r * row_bytes + k / 2;
+        // The rows read side by side defeat the hardware's stream prefetch: ask for the next
+        // pass's line of this row (a prefetch past the end is harmless).
+        if ((k / 2) % 64 == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(b + NR * row_bytes), _MM_HINT_T0);
+        __m256 w[4];
+        nibbles_to_ps(b, mask, w);
+        p[r] = _mm256_fmadd_ps(w[0], x0, p[r]);
+        p[r] = _mm256_fmadd_ps(w[1], x1, p[r]);
+        p[r] = _mm256_fmadd_ps(w[2], x2, p[r]);
+        p[r] = _mm256_fmadd_ps(w[3], x3, p[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      acc[r] = _mm256_fmadd_ps(p[r], _mm256_set1_ps(ld(scales, r * G + gi)), acc[r]);
+  }
+  for (int r = 0; r < NR; ++r) out[r] = hsum(acc[r]);
+}
+
+template <int NR, typename S>
+void rows_int8_m1(const int8_t* q, int64_t K, const S* scales, int64_t G, const float* x,
+                  int64_t g, float* out) {
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t gi = 0; gi < G; ++gi) {
+    __m256 p[NR];
+    for (int r = 0; r < NR; ++r) p[r] = _mm256_setzero_ps();
+    for (int64_t k = gi * g; k < (gi + 1) * g; k += 16) {
+      const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+      for (int r = 0; r < NR; ++r) {
+        if (k % 64 == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(q + (r + NR) * K + k), _MM_HINT_T0);
+        p[r] = _mm256_fmadd_ps(i8_mem_to_ps(q + r * K + k), x0, p[r]);
+        p[r] = _mm256_fmadd_ps(i8_mem_to_ps(q + r * K + k + 8), x1, p[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      acc[r] = _mm256_fmadd_ps(p[r], _mm256_set1_ps(ld(scales, r * G + gi)), acc[r]);
+  }
+  for (int r = 0; r < NR; ++r) out[r] = hsum(acc[r]);
+}
 #endif
 
 // One weight row against R activation rows: out[r] = sum_k x[r, k] * W[k] (zero term excluded).
@@ -101,23 +186,22 @@ void row_int8(const int8_t* q, const S* scales, const float* x, int64_t ldx, int
   }
 #endif
 #if defined(LLMCTL_Q_AVX2) || defined(LLMCTL_Q_AVX512)
-  if (g % 16 == 0) {
+  if (g % 16 == 0) {  // the order of rows_int8_m1's: one chain per row and group
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t gi = 0; gi < G; ++gi) {
-      __m256 pa[R], pb[R];
-      for (int r = 0; r < R; ++r) pa[r] = pb[r] = _mm256_setzero_ps();
+      __m256 p[R];
+      for (int r = 0; r < R; ++r) p[r] = _mm256_setzero_ps();
       for (int64_t k = gi * g; k < (gi + 1) * g; k += 16) {
-        __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
-        __m256 w0 = i8_to_ps(b);
-        __m256 w1 = i8_to_ps(_mm_srli_si128(b, 8));
+        __m256 w0 = i8_mem_to_ps(q + k);
+        __m256 w1 = i8_mem_to_ps(q + k + 8);
         for (int r = 0; r < R; ++r) {
-          pa[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), pa[r]);
-          pb[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * ldx + k + 8), pb[r]);
+          p[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), p[r]);
+          p[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * ldx + k + 8), p[r]);
         }
       }
       const __m256 s = _mm256_set1_ps(ld(scales, gi));
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_add_ps(pa[r], pb[r]), s, acc[r]);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(p[r], s, acc[r]);
     }
     for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
     return;
@@ -160,30 +244,24 @@ void row_int4(const uint8_t* qp, const S* scales, const float* x, int64_t ldx, i
   }
   for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
 #elif defined(LLMCTL_Q_AVX2)
+  // The order of rows_int4_m1's (one chain per row and group), so that a row's sum has the same
+  // bits whether its sequence is decoded alone or in a batch.
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m128i mask = _mm_set1_epi8(0x0F);
   for (int64_t gi = 0; gi < G; ++gi) {
-    __m256 pa[R], pb[R];
-    for (int r = 0; r < R; ++r) pa[r] = pb[r] = _mm256_setzero_ps();
+    __m256 p[R];
+    for (int r = 0; r < R; ++r) p[r] = _mm256_setzero_ps();
     for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
-      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + k / 2));
-      __m128i lo = _mm_and_si128(b, mask);
-      __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-      __m256 w0 = u8_to_ps(lo);
-      __m256 w1 = u8_to_ps(_mm_srli_si128(lo, 8));
-      __m256 w2 = u8_to_ps(hi);
-      __m256 w3 = u8_to_ps(_mm_srli_si128(hi, 8));
+      __m256 w[4];
+      nibbles_to_ps(qp + k / 2, mask, w);
       for (int r = 0; r < R; ++r) {
         const float* xr = x + r * ldx + k;
-        pa[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), pa[r]);
-        pb[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), pb[r]);
-        pa[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), pa[r]);
-        pb[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), pb[r]);
+        for (int j = 0; j < 4; ++j) p[r] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + 8 * j), p[r]);
       }
     }
     const __m256 s = _mm256_set1_ps(ld(scales, gi));
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_add_ps(pa[r], pb[r]), s, acc[r]);
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(p[r], s, acc[r]);
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 #else
@@ -241,6 +319,13 @@ struct Int8Row {
   void call(int64_t n, const float* x, int64_t ldx, float* out) const {
     row_int8<R, S>(q + n * K, scales + n * G, x, ldx, K, g, out);
   }
+#if defined(LLMCTL_Q_AVX2)
+  bool blocks() const { return g % 16 == 0; }
+  template <int NR>
+  void block(int64_t n, const float* x, float* out) const {
+    rows_int8_m1<NR, S>(q + n * K, K, scales + n * G, G, x, g, out);
+  }
+#endif
 };
 
 template <typename S>
@@ -252,6 +337,13 @@ struct Int4Row {
   void call(int64_t n, const float* x, int64_t ldx, float* out) const {
     row_int4<R, S>(qp + n * (K / 2), scales + n * G, x, ldx, K, g, out);
   }
+#if defined(LLMCTL_Q_AVX2)
+  bool blocks() const { return true; }
+  template <int NR>
+  void block(int64_t n, const float* x, float* out) const {
+    rows_int4_m1<NR, S>(qp + n * (K / 2), K / 2, scales + n * G, G, x, g, out);
+  }
+#endif
 };
 
 bool is_scale_dtype(const at::Tensor& t) {
@@ -294,7 +386,24 @@ at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes
   const int64_t grain = std::max<int64_t>(1, (128 * 1024) / std::max<int64_t>(1, row_bytes));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     float out[kMaxRows];
-    for (int64_t n = begin; n < end; ++n) {
+    int64_t n = begin;
+#if defined(LLMCTL_Q_AVX2)
+    if (M == 1 && row.blocks()) {  // decode: kBlockRows weight rows a pass, same bits per row
+      float outs[kBlockRows];
+      for (; n < end; n += kBlockRows) {
+        const int64_t rows = std::min<int64_t>(kBlockRows, end - n);
+        switch (rows) {
+          case 4: row.template block<4>(n, xp, outs); break;
+          case 3: row.template block<3>(n, xp, outs); break;
+          case 2: row.template block<2>(n, xp, outs); break;
+          default: row.template block<1>(n, xp, outs); break;
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          yp[n + r] = has_zeros ? outs[r] + dot(zp + (n + r) * G, sp, G) : outs[r];
+      }
+    }
+#endif
+    for (; n < end; ++n) {
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
         const int64_t rows = std::min<int64_t>(kMaxRows, M - m0);
         const float* xr = xp + m0 * K;
