@@ -11,12 +11,17 @@ both, the ratio, and whether every sequence's tokens agree.
     python benchmarks/moe_vs_transformers.py                     # mixtral, batch 1 and 16
     python benchmarks/moe_vs_transformers.py --family qwen2-moe --layers 8 --repeats 2
     python benchmarks/moe_vs_transformers.py --family all
+    python benchmarks/moe_vs_transformers.py --threads 1    # both engines on one core
+
+On a shared machine a busy core stalls every parallel region of a 2-thread run (oneDNN's more
+than MKL's), so `--threads 1` gives the steadier per-core comparison.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -83,7 +88,8 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> str:
 def compare(family: str, path: Path, args) -> float:
     """Print one family's lines; return the batch-16 (largest batch) ratio."""
     print(f"\n{family}: {args.layers} layers, hidden {args.hidden}, {args.experts} experts of "
-          f"{args.expert_size} features, top-{args.top_k}, float32; prompts of "
+          f"{args.expert_size} features, top-{args.top_k}, float32, "
+          f"{os.environ.get('OMP_NUM_THREADS', 'default')} threads; prompts of "
           f"{args.prompt_len} ids -> {args.output_len} tokens")  # fmt: skip
     ratio = 0.0
     for batch in args.batches:
@@ -115,6 +121,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--threads", type=int, help="torch threads of both engines")
     parser.add_argument("--child", choices=["llmctl", "transformers"], help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
@@ -129,6 +136,8 @@ def main() -> None:
             result = run_transformers(*common)
         print(json.dumps(result))
         return
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the children inherit it
     families = FAMILIES if args.family == "all" else (args.family,)
     with tempfile.TemporaryDirectory(prefix="moe-bench-") as root:
         for family in families:
