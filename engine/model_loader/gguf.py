@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmctl.engine.errors import ConfigError, ModelLoadError, UnsupportedArchitectureError
+from llmctl.engine.model_loader.gguf_moe import check_moe_tensors, moe_config_values, moe_hf_name
 from llmctl.engine.model_shape import GGUF_ARCHITECTURES, GGUF_TOKENS, ModelShape
 
 # llama.cpp permutes the rows of q and k for these architectures; undo it.
@@ -122,12 +123,8 @@ def _convert(gguf_path: Path, out: Path, progress: ProgressFn | None) -> None:
         shape = gguf_shape(reader)
     except ConfigError as exc:
         raise ModelLoadError(f"{gguf_path}: {exc.message}", exc.hint) from exc
-    if shape.num_experts:
-        raise UnsupportedArchitectureError(
-            f"{gguf_path} holds a mixture-of-experts model ({shape.num_experts} experts); llmctl "
-            "runs MoE models from Hugging Face checkpoints only",
-            "serve the model's safetensors directory instead of its GGUF file",
-        )
+    if shape.num_experts:  # stacked expert tensors only (gguf_moe.py)
+        check_moe_tensors(gguf_path, arch, shape, tuple(t.name for t in reader.tensors))
     parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=False)
     config_dict = dict(parsed["config"])
     model_type = config_dict.pop("model_type", arch)
@@ -135,8 +132,10 @@ def _convert(gguf_path: Path, out: Path, progress: ProgressFn | None) -> None:
     # The sizes come from ModelShape's GGUF table (the planner reads the same); transformers'
     # mapping supplies the rest (rope, norm epsilon, special tokens).
     config_dict.update(shape.hf_config_values())
+    config_dict.update(moe_config_values(arch, shape))  # {} for a dense model
+    model_type = config_dict.pop("model_type", model_type)
     config = AutoConfig.for_model(model_type, **config_dict)
-    config.architectures = [GGUF_ARCHITECTURES.get(model_type, GGUF_ARCHITECTURES[arch])]
+    config.architectures = [GGUF_ARCHITECTURES.get(model_type, shape.architecture)]
     config.dtype = "float32"
     config.save_pretrained(out)
     from llmctl.engine.model_loader.source import write_config_view
@@ -202,6 +201,8 @@ def _hf_name(arch: str, name: str) -> str | None:
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
         return f"{layer_prefix}.{parts[1]}.{names[parts[2]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and (moe := moe_hf_name(arch, *parts[1:], kind)):
+        return moe  # a mixture of experts' router, experts or shared expert
     if base == "rope_freqs":
         return None  # recomputed from the config's rope scaling
     raise ModelLoadError(

@@ -183,6 +183,11 @@ def iterate_gguf_weights(
     """(Hugging Face name, CheckpointTensor | QuantizedCheckpointTensor) for each tensor."""
     from llmctl.engine.layers.quantization.quant_config import QuantizationConfig
     from llmctl.engine.model_loader.gguf import _GPT2_CONV1D, _PERMUTED_QK, _hf_name
+    from llmctl.engine.model_loader.gguf_moe import (
+        EXPERT,
+        is_vector_shared_expert_gate,
+        moe_tensors,
+    )
     from llmctl.engine.model_loader.weights import CheckpointTensor, QuantizedCheckpointTensor
 
     tensors = read_gguf_tensors(path)
@@ -190,6 +195,9 @@ def iterate_gguf_weights(
     for t in tensors:
         hf_name = _hf_name(arch, t.name)
         if hf_name is None:
+            continue
+        if EXPERT in hf_name or is_vector_shared_expert_gate(t):  # gguf_moe.py
+            yield from moe_tensors(hf_name, t, lambda t: _float_reader(t, None), dequantize)
             continue
         rows = None
         if arch in _PERMUTED_QK and t.name.endswith(("attn_q.weight", "attn_k.weight")):
