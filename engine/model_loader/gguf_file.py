@@ -169,7 +169,11 @@ def read_gguf_metadata(path: str | Path) -> tuple[dict, list[tuple[str, str]]]:
 
 
 def gguf_tensor_count(path: str | Path) -> int:
-    return len(_open(path)[1])
+    """How many tensors iterate_gguf_weights yields at most: a stacked expert tensor is one
+    per expert (its outermost dimension)."""
+    from llmctl.engine.model_loader.gguf_moe import is_stacked_experts
+
+    return sum(dims[-1] if is_stacked_experts(name) else 1 for name, dims, _, _ in _open(path)[1])
 
 
 def gguf_tensor_types(path: str | Path) -> list[str]:

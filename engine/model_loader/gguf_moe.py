@@ -133,3 +133,9 @@ def moe_tensors(hf_name: str, t, float_reader, dequantize: bool) -> Iterator[tup
 def is_vector_shared_expert_gate(t) -> bool:
     """Qwen2-MoE's shared expert gate stored as [H] (llama.cpp's shape; HF's is [1, H])."""
     return t.name.endswith(".ffn_gate_inp_shexp.weight") and len(t.shape) == 1
+
+
+def is_stacked_experts(gguf_name: str) -> bool:
+    """blk.N.ffn_{gate,up,down}_exps.weight: every expert's matrix in one tensor."""
+    parts = gguf_name.split(".")
+    return len(parts) == 4 and parts[0] == "blk" and parts[2] in _STACKED

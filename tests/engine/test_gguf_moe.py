@@ -195,3 +195,13 @@ def test_a_quantized_moe_gguf_is_refused_naming_the_fix(models, tmp_path):
         LLM(str(path), use_tqdm_on_load=False, skip_tokenizer_init=True)
     assert "experts" in err.value.message and "quantization (gguf)" in err.value.message
     assert "float checkpoint" in err.value.hint
+
+
+def test_each_expert_is_one_tensor_of_the_loading_progress(models):
+    from llmctl.engine.model_loader.gguf_file import gguf_tensor_count, iterate_gguf_weights
+
+    _, gguf_file, _ = models("qwen2-moe")
+    names = [name for name, _ in iterate_gguf_weights(gguf_file, "qwen2moe", 4, 2)]
+    assert gguf_tensor_count(gguf_file) == len(names) == len(set(names))
+    assert "model.layers.1.mlp.experts.5.down_proj.weight" in names  # 6 experts
+    assert "model.layers.1.mlp.shared_expert_gate.weight" in names
