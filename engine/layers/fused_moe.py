@@ -116,7 +116,7 @@ def fused_experts(
     ys.append(hidden_states.new_zeros(1, hidden_states.shape[-1]))
     y = torch.cat(ys)
     weights = torch.cat([topk_weights.reshape(-1)[order[:num_held]], topk_weights.new_zeros(1)])
-    y = (y * weights[:, None]).to(hidden_states.dtype)
+    y.mul_(weights[:, None])  # computed in float32, rounded once to the dtype (as HF)
     # inverse[pair] = its row of y (pairs not held: the zero row)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(len(order), device=order.device).clamp_(max=num_held)
