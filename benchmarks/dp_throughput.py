@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -93,6 +94,8 @@ def start_server(port: int, dp: int, kv_gib: float) -> subprocess.Popen:
     llmctl = str(Path(sys.executable).with_name("llmctl"))
     cmd = [llmctl, "-q", "serve", "--port", str(port), "--served-model-name", "bench"]
     cmd += ["--kv-cache-space-gib", str(kv_gib), "--data-parallel-size", str(dp)]
+    # A busy shared machine can stretch one step past the default 30 s stall timeout.
+    cmd += ["--stall-timeout", "600"]
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -129,6 +132,8 @@ def measure(port: int, args, seed: int) -> dict:
     after = prompt_tokens_per_replica(port)
     result["prompt_tokens_by_replica"] = {r: after[r] - before.get(r, 0.0) for r in after}
     result["load"] = (load_before, os.getloadavg()[0])
+    print(f"  round {seed + 1}, dp on port {port}: {result['tok_per_s']:.1f} output tok/s",
+          file=sys.stderr)  # fmt: skip
     return result
 
 
@@ -166,9 +171,12 @@ def main() -> None:
     parser.add_argument("--kv-cache-space-gib", type=float, default=1.0)
     args = parser.parse_args()
     servers: dict[int, tuple[int, subprocess.Popen]] = {}
+    # SIGTERM (a timeout) stops the servers too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         for dp in (1, 2):
             port = free_port()
+            print(f"starting llmctl serve -dp {dp} on port {port}", file=sys.stderr)
             servers[dp] = port, start_server(port, dp, args.kv_cache_space_gib)
             # every batch size up to the concurrency seen once, on every replica
             warm = make_prompts(args.concurrency, args.prompt_len, seed=99)
