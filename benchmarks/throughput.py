@@ -54,11 +54,18 @@ def _time_prepare(runner) -> dict:
 
 
 def run_llmctl(
-    prompts: list[list[int]], output_len: int, repeats: int, dtype: str, device: str
+    prompts: list[list[int]],
+    output_len: int,
+    repeats: int,
+    dtype: str,
+    device: str,
+    model: str | None = None,
+    **engine_kwargs,
 ) -> dict:
+    """Best-of-`repeats` offline generation with llmctl's LLM (model None: the bundled one)."""
     from llmctl.engine import LLM, SamplingParams
 
-    llm = LLM(use_tqdm_on_load=False, dtype=dtype, device=device)
+    llm = LLM(model, use_tqdm_on_load=False, dtype=dtype, device=device, **engine_kwargs)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], params.replace(max_tokens=4), use_tqdm=False)  # warm-up
     times, outputs, prepare = [], None, None
@@ -73,6 +80,7 @@ def run_llmctl(
         "seconds": min(times),
         "tokens": tokens,
         "first_ids": outputs[0].outputs[0].token_ids,
+        "ids": [o.outputs[0].token_ids for o in outputs],
         "dtype": llm.llm_engine.config.model_config.dtype,
         "prepare_ms_per_step": 1000 * prepare["seconds"] / max(prepare["steps"], 1),
         "ms_per_step": 1000 * times[-1] / max(prepare["steps"], 1),
@@ -80,15 +88,25 @@ def run_llmctl(
 
 
 def run_transformers(
-    prompts: list[list[int]], output_len: int, repeats: int, dtype: str, device: str
+    prompts: list[list[int]],
+    output_len: int,
+    repeats: int,
+    dtype: str,
+    device: str,
+    model: str | None = None,
 ) -> dict:
+    """Best-of-`repeats` batched greedy `generate` (model None: the bundled GGUF, dequantized)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from llmctl.engine.model_loader.default_model import default_model_path
 
-    gguf = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name).eval()
+    if model is None:
+        gguf = default_model_path()
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model)
+    model = model.eval()
     if dtype != "auto":
         model = model.to(getattr(torch, dtype))
     if device != "cpu":
@@ -118,6 +136,7 @@ def run_transformers(
         "seconds": min(times),
         "tokens": new.numel(),
         "first_ids": new[0].tolist(),
+        "ids": new.tolist(),
         "dtype": str(model.dtype).removeprefix("torch."),
     }
 
@@ -130,9 +149,16 @@ RUNS = [
 ]
 
 
-def _child(engine: str, dtype: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--child", engine, "--dtype", dtype]
-    for flag in ("batch", "prompt_len", "output_len", "repeats", "device"):
+CHILD_FLAGS = ("batch", "prompt_len", "output_len", "repeats", "device")
+
+
+def run_child(
+    engine: str, dtype: str, args, script: str = __file__, flags: tuple[str, ...] = CHILD_FLAGS
+) -> dict:
+    """Run `script --child ENGINE --dtype DTYPE --FLAG args.FLAG ...` in a fresh process and
+    return the JSON dict it prints last."""
+    cmd = [sys.executable, script, "--child", engine, "--dtype", dtype]
+    for flag in flags:
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -143,7 +169,7 @@ def _child(engine: str, dtype: str, args) -> dict:
 
 
 def compare(args) -> None:
-    results = {(engine, dtype): _child(engine, dtype, args) for engine, dtype in RUNS}
+    results = {(engine, dtype): run_child(engine, dtype, args) for engine, dtype in RUNS}
     print(f"\n{args.batch} x {args.prompt_len}-token prompts -> {args.output_len} tokens each")
     rate = {}
     for (engine, dtype), r in results.items():

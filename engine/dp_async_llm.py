@@ -13,6 +13,9 @@ A replica whose worker dies fails its own requests in flight (EngineDeadError, a
 does) and is routed nothing more; the others serve on. A request that reached a replica already
 dead, before it took the request, is routed again: nothing of it ran. `health_error()` is set
 only once every replica stopped; `replica_states()` tells /health and /metrics which one and why.
+With --restart-on-failure a replica that failed builds a new engine in its thread: once that one
+serves (the replica's health clears and its engine is not the one that failed), the replica
+rejoins routing, with an empty prefix cache.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from collections.abc import AsyncIterator
 from llmctl.engine.async_llm import AsyncLLM
 from llmctl.engine.config import EngineConfig
 from llmctl.engine.dp_router import DPRouter
-from llmctl.engine.errors import EngineDeadError
+from llmctl.engine.errors import EngineDeadError, EngineRestartingError
 from llmctl.engine.llm_engine import EngineStats, LLMEngine, PromptType
 from llmctl.engine.outputs import RequestOutput
 from llmctl.engine.sampling_params import SamplingParams
@@ -95,6 +98,8 @@ class DPAsyncLLM:
         self.max_model_len = config.model_config.max_model_len
         self.router = DPRouter(len(replicas), config.cache_config.block_size)
         self.coordinator = None  # the head's listener for replicas of other nodes
+        # replica -> the engine it ran when it was marked dead: it rejoins on another one
+        self._failed_engines: dict[int, LLMEngine | None] = {}
 
     @classmethod
     def from_engine_args(cls, engine_args, progress=None) -> DPAsyncLLM:
@@ -138,15 +143,18 @@ class DPAsyncLLM:
     def health_error(self) -> EngineDeadError | None:
         """None while one replica can serve; else why none can, replica by replica."""
         self._note_deaths()
-        return None if self.router.live else self.router.none_live_error()
+        return None if self.router.live else self._none_live_error()
 
     def replica_states(self) -> list[tuple[int, EngineStats, EngineDeadError | None]]:
         self._note_deaths()
         dead = self.router.dead  # also what a request learnt before the replica's thread did
-        return [
-            (i, replica.get_stats(), None if i not in dead else EngineDeadError(dead[i]))
-            for i, replica in enumerate(self.replicas)
-        ]
+        states = []
+        for i, replica in enumerate(self.replicas):
+            error = None
+            if i in dead:  # the replica's own word first: restarting, or dead and why
+                error = replica.health_error() or EngineDeadError(dead[i])
+            states.append((i, replica.get_stats(), error))
+        return states
 
     def health(self) -> dict:
         """/health's body while every replica serves."""
@@ -171,7 +179,10 @@ class DPAsyncLLM:
             max_tokens = max(0, self.max_model_len - len(prompt_ids))
         while True:
             self._note_deaths()
+            if not self.router.live:
+                raise self._none_live_error()
             replica = self.router.route(request_id, prompt_ids, max_tokens * params.n)
+            engine = self.replicas[replica].engine  # the one that fails it, if one does
             accepted = []
             try:
                 stream = self.replicas[replica].generate(
@@ -184,7 +195,7 @@ class DPAsyncLLM:
                         yield output
                 return
             except EngineDeadError as exc:
-                self.router.mark_dead(replica, exc.message)
+                self._mark_dead(replica, exc.message, engine)
                 if accepted:
                     raise  # it ran there: its partial output is lost, say so
                 logger.warning("replica %d is dead; routing request %s again", replica, request_id)
@@ -200,11 +211,46 @@ class DPAsyncLLM:
     # -- internals -------------------------------------------------------------------------------
 
     def _note_deaths(self) -> None:
+        """Bring the router up to date: replicas that stopped (or are restarting) out, replicas
+        serving a new engine since they were marked dead back in."""
         for i, replica in enumerate(self.replicas):
             error = replica.health_error()
             if error is not None and i not in self.router.dead:
                 logger.error("data-parallel replica %d stopped: %s", i, error.message)
-                self.router.mark_dead(i, error.message)
+                self._mark_dead(i, error.message, replica.engine)
+            elif (
+                error is None
+                and i in self.router.dead
+                and replica.engine is not self._failed_engines.get(i)
+            ):
+                # A request may learn of a failure before the replica's health shows it: the
+                # same engine clearing its health has not recovered; a new one has.
+                logger.warning("data-parallel replica %d restarted: routing to it again", i)
+                self.router.revive(i)
+                self._failed_engines.pop(i, None)
+
+    def _mark_dead(self, replica: int, reason: str, engine: LLMEngine | None) -> None:
+        """Route nothing more to `replica` until it serves an engine other than `engine` (the
+        one that failed: a request that learns of it late, after the restart, marks the
+        replica dead only until the next look at its health)."""
+        if replica not in self.router.dead:
+            self._failed_engines[replica] = engine
+        self.router.mark_dead(replica, reason)
+
+    def _none_live_error(self) -> EngineDeadError:
+        """No replica serves: retry shortly if one is restarting, else every one stopped."""
+        restarting = [
+            (i, error)
+            for i, replica in enumerate(self.replicas)
+            if isinstance(error := replica.health_error(), EngineRestartingError)
+        ]
+        if restarting:
+            return EngineRestartingError(
+                "no data-parallel replica serves; "
+                + "; ".join(f"replica {i}: {error.message}" for i, error in restarting),
+                "retry in a few seconds",
+            )
+        return self.router.none_live_error()
 
     def _with_token_ids(self, prompt: PromptType) -> tuple[PromptType, list[int]]:
         """The prompt with its token ids (tokenized once, here, for routing); a prompt that is

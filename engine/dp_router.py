@@ -142,6 +142,11 @@ class DPRouter:
         for holders in self._prefixes.values():
             holders.discard(replica)
 
+    def revive(self, replica: int) -> None:
+        """`replica` serves again (restarted: --restart-on-failure), its cache empty: route to it
+        as to any other. Its requests that failed were finished, so its load is theirs no more."""
+        self.dead.pop(replica, None)
+
     def replica_of(self, request_id: str) -> int | None:
         routed = self._requests.get(request_id)
         return None if routed is None else routed.replica

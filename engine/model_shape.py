@@ -53,6 +53,8 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
     "gpt2": "GPT2LMHeadModel",
 }
 # GGUF metadata key (after the "<arch>." prefix) -> ModelShape field.
@@ -278,9 +280,10 @@ class ModelShape:
         return cls(
             architecture=arch,
             tie_word_embeddings=tied or bias,
-            qkv_bias=bias or arch == "Qwen2ForCausalLM",
+            qkv_bias=bias or arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"),
             o_bias=bias,
             mlp_bias=bias,
+            qk_norm=arch == "Qwen3MoeForCausalLM",
             **values,
         )
 

@@ -83,27 +83,47 @@ def fused_experts(
     hidden_states [T, H]; w13 [E_local, 2I, H]; w2 [E_local, H, I] (or per-expert lists of
     weights `linear` multiplies by, e.g. oneDNN-packed); topk_* [T, k] with global expert ids,
     of which [first_expert, first_expert + E_local) are held here. Returns [T, H].
+
+    The (token, slot) pairs are sorted by expert, so each expert's tokens are one contiguous run
+    of a single gather; the outputs come back through the inverse permutation (another gather)
+    and each token's k slots are added in ascending expert order, the order Hugging Face's
+    per-expert index_add_ adds them. No scatter: on the CPU, index_add_ runs a parallel region
+    per call (0.3 ms for one [1, 512] row on 2 threads of a busy machine, 5 us on one), which
+    made a single decode stream 2x slower than transformers.
     """
     num_tokens, top_k = topk_ids.shape
     num_local = len(w13)
-    out = torch.zeros_like(hidden_states)
+    # Slots sorted by expert within each token: the sum below then adds in expert order.
+    topk_ids, slot_order = torch.sort(topk_ids, dim=-1)
+    topk_weights = topk_weights.gather(-1, slot_order)
     flat_ids = topk_ids.reshape(-1) - first_expert  # [T * k], local ids (others out of range)
     held = (flat_ids >= 0) & (flat_ids < num_local)
-    # Group the (token, slot) pairs by expert: one sort, then a contiguous run per expert.
-    order = torch.argsort(torch.where(held, flat_ids, num_local), stable=True)
-    counts = torch.bincount(flat_ids[held], minlength=num_local).tolist()
-    flat_weights = topk_weights.reshape(-1)
-    start = 0
-    for expert, count in enumerate(counts):
+    # Expert num_local collects the pairs another rank holds: sorted last, never computed.
+    keys = torch.where(held, flat_ids, num_local)
+    order = torch.argsort(keys, stable=True)  # [T * k] pair indices, grouped by expert
+    counts = torch.bincount(keys, minlength=num_local + 1).tolist()
+    num_held = len(keys) - counts[num_local]
+    x = hidden_states[order[:num_held] // top_k]  # [num_held, H], expert by expert
+    ys, start = [], 0
+    for expert, count in enumerate(counts[:num_local]):
         if count == 0:
             continue
-        pairs = order[start : start + count]
+        gate_up = linear(x[start : start + count], w13[expert])  # [n, 2I]
         start += count
-        tokens = pairs // top_k
-        gate_up = linear(hidden_states[tokens], w13[expert])  # [n, 2I]
         inter = gate_up.shape[-1] // 2
-        y = linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[expert])  # [n, H]
-        out.index_add_(0, tokens, (y * flat_weights[pairs, None]).to(out.dtype))
+        ys.append(linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[expert]))  # [n, H]
+    # [num_held + 1, H]: the outputs in sorted order, then a zero row for the pairs not held
+    ys.append(hidden_states.new_zeros(1, hidden_states.shape[-1]))
+    y = torch.cat(ys)
+    weights = torch.cat([topk_weights.reshape(-1)[order[:num_held]], topk_weights.new_zeros(1)])
+    y.mul_(weights[:, None])  # computed in float32, rounded once to the dtype (as HF)
+    # inverse[pair] = its row of y (pairs not held: the zero row)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order), device=order.device).clamp_(max=num_held)
+    y = y[inverse].view(num_tokens, top_k, -1)  # [T, k, H]
+    out = y[:, 0]
+    for slot in range(1, top_k):
+        out = out + y[:, slot]
     return out
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmctl.engine.errors import ConfigError, ModelLoadError, UnsupportedArchitectureError
+from llmctl.engine.model_loader.gguf_moe import check_moe_tensors, moe_hf_name
 from llmctl.engine.model_shape import GGUF_ARCHITECTURES, ModelShape
 
 # llama.cpp permutes the rows of q and k for these architectures; undo it.
@@ -88,12 +89,8 @@ def _convert(gguf_path: Path, out: Path, progress: ProgressFn | None) -> None:
         shape = ModelShape.from_gguf_metadata(metadata, tensor_names)
     except ConfigError as exc:
         raise ModelLoadError(f"{gguf_path}: {exc.message}", exc.hint) from exc
-    if shape.num_experts:
-        raise UnsupportedArchitectureError(
-            f"{gguf_path} holds a mixture-of-experts model ({shape.num_experts} experts); llmctl "
-            "runs MoE models from Hugging Face checkpoints only",
-            "serve the model's safetensors directory instead of its GGUF file",
-        )
+    if shape.num_experts:  # stacked expert tensors only (gguf_moe.py)
+        check_moe_tensors(gguf_path, arch, shape, tensor_names)
     GGUFConfig.from_metadata(metadata, tensor_names, shape).save(out)
 
     tokenizer = GGUFTokenizer.from_metadata(metadata)
@@ -176,6 +173,8 @@ def _hf_name(arch: str, name: str) -> str | None:
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
         return f"{layer_prefix}.{parts[1]}.{names[parts[2]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and (moe := moe_hf_name(arch, *parts[1:], kind)):
+        return moe  # a mixture of experts' router, experts or shared expert
     if base == "rope_freqs":
         return None  # recomputed from the config's rope scaling
     raise ModelLoadError(

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from llmctl.engine.hf_config_view import HFConfigView
+from llmctl.engine.model_loader.gguf_moe import moe_config_values
 from llmctl.engine.model_shape import GGUF_ARCHITECTURES, ModelShape
 
 logger = logging.getLogger("llmctl")
@@ -33,6 +34,15 @@ _MODEL_TYPES = {
     "mistral": ("mistral", "MistralConfig"),
     "qwen2": ("qwen2", "Qwen2Config"),
     "gpt2": ("gpt2", "GPT2Config"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeConfig"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeConfig"),
+}
+# A mixture of experts' model_type (gguf_moe.moe_config_values: a llama file with experts is
+# Mixtral) -> its config class.
+_MOE_CONFIG_CLASSES = {
+    "mixtral": "MixtralConfig",
+    "qwen2_moe": "Qwen2MoeConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
 }
 # tokenizer.ggml.<key> -> config key
 _TOKEN_IDS = {
@@ -74,6 +84,11 @@ class GGUFConfig:
             "dtype": "float32",  # the quantized blocks dequantize to float32
         }
         values.update(shape.hf_config_values())
+        moe = moe_config_values(arch, shape)  # {} for a dense model
+        if moe:
+            values.update(moe)
+            model_type = moe["model_type"]
+            config_class = _MOE_CONFIG_CLASSES[model_type]
         for gguf_key, name in _TOKEN_IDS.items():
             token_id = metadata.get(f"tokenizer.ggml.{gguf_key}")
             if token_id is not None:
@@ -92,7 +107,7 @@ class GGUFConfig:
             values["mlp_bias"] = False
         if arch == "mistral":
             values["sliding_window"] = shape.sliding_window
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2moe", "qwen3moe"):
             values["use_sliding_window"] = False  # Qwen2Config's default, as transformers has it
             values["sliding_window"] = shape.sliding_window
         return cls(model_type, config_class, values)

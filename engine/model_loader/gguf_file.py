@@ -185,7 +185,11 @@ def read_gguf_metadata(
 
 
 def gguf_tensor_count(path: str | Path) -> int:
-    return len(_open(path)[1])
+    """How many tensors iterate_gguf_weights yields at most: a stacked expert tensor is one
+    per expert (its outermost dimension)."""
+    from llmctl.engine.model_loader.gguf_moe import is_stacked_experts
+
+    return sum(dims[-1] if is_stacked_experts(name) else 1 for name, dims, _, _ in _open(path)[1])
 
 
 def gguf_tensor_types(path: str | Path) -> list[str]:
@@ -199,6 +203,11 @@ def iterate_gguf_weights(
     """(Hugging Face name, CheckpointTensor | QuantizedCheckpointTensor) for each tensor."""
     from llmctl.engine.layers.quantization.quant_config import QuantizationConfig
     from llmctl.engine.model_loader.gguf import _GPT2_CONV1D, _PERMUTED_QK, _hf_name
+    from llmctl.engine.model_loader.gguf_moe import (
+        EXPERT,
+        is_vector_shared_expert_gate,
+        moe_tensors,
+    )
     from llmctl.engine.model_loader.weights import CheckpointTensor, QuantizedCheckpointTensor
 
     tensors = read_gguf_tensors(path)
@@ -206,6 +215,9 @@ def iterate_gguf_weights(
     for t in tensors:
         hf_name = _hf_name(arch, t.name)
         if hf_name is None:
+            continue
+        if EXPERT in hf_name or is_vector_shared_expert_gate(t):  # gguf_moe.py
+            yield from moe_tensors(hf_name, t, lambda t: _float_reader(t, None), dequantize)
             continue
         rows = None
         if arch in _PERMUTED_QK and t.name.endswith(("attn_q.weight", "attn_k.weight")):

@@ -3,7 +3,7 @@
 Concurrent requests are spread over both (seen in /metrics' `replica` label); then one replica's
 worker is SIGKILLed while both stream: its request fails, the other's finishes, /health says
 degraded (naming the replica and the signal), new requests succeed on the survivor, and SIGTERM
-leaves no process."""
+leaves no process. With --restart-on-failure a replica that died rejoins once restarted."""
 
 from __future__ import annotations
 
@@ -99,3 +99,39 @@ def test_replicas_share_the_load_and_survive_one_death(server_factory, tiny_mode
     # new requests all go to the survivor and succeed
     assert asyncio.run(complete_all(server, prompts[:4])) == ["length"] * 4
     assert server.stop() == 0  # and no process of the server is left (Server.stop checks)
+
+
+def test_a_restarted_replica_rejoins_routing_and_health(server_factory, tiny_models):
+    """--restart-on-failure with -dp 2: a replica whose worker is SIGKILLed while idle is
+    restarting (/health degraded, naming it), then serves again: /health ok with its restart
+    counted, and requests go to both replicas."""
+    server = server_factory(
+        str(tiny_models.path("llama")), *TINY_ARGS, "-dp", "2", "--restart-on-failure"
+    )
+    workers = sorted(live_pids(parent=server.process.pid))
+    assert len(workers) == 2
+    os.kill(workers[0], signal.SIGKILL)
+
+    def body() -> dict:
+        response = httpx.get(f"{server.url}/health", timeout=10)
+        assert response.status_code == 200  # one replica serves throughout
+        return response.json()
+
+    wait_until(lambda: body()["status"] == "degraded", 30, "/health degraded")
+    degraded = body()
+    assert "1 of 2 data-parallel replicas stopped" in degraded["message"]
+    assert "SIGKILL" in degraded["message"], degraded
+    [dead] = [r["replica"] for r in degraded["replicas"] if not r["alive"]]
+
+    wait_until(lambda: body()["status"] == "ok", 120, "/health ok again")
+    replicas = body()["replicas"]
+    assert [r["restarts"] for r in replicas] == [int(i == dead) for i in range(2)]
+    assert "SIGKILL" in replicas[dead]["last_failure"]
+    assert per_replica(server, "llmctl:engine_alive") == {"0": 1.0, "1": 1.0}
+    assert per_replica(server, "llmctl:engine_restarts_total")[str(dead)] == 1.0
+
+    prompts = [f"Request number {i} asks about topic {i * 7}" for i in range(8)]
+    assert asyncio.run(complete_all(server, prompts)) == ["length"] * 8
+    prompt_tokens = per_replica(server, "llmctl:prompt_tokens_total")
+    assert all(prompt_tokens[r] > 0 for r in ("0", "1")), prompt_tokens
+    assert server.stop() == 0

@@ -204,4 +204,5 @@ def test_a_moe_gguf_file_is_refused_naming_the_fix(tmp_path, monkeypatch):
     with pytest.raises(UnsupportedArchitectureError) as err:
         LLM(str(path), use_tqdm_on_load=False)
     assert "mixture-of-experts model (4 experts)" in err.value.message
+    assert "ffn_gate_exps" in err.value.message  # only the old one-tensor-per-expert layout
     assert "safetensors" in err.value.hint

@@ -1,18 +1,20 @@
 """DPAsyncLLM over scripted engines (the real replicas run in tests/engine and tests/e2e): requests
 spread over the replicas; a replica found dead before it took a request sends the request to
-another; one that dies mid-stream fails its own requests only; none left is a typed error."""
+another; one that dies mid-stream fails its own requests only; none left is a typed error; one
+restarted (--restart-on-failure) takes requests again."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from llmctl.engine.async_llm import AsyncLLM
 from llmctl.engine.dp_async_llm import DPAsyncLLM
-from llmctl.engine.errors import EngineDeadError
+from llmctl.engine.errors import EngineDeadError, EngineRestartingError
 from llmctl.engine.llm_engine import EngineStats
 from llmctl.engine.outputs import CompletionOutput, RequestOutput
 from llmctl.engine.sampling_params import SamplingParams
@@ -140,4 +142,89 @@ def test_no_replica_left_is_a_typed_error_naming_each():
     assert "replica 0: " in error.message and "replica 1: " in error.message
     with pytest.raises(EngineDeadError):
         asyncio.run(collect(dp, [1], "late"))
+    dp.shutdown()
+
+
+def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_a_restarted_replica_rejoins_routing_and_health():
+    """--restart-on-failure: replica 0's worker dies mid-stream; while it restarts the other
+    takes every request and /health is degraded naming the restart; once its new engine serves,
+    requests go to both again and /health is ok, counting the restart."""
+    gate = threading.Event()
+    engines = [Replica(steps=5, fail_on_step=2, gate=gate)]
+
+    def rebuild() -> Replica:
+        gate.wait(10)  # the test looks at the replica while it restarts, then lets it finish
+        engines.append(Replica())
+        return engines[-1]
+
+    first = AsyncLLM(
+        engines[0],
+        restart_on_failure=True,
+        max_restarts=1,
+        engine_factory=rebuild,
+        restart_backoff_s=0.01,
+    )
+    survivor = Replica()
+    dp = DPAsyncLLM([first, AsyncLLM(survivor)])
+    gate.set()
+    [failed] = run_all(dp, [[1, 2, 3]])
+    assert isinstance(failed, EngineDeadError) and "pid 2" in failed.message
+
+    gate.clear()
+    wait_for(lambda: first.restarting is not None and first.restarts == 1)
+    while_restarting = run_all(dp, [[i, i] for i in range(4)])
+    assert all(r[-1].finished for r in while_restarting) and len(survivor.added) == 4
+    states = dp.replica_states()
+    assert isinstance(states[0][2], EngineRestartingError)
+    assert "restart 1 of 1" in states[0][2].message and "pid 2" in states[0][2].message
+    assert states[1][2] is None and dp.health_error() is None  # degraded: one serves
+
+    gate.set()
+    wait_for(lambda: first.health_error() is None)
+    assert [error for _, _, error in dp.replica_states()] == [None, None]
+    assert dp.router.live == [0, 1]
+    after = run_all(dp, [[i, i, i] for i in range(10, 14)])
+    assert all(r[-1].finished for r in after)
+    assert len(engines) == 2 and len(engines[1].added) == 2 and len(survivor.added) == 6
+    health = dp.health()
+    assert health["status"] == "ok" and health["replicas"][0]["restarts"] == 1
+    assert "pid 2" in health["replicas"][0]["last_failure"]
+    dp.shutdown()
+
+
+def test_every_replica_restarting_is_a_retry_later_error():
+    gate = threading.Event()
+
+    def rebuild() -> Replica:
+        gate.wait(10)
+        return Replica()
+
+    dp = DPAsyncLLM(
+        [
+            AsyncLLM(
+                Replica(dead_on_add=True),
+                restart_on_failure=True,
+                max_restarts=1,
+                engine_factory=rebuild,
+                restart_backoff_s=0.01,
+            )
+            for _ in range(2)
+        ]
+    )
+    [result] = run_all(dp, [[1, 2, 3]])
+    assert isinstance(result, EngineRestartingError)
+    error = dp.health_error()
+    assert isinstance(error, EngineRestartingError) and "retry" in error.hint
+    assert "replica 0: " in error.message and "replica 1: " in error.message
+    gate.set()
+    wait_for(lambda: dp.health_error() is None)
+    [served] = run_all(dp, [[1, 2, 3]])
+    assert served[-1].finished
     dp.shutdown()

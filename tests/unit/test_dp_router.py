@@ -1,4 +1,5 @@
-"""DPRouter: least outstanding work, prefix affinity unless much busier, dead replicas."""
+"""DPRouter: least outstanding work, prefix affinity unless much busier, dead and revived
+replicas."""
 
 import pytest
 
@@ -93,3 +94,16 @@ def test_dead_replicas_get_nothing_and_none_left_is_a_typed_error():
         router.choose(shared)
     assert "replica 0: worker rank 0 (pid 12) was killed by SIGKILL" in str(info.value)
     assert "replica 1: the engine thread stopped" in str(info.value)
+
+
+def test_a_revived_replica_is_routed_again_with_nothing_cached():
+    router = DPRouter(2, BS)
+    shared = prompt(3)
+    assert router.route("a", shared, max_tokens=1) == 0
+    router.mark_dead(0, "worker rank 0 (pid 12) was killed by SIGKILL")
+    router.finish("a")  # its request failed
+    assert router.route("b", shared, max_tokens=1) == 1
+    router.revive(0)  # restarted: an empty cache, no load
+    assert router.live == [0, 1] and router.dead == {}
+    assert router.cached_tokens(shared) == [0, BS * 2]
+    assert router.route("c", prompt(4), max_tokens=1) == 0  # replica 1 still holds "b"
