@@ -48,7 +48,10 @@ class ServerRecord:
     port: int
     tensor_parallel_size: int
     pipeline_parallel_size: int
-    argv: tuple[str, ...]
+    argv: tuple[str, ...]  # the head's (node 0's) `llmctl serve`
+    backend: str = "ray"
+    # mp: (host, argv) of nodes 1..N-1, in node-rank order (group_server.py)
+    workers: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def endpoint(self, head_ip: str) -> str:
         return f"http://{head_ip}:{self.port}/v1"
@@ -158,6 +161,7 @@ class HeadServer:
         except (OSError, ValueError):
             return None
         data["argv"] = tuple(data["argv"])
+        data["workers"] = tuple((host, tuple(argv)) for host, argv in data.get("workers", ()))
         return ServerRecord(**data)
 
     def state(self, port: int) -> ServerState:
