@@ -30,6 +30,7 @@ from dataclasses import asdict
 
 from llmctl.cluster.errors import ClusterError, ConfigError, RemoteCommandError
 from llmctl.cluster.inventory import Inventory, NodeSpec
+from llmctl.cluster.launch import commands
 from llmctl.cluster.launch.commands import BACKENDS, MASTER_PORT
 from llmctl.cluster.launch.head_server import (
     LOG_FILE,
@@ -154,6 +155,16 @@ def group_record(
     )  # fmt: skip
 
 
+def exit_reason(log: str) -> str:
+    """Why a node's `llmctl serve` exited, from its log's tail: its last `error:` line (the
+    CLI prints the error, then its hint), else the last line."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    if errors:
+        return errors[-1].removeprefix("error:").strip()
+    return lines[-1] if lines else "(no output)"
+
+
 class GroupServer(HeadServer):
     """The mp group's processes, one per node's container; the head's record describes them."""
 
@@ -211,15 +222,19 @@ class GroupServer(HeadServer):
             head = states[self.head.host]
             if head.running and head.health == 200:
                 return head
-            for host, state in states.items():
-                if not state.running:
-                    raise ClusterError(
+            exited = [host for host, state in states.items() if not state.running]
+            if exited:
+                # Every node that exited, each with its error: the first to fail is not known.
+                raise ClusterError(
+                    "; ".join(
                         f"the server on {host} (node {list(states).index(host)}) exited:"
-                        f" {self.node_log_line(host)}",
-                        f"see its log: llmctl cluster exec {host} -i {self.inventory.source}"
-                        f" -- tail -n 50 {LOG_FILE}; stop the others with llmctl serve -i"
-                        f" {self.inventory.source} --stop",
-                    )
+                        f" {self.node_log_line(host)}"
+                        for host in exited
+                    ),
+                    f"see its log: llmctl cluster exec {exited[0]} -i {self.inventory.source}"
+                    f" -- tail -n 50 {LOG_FILE}; stop the others with llmctl serve -i"
+                    f" {self.inventory.source} --stop",
+                )
             if time.monotonic() > deadline:
                 raise ClusterError(
                     f"the server on {self.head.host} did not answer /health within"
@@ -230,7 +245,10 @@ class GroupServer(HeadServer):
             time.sleep(2.0)
 
     def node_log_line(self, host: str) -> str:
-        return HeadServer(self.inventory, self.transports[host], self.container).last_log_line()
+        result = self.transports[host].run(
+            commands.docker_exec_argv(self.container, ["tail", "-n", "20", LOG_FILE])
+        )
+        return exit_reason(result.stdout)
 
     def stop(self) -> bool:
         """SIGTERM node 0 (it ends the group on every node), then any node still running;

@@ -122,10 +122,12 @@ def serve_argv(
     return argv + engine_args_to_argv(options)
 
 
-def launch_argv(container: str, argv: list[str]) -> list[str]:
-    """Detached in the container; its pid in PID_FILE and its output in LOG_FILE."""
-    return ["docker", "exec", "--detach", container, "sh", "-c", _LAUNCH, "sh", PID_FILE,
-            LOG_FILE, *argv]  # fmt: skip
+def launch_argv(
+    container: str, argv: list[str], pid_file: str = PID_FILE, log_file: str = LOG_FILE
+) -> list[str]:
+    """Detached in the container; its pid in `pid_file` and its output in `log_file`."""
+    return ["docker", "exec", "--detach", container, "sh", "-c", _LAUNCH, "sh", pid_file,
+            log_file, *argv]  # fmt: skip
 
 
 def probe_argv(container: str, port: int) -> list[str]:

@@ -20,6 +20,7 @@ from llmctl.cluster.errors import (
 from llmctl.cluster.inventory import parse_inventory
 from llmctl.cluster.launch.group_server import (
     check_cluster_backend,
+    exit_reason,
     group_record,
     node_serve_argvs,
 )
@@ -328,3 +329,14 @@ def test_serve_uses_the_backend_the_containers_run():
     assert info.value.message == "the cluster's containers were started for the ray backend, not mp"
     assert info.value.hint.startswith("run llmctl cluster up -i c.yaml --backend mp first")
     assert check_cluster_backend("mp", "ray", "c.yaml", stop=True) == "ray"
+
+
+def test_a_nodes_exit_reason_is_its_error_not_the_hint():
+    log = (
+        "INFO Node 1: joining node 0 at 10.0.0.1:29502 (global ranks 1, up to 10 s)\n"
+        "error: node 1 could not reach node 0 at 10.0.0.1:29502 within 10 s\n"
+        "hint: start node 0 (llmctl serve ... --nnodes 2 --node-rank 0 ...)\n"
+    )
+    assert exit_reason(log) == "node 1 could not reach node 0 at 10.0.0.1:29502 within 10 s"
+    assert exit_reason("Traceback ...\nKilled\n\n") == "Killed"
+    assert exit_reason("") == "(no output)"
