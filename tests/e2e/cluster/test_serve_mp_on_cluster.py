@@ -9,6 +9,7 @@ Both tests serve the bundled GGUF file (the same path on every host), as the Ray
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 
@@ -75,6 +76,16 @@ def test_pipeline_stages_on_two_nodes_without_ray(
         assert no_ray.returncode == 1 and "No module named 'ray'" in no_ray.stderr
         env = llmctl(cli_env, "cluster", "exec", worker.ip, "-i", str(inv), "--", "env").stdout
         assert f"VLLM_HOST_IP={worker.ip}" in env and "GLOO_SOCKET_IFNAME=eth0" in env
+        # The doctor without Ray: each container's facts, the all-reduce over the rendezvous.
+        doctor = llmctl(cli_env, "doctor", "-i", str(inv), "--timeout", "60", "--json")
+        payload = json.loads(doctor.stdout)
+        bad = [c for c in payload["checks"] if c["status"] == "fail"]
+        assert payload["ok"] and not bad, bad
+        assert sorted(n["host_ip"] for n in payload["nodes"]) == [head.ip, worker.ip]
+        [gloo] = payload["collectives"]
+        assert gloo["backend"] == "gloo" and gloo["ok"] and len(set(gloo["nodes"])) == 2
+        text = llmctl(cli_env, "doctor", "nccl", "-i", str(inv), "--timeout", "60").stdout
+        assert "gloo all-reduce, 2 rank(s)" in text and "correct" in text, text
 
         out = llmctl(cli_env, "serve", "-i", str(inv), "--backend", "mp", "-pp", "2",
                      "--port", str(PORT), *ENGINE)  # fmt: skip
