@@ -12,12 +12,23 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import threading
 
+import httpx
 import openai
 import pytest
 import testbed_image
 from test_launcher import LLMCTL, llmctl
-from test_serve_on_cluster import ENGINE, PROMPTS, client, greedy, inventory
+from test_serve_on_cluster import (
+    ENGINE,
+    PROMPTS,
+    client,
+    greedy,
+    health,
+    inventory,
+    metric,
+    wait_until,
+)
 
 from llmctl.engine import LLM, SamplingParams
 from llmctl.engine.model_loader.default_model import default_model_path
@@ -135,3 +146,55 @@ def test_a_worker_that_cannot_reach_node_0_is_named(cli_env, testbed, hosts, mod
     finally:
         worker.run(["iptables", "-D", *drop], check=False)
         llmctl(cli_env, "cluster", "down", "-i", str(inv), check=False)
+
+
+def test_tp2_inside_nodes_pp2_across_and_a_dying_worker(
+    cli_env, testbed, hosts, model, offline, tmp_path
+):
+    head, worker = hosts
+    inv = mp_inventory(tmp_path / "srv.yaml", testbed, hosts, model, gpus=2)
+    try:
+        llmctl(cli_env, "cluster", "up", "-i", str(inv), "--backend", "mp")
+        # No -tp/-pp, no --backend: the plan's layout (or tp = GPUs per node, pp = nodes), on
+        # the backend the containers were started for.
+        out = llmctl(cli_env, "serve", "-i", str(inv), "--port", str(PORT), *ENGINE)
+        assert "(tp=2, pp=2" in out.stdout, out.stdout + out.stderr
+        assert greedy(head) == offline
+        on_head, on_worker = server_log(cli_env, inv, "head"), server_log(cli_env, inv, worker.ip)
+        assert "Started 4 worker processes (tp=2, pp=2, 2 nodes)" in on_head, on_head
+        assert re.search(r"Node 1: worker processes .* for global ranks 2-3;", on_worker)
+
+        # The worker's node dies while a long request runs: the request fails, /health says so.
+        errors: list[BaseException] = []
+
+        def long_request() -> None:
+            try:
+                client(head).completions.create(
+                    model="smol", prompt="Count:", max_tokens=400, temperature=0,
+                    extra_body={"ignore_eos": True}, timeout=120,
+                )  # fmt: skip
+            except BaseException as exc:  # noqa: BLE001 - the test inspects it
+                errors.append(exc)
+
+        generated = "llmctl:generation_tokens_total"
+        before = metric(head, generated)
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        wait_until(lambda: metric(head, generated) > before, 60, "the long request to generate")
+        worker.docker(["kill", CONTAINER])
+        wait_until(lambda: not serving(head), 60, "the head to report the lost node")
+        thread.join(60)
+        assert not thread.is_alive() and len(errors) == 1, errors
+        status = llmctl(cli_env, "cluster", "status", "-i", str(inv)).stdout
+        row = next(line for line in status.splitlines() if worker.ip in line)
+        assert "exited" in row, status
+    finally:
+        llmctl(cli_env, "cluster", "down", "-i", str(inv), check=False)
+
+
+def serving(head) -> bool:
+    """/health answers 200 (an engine that lost a node answers 503, or its server exits)."""
+    try:
+        return health(head) == 200
+    except httpx.HTTPError:
+        return False
