@@ -17,7 +17,8 @@ from llmctl.cli.console import stderr_console, stdout_console
 from llmctl.engine.errors import ConfigError
 
 app = typer.Typer(
-    name="cluster", help="Start, inspect and stop a Ray cluster of llmctl containers."
+    name="cluster",
+    help="Start, inspect and stop a cluster of llmctl containers (on Ray, or the mp backend).",
 )
 
 Inventory = Annotated[
@@ -87,6 +88,14 @@ def up(
         list[str] | None,
         typer.Option("--env", "-e", help="--head/--worker: NAME=value for the container."),
     ] = None,
+    backend: Annotated[
+        str,
+        typer.Option(
+            help="ray: a Ray cluster in the containers. mp: no Ray (an image from `llmctl "
+            "image build --no-ray` will do); the containers wait with the model and the env "
+            "for `llmctl serve -i --backend mp`, which starts `llmctl serve --nnodes` on each.",
+        ),
+    ] = "ray",
     dry_run: DryRun = False,
 ) -> None:
     """Start the cluster (idempotent: an unchanged node is left alone)."""
@@ -97,13 +106,19 @@ def up(
             raise ConfigError(
                 "--head/--worker start this node only", "drop -i, or drop --head/--worker"
             )
+        if backend != "ray":
+            raise ConfigError(
+                "--head/--worker start this node's Ray container",
+                "for the mp backend use -i cluster.yaml --backend mp, or run `llmctl serve "
+                "--nnodes N --node-rank R ...` on each node",
+            )
         report = _up_local("head" if head else "worker", ip, head_ip, image, hf_home, num_gpus,
                            env or [], dry_run)  # fmt: skip
     else:
         with _cluster(_need_inventory(inventory, "up")) as cluster:
             report = cluster.up(
                 image=image, image_file=image_file, sync_model=sync_model,
-                allow_public_ip=allow_public_ip, dry_run=dry_run,
+                allow_public_ip=allow_public_ip, dry_run=dry_run, backend=backend,
             )  # fmt: skip
     _render(report, "up")
 
@@ -143,19 +158,26 @@ def down(inventory: Inventory = None, dry_run: DryRun = False) -> None:
 
 @app.command()
 def status(inventory: Inventory = None) -> None:
-    """Containers, Ray nodes, GPUs and versions per node."""
+    """Containers, Ray nodes (or, on the mp backend, each node's server process), GPUs and
+    versions per node."""
     with _cluster(_need_inventory(inventory, "status")) as cluster:
         report = cluster.status()
-    table = Table(title=f"cluster {report.cluster}")
-    for column in ("Node", "Role", "VLLM_HOST_IP", "Container", "Ray node", "GPUs", "Python",
-                   "torch", "Ray", "llmctl"):  # fmt: skip
+    mp = report.backend == "mp"
+    table = Table(title=f"cluster {report.cluster}" + (" (mp backend, no Ray)" if mp else ""))
+    for column in ("Node", "Role", "VLLM_HOST_IP", "Container",
+                   *(("Server process",) if mp else ("Ray node", "GPUs")),
+                   "Python", "torch", "Ray", "llmctl"):  # fmt: skip
         table.add_column(column)
     for row in report.rows:
         v = row.versions
+        if mp:
+            process = report.server_nodes.get(row.host)
+            placed = [_process(process)]
+        else:
+            placed = ["alive" if row.ray_ip else "-", _gpus(row.gpus)]
         table.add_row(
             row.host, row.role, row.ip, row.status + (f" ({row.error})" if row.error else ""),
-            "alive" if row.ray_ip else "-", _gpus(row.gpus),
-            *(v.get(k) or "-" for k in ("python", "torch", "ray", "llmctl")),
+            *placed, *(v.get(k) or "-" for k in ("python", "torch", "ray", "llmctl")),
         )  # fmt: skip
     stdout_console().print(table)
     if report.ray is not None:
@@ -166,9 +188,10 @@ def status(inventory: Inventory = None) -> None:
     if report.server is not None:
         record, state = report.server
         head_ip = next(r.ip for r in report.rows if r.role == "head")
+        where = f", mp on {len(record.workers) + 1} nodes" if record.backend == "mp" else ""
         stdout_console().print(
             f"Server: {record.model} (tp={record.tensor_parallel_size},"
-            f" pp={record.pipeline_parallel_size}) at {record.endpoint(head_ip)}:"
+            f" pp={record.pipeline_parallel_size}{where}) at {record.endpoint(head_ip)}:"
             f" {state.label}"
         )
 
@@ -208,6 +231,13 @@ def exec_(
     raise typer.Exit(result.returncode)
 
 
+def _process(state) -> str:
+    """An mp node's `llmctl serve` process."""
+    if state is None:
+        return "-"
+    return f"running (pid {state.pid})" if state.running else "stopped"
+
+
 def _gpus(value: float | None) -> str:
     return "-" if value is None else f"{value:g}"
 
@@ -228,9 +258,10 @@ def _render(report, command: str) -> None:
         title=f"cluster {report.cluster}: {command}" + (" (dry run)" if report.dry_run else "")
     )
     columns = ["Node", "Role", "VLLM_HOST_IP", "Container", "Action"]
+    mp = report.backend == "mp"
     if command == "up":
         columns[3:3] = ["Interface"]
-        columns += ["Ray node IP", "GPUs"]
+        columns += ["llmctl", "torch"] if mp else ["Ray node IP", "GPUs"]
     for column in columns:
         table.add_column(column)
     for row in report.rows:
@@ -243,13 +274,18 @@ def _render(report, command: str) -> None:
         ]
         if command == "up":
             cells[3:3] = [row.ifname or "-"]
-            cells += [row.ray_ip or "-", _gpus(row.gpus)]
+            if mp:
+                cells += [row.versions.get("llmctl") or "-", row.versions.get("torch") or "-"]
+            else:
+                cells += [row.ray_ip or "-", _gpus(row.gpus)]
         table.add_row(*cells)
     console.print(table)
     for note in report.notes:
         console.print(note)
     if command == "up" and not report.dry_run:
-        if report.ray is not None:
+        if mp:
+            summary = f"{len(report.rows)} nodes ready for the mp backend (no Ray)"
+        elif report.ray is not None:
             summary = f"{len(report.ray.active_nodes)} Ray nodes, {report.ray.gpus:g} GPUs"
         else:
             summary = "Ray is up"

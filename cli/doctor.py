@@ -76,7 +76,8 @@ InventoryOption = Annotated[
         "--inventory",
         "-i",
         help="Check the cluster of this inventory from here: each node's container over SSH, "
-        "then the checks on Ray from inside the head container.",
+        "then the checks on Ray from inside the head container (on an mp cluster: each "
+        "container's facts, and the all-reduce with one rank per node over --nnodes).",
     ),
 ]
 NoCollective = Annotated[

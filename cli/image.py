@@ -27,6 +27,13 @@ def build(
             "--debootstrap", help="cpu: build the Debian base locally (no registry needed)."
         ),
     ] = False,
+    no_ray: Annotated[
+        bool,
+        typer.Option(
+            "--no-ray",
+            help="Leave Ray out: a smaller image, for `llmctl cluster up --backend mp`.",
+        ),
+    ] = False,
     force: Annotated[bool, typer.Option("--force", help="Build even when up to date.")] = False,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the build commands; build nothing.")
@@ -44,7 +51,9 @@ def build(
         wheel_argv,
     )
 
-    spec = ImageBuild(tag=tag, target=target, base_image=base_image, debootstrap=debootstrap)
+    spec = ImageBuild(
+        tag=tag, target=target, base_image=base_image, debootstrap=debootstrap, ray=not no_ray
+    )
     console = stdout_console()
     if dry_run:
         root = source_root()
@@ -58,4 +67,5 @@ def build(
     log = lambda line: stderr_console().print(f"[dim]{line}[/dim]")  # noqa: E731
     digest, built = build_image(spec, force=force, log=log)
     state = "built" if built else "up to date"
-    console.print(f"{tag}: {state} (sources {digest}, base {spec.base})")
+    ray = "with Ray" if spec.ray else "without Ray"
+    console.print(f"{tag}: {state} (sources {digest}, base {spec.base}, {ray})")

@@ -72,8 +72,18 @@ def serve(
             "--inventory",
             "-i",
             help="Serve on the cluster of this inventory (started by `llmctl cluster up`): in "
-            "its head container, on the Ray backend; the layout from `llmctl plan` unless -tp/-pp "
-            "are given. MODEL defaults to the inventory's `model`.",
+            "its head container on the Ray backend, or in every node's container on the mp "
+            "backend; the layout from `llmctl plan` unless -tp/-pp are given. MODEL defaults to "
+            "the inventory's `model`.",
+            rich_help_panel=_CLUSTER,
+        ),
+    ] = None,
+    backend: Annotated[
+        str | None,
+        typer.Option(
+            help="With -i: ray, or mp (`llmctl serve --nnodes N` in each node's container, no "
+            "Ray). (default: the backend `cluster up` started the containers on)",
+            show_default=False,
             rich_help_panel=_CLUSTER,
         ),
     ] = None,
@@ -111,9 +121,11 @@ def serve(
             )
         tp = engine.pop("tensor_parallel_size", None)
         pp = engine.pop("pipeline_parallel_size", None)
-        if engine.pop("distributed_executor_backend", "ray") != "ray":
+        executor = engine.pop("distributed_executor_backend", None)
+        if backend and executor and backend != executor:
             raise ConfigError(
-                "a cluster is served on the Ray backend", "drop --distributed-executor-backend"
+                f"--backend {backend} and --distributed-executor-backend {executor} disagree",
+                "give one of them",
             )
         # The server's options go along where given (the head's own address is 0.0.0.0).
         server = {
@@ -126,9 +138,12 @@ def serve(
             if value != getattr(ServerConfig, name)
         }
         _serve_on_cluster(
-            inventory, model, tp, pp, port, engine, server=server, stop=stop, wait=wait
-        )
+            inventory, model, tp, pp, port, engine, server=server, stop=stop, wait=wait,
+            backend=backend or executor,
+        )  # fmt: skip
         return
+    if backend is not None:
+        raise ConfigError("--backend picks a cluster's backend", "add -i cluster.yaml")
     if stop:
         raise ConfigError("--stop stops a cluster's server", "add -i cluster.yaml")
     from llmctl.engine.engine_args import EngineArgs
@@ -172,8 +187,15 @@ def _serve_on_cluster(
     server: dict,
     stop: bool,
     wait: float,
+    backend: str | None = None,
 ) -> None:
     from llmctl.cluster.inventory import load_inventory
+    from llmctl.cluster.launch.group_server import (
+        GroupServer,
+        check_cluster_backend,
+        check_cluster_options,
+        group_record,
+    )
     from llmctl.cluster.launch.head_server import (
         HeadServer,
         ServerRecord,
@@ -187,7 +209,14 @@ def _serve_on_cluster(
     inv = load_inventory(inventory_path)
     log = lambda line: stderr_console().print(f"[dim]{line}[/dim]")  # noqa: E731
     with Cluster(inv, log=log) as cluster:
-        head = HeadServer(inv, cluster.transports[inv.head.host], cluster.container)
+        running_on = cluster.backend()
+        backend = check_cluster_backend(backend, running_on, inv.source, stop=stop)
+        transport = cluster.transports[inv.head.host]
+        head = (
+            GroupServer(inv, cluster.transports, cluster.container)
+            if backend == "mp"
+            else HeadServer(inv, transport, cluster.container)
+        )
         if stop:
             stopped = head.stop()
             stdout_console().print(f"cluster {inv.name}: " + ("server stopped" if stopped
@@ -197,14 +226,21 @@ def _serve_on_cluster(
         if not model:
             raise ConfigError(f"{inv.source} names no model", "pass MODEL or add `model:` to it")
         layout = choose_layout(inv, model, tp, pp, lambda m, i: make_plan(load_model_spec(m), i))
-        argv = serve_argv(model, layout, port, options, server)
-        record = ServerRecord(
-            model, port, layout.tensor_parallel_size, layout.pipeline_parallel_size, tuple(argv)
-        )
+        check_cluster_options(options)
+        if backend == "mp":
+            record = group_record(model, layout, port, options, server, inv)
+            where = f"on {len(inv.nodes)} nodes, mp backend"
+        else:
+            argv = serve_argv(model, layout, port, options, server)
+            record = ServerRecord(
+                model, port, layout.tensor_parallel_size, layout.pipeline_parallel_size,
+                tuple(argv),
+            )  # fmt: skip
+            where = f"on {inv.head.host}"
         log(
             f"serving {model} with tp={layout.tensor_parallel_size} "
             f"pp={layout.pipeline_parallel_size} ({layout.reason}) in {cluster.container} "
-            f"on {inv.head.host}"
+            f"{where}"
         )
         state = head.start(record, wait_s=wait, log=log)
     stdout_console().print(

@@ -2,7 +2,7 @@
 
 Each node's container is inspected over SSH (a stopped or missing one fails, named by its node);
 then `llmctl doctor --ray --json` runs inside the head container, where Ray reaches every node,
-and its rows join the container rows.
+and its rows join the container rows. On an mp cluster (no Ray) mp_doctor.py runs instead.
 """
 
 from __future__ import annotations
@@ -81,6 +81,14 @@ def run_doctor(
     head = cluster.inventory.head
     if any(r.node == head.host and r.status == "fail" for r in results):
         return ClusterDoctorRun(results)  # nothing to run the rest on
+    if cluster.backend() == "mp":  # no Ray: facts per container, the all-reduce over mp
+        from llmctl.cluster.doctor.mp_doctor import run_mp_doctor
+
+        if any(r.status == "fail" for r in results):
+            return ClusterDoctorRun(results)  # a rank per node: every container must run
+        return run_mp_doctor(
+            cluster, results, nccl=nccl, backend=backend, timeout=timeout, nvlink=nvlink
+        )
     argv = doctor_argv(
         cluster.container, nccl=nccl, model=cluster.inventory.model, backend=backend,
         timeout=timeout, nvlink=nvlink,

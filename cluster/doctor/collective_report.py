@@ -92,6 +92,18 @@ class CollectiveReport:
             data["assessment"] = {"status": status, "detail": detail, "fix": fix}
         return data
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CollectiveReport:
+        """The report `to_json` wrote (its derived keys ignored): `doctor nccl --json` read
+        back by `doctor -i` on an mp cluster."""
+        names = {f for f in cls.__dataclass_fields__}
+        values = {k: v for k, v in data.items() if k in names}
+        values["sizes"] = tuple(SizeResult(**s) for s in data.get("sizes", ()))
+        values["links"] = tuple(LinkResult(**link) for link in data.get("links", ()))
+        for name in ("nodes", "stages", "failed_ranks", "nccl_lines"):
+            values[name] = tuple(data.get(name, ()))
+        return cls(**values)
+
     def raise_for_failure(self) -> None:
         if self.error is not None:
             kind = CollectiveTimeoutError if "timed out" in self.error else CollectiveError

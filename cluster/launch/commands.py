@@ -13,6 +13,11 @@ HF_HOME_IN_CONTAINER = "/root/.cache/huggingface"
 LABEL_CLUSTER = "llmctl.cluster"
 LABEL_ROLE = "llmctl.role"
 LABEL_CONFIG = "llmctl.config-hash"
+LABEL_BACKEND = "llmctl.backend"  # "mp" on the containers of `cluster up --backend mp`
+# `cluster up --backend`: ray (a Ray cluster in the containers) or mp (no Ray: the containers wait
+# for `llmctl serve -i --backend mp`, which starts each node's part of the mp group in them).
+BACKENDS = ("ray", "mp")
+MASTER_PORT = 29501  # the mp group's rendezvous on the head (and the port after it)
 
 # Printed inside a container: the versions `cluster status` and `doctor` compare across nodes.
 VERSIONS_SCRIPT = """\
@@ -39,6 +44,12 @@ def ray_start_argv(
     if gpus is not None:
         argv.append(f"--num-gpus={gpus}")
     return argv
+
+
+def idle_argv() -> list[str]:
+    """An mp node's container command: nothing runs until `serve -i` execs llmctl in it (with
+    `docker run --init`, whose init reaps what those leave and stops on SIGTERM)."""
+    return ["sleep", "infinity"]
 
 
 def docker_info_argv() -> list[str]:

@@ -48,7 +48,10 @@ class ServerRecord:
     port: int
     tensor_parallel_size: int
     pipeline_parallel_size: int
-    argv: tuple[str, ...]
+    argv: tuple[str, ...]  # the head's (node 0's) `llmctl serve`
+    backend: str = "ray"
+    # mp: (host, argv) of nodes 1..N-1, in node-rank order (group_server.py)
+    workers: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def endpoint(self, head_ip: str) -> str:
         return f"http://{head_ip}:{self.port}/v1"
@@ -119,10 +122,12 @@ def serve_argv(
     return argv + engine_args_to_argv(options)
 
 
-def launch_argv(container: str, argv: list[str]) -> list[str]:
-    """Detached in the container; its pid in PID_FILE and its output in LOG_FILE."""
-    return ["docker", "exec", "--detach", container, "sh", "-c", _LAUNCH, "sh", PID_FILE,
-            LOG_FILE, *argv]  # fmt: skip
+def launch_argv(
+    container: str, argv: list[str], pid_file: str = PID_FILE, log_file: str = LOG_FILE
+) -> list[str]:
+    """Detached in the container; its pid in `pid_file` and its output in `log_file`."""
+    return ["docker", "exec", "--detach", container, "sh", "-c", _LAUNCH, "sh", pid_file,
+            log_file, *argv]  # fmt: skip
 
 
 def probe_argv(container: str, port: int) -> list[str]:
@@ -158,6 +163,7 @@ class HeadServer:
         except (OSError, ValueError):
             return None
         data["argv"] = tuple(data["argv"])
+        data["workers"] = tuple((host, tuple(argv)) for host, argv in data.get("workers", ()))
         return ServerRecord(**data)
 
     def state(self, port: int) -> ServerState:

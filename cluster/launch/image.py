@@ -1,6 +1,7 @@
 """`llmctl image build`: the llmctl container image every node of a cluster runs.
 
-templates/Dockerfile installs llmctl[ray] into /opt/llmctl on one of two bases:
+templates/Dockerfile installs llmctl[ray] into /opt/llmctl (with `--no-ray`, plain llmctl: the image
+of the mp backend, which runs across nodes without Ray and is smaller) on one of two bases:
   - cpu:  a slim Debian with Python 3.11 (`python:3.11-slim-bookworm`, or with `--debootstrap`
           a Debian base built locally for machines that reach no registry). The wheels, the CPU
           build of torch included, are built on this machine and copied in: the build is offline.
@@ -29,6 +30,7 @@ TARGETS = {
 }
 DEBOOTSTRAP_BASE = "llmctl-base:bookworm"
 SOURCE_LABEL = "llmctl.source-hash"
+RAY_LABEL = "llmctl.ray"  # "yes" or "no": whether the image has Ray
 CPU_TORCH = "torch==2.13.0"  # the CPU wheel (see the Makefile); pip finds it on local disk
 
 
@@ -39,6 +41,7 @@ class ImageBuild:
     base_image: str | None = None  # default: TARGETS[target]
     debootstrap: bool = False  # build the cpu base locally instead of pulling it
     torch_spec: str = CPU_TORCH
+    ray: bool = True  # False: no Ray in the image (`--no-ray`, for `cluster up --backend mp`)
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -53,6 +56,11 @@ class ImageBuild:
         if self.base_image:
             return self.base_image
         return DEBOOTSTRAP_BASE if self.debootstrap else TARGETS[self.target]
+
+    @property
+    def extras(self) -> str:
+        """llmctl's extras in the image: `[ray]`, or none."""
+        return "[ray]" if self.ray else ""
 
 
 def source_root() -> Path:
@@ -79,7 +87,7 @@ def source_hash(root: Path) -> str:
 def wheel_argv(build: ImageBuild, root: Path, wheel_dir: Path) -> list[str]:
     argv = [sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(wheel_dir)]
     if build.target == "cpu":
-        return argv + [f"{root}[ray]", build.torch_spec]
+        return argv + [f"{root}{build.extras}", build.torch_spec]
     return argv + ["--no-deps", str(root)]  # cuda: dependencies come from PyPI in the build
 
 
@@ -100,7 +108,9 @@ def docker_build_argv(build: ImageBuild, context: Path, digest: str) -> list[str
         "docker", "build", "--network", "host", "--tag", build.tag,
         "--build-arg", f"BASE_IMAGE={build.base}",
         "--build-arg", f"PIP_INSTALL_ARGS={pip_args}",
+        "--build-arg", f"LLMCTL_EXTRAS={build.extras}",
         "--label", f"{SOURCE_LABEL}={digest}",
+        "--label", f"{RAY_LABEL}={'yes' if build.ray else 'no'}",
         "--file", str(context / "Dockerfile"), str(context),
     ]  # fmt: skip
 
@@ -136,6 +146,13 @@ def image_label(image: str, label: str) -> str | None:
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     return result.stdout.strip() if result.returncode == 0 else None
+
+
+def up_to_date(build: ImageBuild, digest: str) -> bool:
+    """The tag already holds these sources, with Ray or without as asked."""
+    if image_label(build.tag, SOURCE_LABEL) != digest:
+        return False
+    return (image_label(build.tag, RAY_LABEL) != "no") == build.ray  # older images had Ray
 
 
 def _run(argv: list[str], what: str) -> None:
@@ -182,7 +199,7 @@ def build_image(
     root = source_root()
     digest = source_hash(root)
     _check_docker()
-    if not force and image_label(build.tag, SOURCE_LABEL) == digest:
+    if not force and up_to_date(build, digest):
         return digest, False
     if build.debootstrap:
         build_debootstrap_base(log)

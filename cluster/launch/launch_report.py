@@ -36,6 +36,9 @@ class Report:
     ray: RayStatus | None = None
     notes: list[str] = field(default_factory=list)
     server: tuple[ServerRecord, ServerState] | None = None  # `serve -i`'s server on the head
+    backend: str = "ray"  # the containers' (ray, or mp: no Ray)
+    # mp: `serve -i`'s process on each node (node 0's is `server`'s state), by host
+    server_nodes: dict[str, ServerState] = field(default_factory=dict)
 
 
 DONE = {"create": "created", "recreate": "recreated"}

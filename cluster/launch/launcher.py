@@ -11,6 +11,10 @@
   4. act (up_executor.py): start the head, wait for Ray on it, start the workers in parallel;
   5. verify with `ray status` (nodes, GPUs) and `ray list nodes` (each node's IP is its
      VLLM_HOST_IP).
+With `backend="mp"` (no Ray) the containers idle with the model and the env (VLLM_HOST_IP, the
+NCCL/Gloo interfaces) until `llmctl serve -i --backend mp` starts each node's part of the mp
+group in them (group_server.py); steps 4-5 wait until llmctl answers in every container and check
+that all run the same versions.
 A failure after step 4 began names what is running and how to remove it.
 """
 
@@ -31,6 +35,7 @@ from llmctl.cluster.errors import (
 )
 from llmctl.cluster.inventory import Inventory, NodeSpec
 from llmctl.cluster.launch import commands
+from llmctl.cluster.launch.group_server import GroupServer
 from llmctl.cluster.launch.head_server import HeadServer
 from llmctl.cluster.launch.invariants import model_copies, own_address
 from llmctl.cluster.launch.launch_report import DONE, NodeRow, Report, describe
@@ -66,6 +71,7 @@ from llmctl.cluster.launch.up_executor import (
     carry_out_removal,
     execute,
     ray_nodes,
+    verify_mp,
     verify_ray,
 )
 
@@ -120,16 +126,18 @@ class Cluster:
         sync_model: bool = False,
         allow_public_ip: bool = False,
         dry_run: bool = False,
+        backend: str = "ray",
     ) -> Report:
-        """Probe -> preflight -> prepare (image, model) -> plan -> diff -> act -> verify."""
+        """Probe -> preflight -> prepare (image, model) -> plan -> diff -> act -> verify; on
+        the `backend` (ray, or mp: no Ray)."""
         image = self._check_request(image, image_file, allow_public_ip)
         probes = self._probe(image)
         raise_problems(probe_problems(self.inventory, probes, image=image,
                                       image_file=image_file, sync_model=sync_model))  # fmt: skip
-        report = Report(self.inventory.name, [], dry_run=dry_run)
+        report = Report(self.inventory.name, [], dry_run=dry_run, backend=backend)
         self._load_images(probes, image, image_file, report)
         self._sync_model(probes, sync_model, report)
-        launches = self._plan(probes, image)
+        launches = self._plan(probes, image, backend)
         actions = diff(launches, {host: probe.container for host, probe in probes.items()})
         describe(actions, report)
         if dry_run:
@@ -166,14 +174,21 @@ class Cluster:
         )
 
     def _act(self, actions: list[Action], report: Report) -> None:
-        """Carry out the actions, then verify Ray; a failure says what runs where."""
+        """Carry out the actions, then verify the cluster; a failure says what runs where."""
         source = self.inventory.source
+        launches = [a.launch for a in actions]
         try:
             execute(actions, self.transports, ray_wait_s=self.ray_wait_s, log=self.log)
-            head = self.transports[actions[0].launch.host]
-            report.ray, joined = verify_ray(head, [a.launch for a in actions], self.ray_wait_s)
-            for row in report.rows:
-                row.ray_ip, row.gpus = joined[row.host].ip, joined[row.host].gpus
+            if report.backend == "mp":
+                versions = verify_mp(self.transports, launches, self.ray_wait_s)
+                for row in report.rows:
+                    row.versions = versions[row.host]
+                report.notes.append(f"serve a model: llmctl serve -i {source} --backend mp")
+            else:
+                head = self.transports[actions[0].launch.host]
+                report.ray, joined = verify_ray(head, launches, self.ray_wait_s)
+                for row in report.rows:
+                    row.ray_ip, row.gpus = joined[row.host].ip, joined[row.host].gpus
         except UpFailed as failed:
             exc, running = failed.error, ", ".join(failed.started) or "none"
         except ClusterError as exc_:
@@ -256,7 +271,9 @@ class Cluster:
         self._parallel(copy, lacking)
         report.notes.append(f"copied the model to {', '.join(n.host for n in lacking)}")
 
-    def _plan(self, probes: dict[str, NodeProbe], image: str) -> list[NodeLaunch]:
+    def _plan(
+        self, probes: dict[str, NodeProbe], image: str, backend: str = "ray"
+    ) -> list[NodeLaunch]:
         inv = self.inventory
         facts = {}
         for node in inv.nodes:
@@ -269,17 +286,21 @@ class Cluster:
                 home=probe.home,
                 hostname=probe.hostname,
             )
-        head_probe = probes[inv.head.host]
+        extra = self._ray_token(probes[inv.head.host]) if backend == "ray" else {}
+        for name in FORWARDED_SECRETS:
+            if os.environ.get(name):
+                extra[name] = os.environ[name]
+        return node_launches(inv, facts, secrets=extra, image=image, backend=backend)
+
+    def _ray_token(self, head_probe: NodeProbe) -> dict[str, str]:
+        """Ray's token authentication: only holders of the token can use the cluster's ports;
+        a running head's token is kept."""
+        inv = self.inventory
         token = None
         if head_probe.container is not None:
             path = env_file_path(head_probe.home, inv.name, inv.head.ip)
             token = self._read_env(inv.head, path).get("RAY_AUTH_TOKEN")
-        # Ray's token authentication: only holders of the token can use the cluster's ports.
-        extra = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token or secrets.token_hex(32)}
-        for name in FORWARDED_SECRETS:
-            if os.environ.get(name):
-                extra[name] = os.environ[name]
-        return node_launches(inv, facts, secrets=extra, image=image)
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token or secrets.token_hex(32)}
 
     def _read_env(self, node: NodeSpec, path: str) -> dict[str, str]:
         try:
@@ -340,7 +361,15 @@ class Cluster:
         rows = self._parallel(look, self.inventory.nodes)
         report.rows = [rows[n.host] for n in self.inventory.nodes]
         head_row = rows[self.inventory.head.host]
-        if head_row.status == "running":
+        report.backend = self.backend()
+        if head_row.status == "running" and report.backend == "mp":
+            group = GroupServer(self.inventory, self.transports, self.container)
+            record = group.record()
+            if record is not None and record.backend == "mp":
+                states = group.node_states(record)
+                report.server = (record, states[self.inventory.head.host])
+                report.server_nodes = states
+        elif head_row.status == "running":
             by_ip = {n.ip: n for n in self._ray_nodes(self.inventory.head.host) if n.alive}
             for row in report.rows:
                 node = by_ip.get(row.ip)
@@ -357,6 +386,12 @@ class Cluster:
             if record is not None:
                 report.server = (record, server.state(record.port))
         return report
+
+    def backend(self) -> str:
+        """The backend the head's container was started on (its label): ray or mp."""
+        transport = self.transports[self.inventory.head.host]
+        state = inspect_container(transport, self.container)
+        return (state.labels.get(commands.LABEL_BACKEND) if state else None) or "ray"
 
     def node(self, name: str) -> NodeSpec:
         """A node by its host, its ip, or `head`."""

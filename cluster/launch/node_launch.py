@@ -22,12 +22,15 @@ from dataclasses import dataclass
 from llmctl.cluster.errors import ConfigError
 from llmctl.cluster.inventory import Inventory, NodeSpec
 from llmctl.cluster.launch.commands import (
+    BACKENDS,
     DEFAULT_SHM_SIZE,
     HF_HOME_IN_CONTAINER,
+    LABEL_BACKEND,
     LABEL_CLUSTER,
     LABEL_CONFIG,
     LABEL_ROLE,
     RAY_PORT,
+    idle_argv,
     ray_start_argv,
 )
 
@@ -71,6 +74,9 @@ class NodeLaunch:
     # The node's own name, mapped to its IP too: Gloo without GLOO_SOCKET_IFNAME, and other
     # libraries, resolve it, and an unresolvable one costs the resolver's timeout each time.
     hostname: str | None = None
+    # ray: the container runs `ray start --block`; mp: it idles until `serve -i --backend mp`
+    # execs this node's `llmctl serve --nnodes ...` in it.
+    backend: str = "ray"
 
     @property
     def config_hash(self) -> str:
@@ -78,6 +84,8 @@ class NodeLaunch:
         fields = {
             k: v for k, v in self.__dict__.items() if k not in ("env_file",)
         }  # the env file's path is where, not what
+        if self.backend == "ray":
+            del fields["backend"]  # the hashes of Ray containers started before it existed
         blob = json.dumps(fields, sort_keys=True, default=list).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -93,6 +101,10 @@ class NodeLaunch:
     def ray_start_argv(self) -> list[str]:
         return ray_start_argv(self.role, self.ip, self.head_ip, self.gpus, self.ray_port)
 
+    def command_argv(self) -> list[str]:
+        """What the container runs: Ray's node, or (mp) an idle process to exec into."""
+        return self.ray_start_argv() if self.backend == "ray" else idle_argv()
+
     def docker_run_argv(self) -> list[str]:
         argv = [
             "docker", "run", "--detach", "--name", self.container,
@@ -102,6 +114,8 @@ class NodeLaunch:
             "--label", f"{LABEL_CONFIG}={self.config_hash}",
             "--env-file", self.env_file,
         ]  # fmt: skip
+        if self.backend != "ray":
+            argv += ["--label", f"{LABEL_BACKEND}={self.backend}", "--init"]
         hosts = dict(self.peers)
         if self.hostname and self.hostname not in hosts:
             hosts[self.hostname] = self.ip
@@ -111,7 +125,7 @@ class NodeLaunch:
             argv += ["--gpus", "all"]
         for source, target, read_only in self.mounts:
             argv += ["--volume", f"{source}:{target}" + (":ro" if read_only else "")]
-        return argv + [self.image, *self.ray_start_argv()]
+        return argv + [self.image, *self.command_argv()]
 
 
 def is_secret(name: str) -> bool:
@@ -151,14 +165,23 @@ def node_env(
     return tuple(env.items())
 
 
+def ordered_nodes(inventory: Inventory) -> list[NodeSpec]:
+    """The head, then the other nodes in the inventory's order: the mp backend's node ranks."""
+    return sorted(inventory.nodes, key=lambda n: not n.head)
+
+
 def node_launches(
     inventory: Inventory,
     facts: dict[str, NodeFacts],
     *,
     secrets: dict[str, str] | None = None,
     image: str | None = None,
+    backend: str = "ray",
 ) -> list[NodeLaunch]:
-    """One NodeLaunch per inventory node (head first), from the facts probed on each node."""
+    """One NodeLaunch per inventory node (head first, in node-rank order for the mp backend),
+    from the facts probed on each node."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}", f"use one of: {', '.join(BACKENDS)}")
     image = image or inventory.image
     if not image:
         raise ConfigError(
@@ -166,7 +189,7 @@ def node_launches(
         )
     head = inventory.head
     name = container_name(inventory.name)
-    ordered = sorted(inventory.nodes, key=lambda n: not n.head)
+    ordered = ordered_nodes(inventory)
     peers = tuple((_peer_name(name, i, n), n.ip) for i, n in enumerate(ordered))
     launches = []
     for node in ordered:
@@ -193,6 +216,7 @@ def node_launches(
                 nvidia=fact.nvidia_runtime and node.gpus > 0,
                 peers=peers,
                 hostname=fact.hostname,
+                backend=backend,
             )
         )
     return launches

@@ -1,15 +1,18 @@
 """`cluster up`'s act step: carry out up_diff's actions over one Transport per node, then check
-that Ray formed the planned cluster.
+that the nodes formed the planned cluster.
 
-The head first (a worker's `ray start --address` needs it), then Ray on the head must answer,
-then the workers in parallel. A Keep does nothing. A failure names the nodes whose containers
-this run started (UpFailed carries them), so the caller can say what runs where.
+The head first (a worker's `ray start --address` needs it), then the head must be ready (Ray
+answers; with the mp backend, llmctl answers in the container), then the workers in parallel.
+A Keep does nothing. A failure names the nodes whose containers this run started (UpFailed
+carries them), so the caller can say what runs where.
 `verify_ray` waits until Ray on the head counts every node and GPU, and each node is registered
-under its VLLM_HOST_IP.
+under its VLLM_HOST_IP. `verify_mp` (no Ray: nothing joins before `serve -i`) checks that every
+container runs llmctl, and the same llmctl, torch and Python.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -54,7 +57,7 @@ def execute(
             log(f"starting the head on {head.launch.host}")
             start(transports[head.launch.host], head.launch)
             started.append(head.launch.host)
-        wait_for_ray(transports[head.launch.host], head.launch, ray_wait_s)
+        wait_ready(transports[head.launch.host], head.launch, ray_wait_s)
         if workers:
             log(f"starting {len(workers)} workers")
         with ThreadPoolExecutor(max_workers=max(1, min(16, len(workers)))) as pool:
@@ -95,6 +98,61 @@ def carry_out_removal(transport: Transport, action: Remove | None, dry_run: bool
         return f"would {action.verb}"
     remove(transport, action)
     return "removed"
+
+
+def wait_ready(transport: Transport, launch: NodeLaunch, wait_s: float) -> None:
+    """Until the node's container is ready: Ray answers (ray), or llmctl does (mp)."""
+    if launch.backend == "ray":
+        wait_for_ray(transport, launch, wait_s)
+    else:
+        container_versions(transport, launch, wait_s)
+
+
+def container_versions(transport: Transport, launch: NodeLaunch, wait_s: float) -> dict:
+    """The versions llmctl reports in the container (commands.VERSIONS_SCRIPT), once it answers;
+    its exit, or no answer within `wait_s`, is an error."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        result = transport.run(commands.versions_argv(launch.container), timeout=60)
+        if result.ok:
+            return json.loads(result.stdout)
+        state = inspect_container(transport, launch.container)
+        if state is None or not state.running or time.monotonic() > deadline:
+            raise ClusterError(
+                f"the container on the {launch.role} {launch.host} is not ready:"
+                f" {_why(transport, launch, state)}",
+                f"see `llmctl cluster logs {launch.host}` (or docker logs {launch.container})",
+            )
+        time.sleep(0.5)
+
+
+def verify_mp(
+    transports: dict[str, Transport], launches: list[NodeLaunch], wait_s: float
+) -> dict[str, dict]:
+    """The mp backend's check after `up`: every container answers with llmctl installed, and
+    all agree on llmctl, torch and Python (the ranks of one group load each other's pickles).
+    Returns each host's versions."""
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(launches)))) as pool:
+        futures = {
+            launch.host: pool.submit(container_versions, transports[launch.host], launch, wait_s)
+            for launch in launches
+        }
+        versions = {host: future.result() for host, future in futures.items()}
+    for launch in launches:
+        if not versions[launch.host].get("llmctl"):
+            raise ClusterError(
+                f"{launch.host}: the image {launch.image} has no llmctl",
+                "build it with llmctl image build --no-ray and name it in the inventory's image",
+            )
+    for name in ("llmctl", "torch", "python"):
+        seen = {host: v.get(name) for host, v in versions.items()}
+        if len(set(seen.values())) > 1:
+            listed = ", ".join(f"{host} {value}" for host, value in seen.items())
+            raise ClusterError(
+                f"the nodes' containers run different {name} versions: {listed}",
+                "load the same image on every node (cluster up --image-file FILE)",
+            )
+    return versions
 
 
 def wait_for_ray(transport: Transport, launch: NodeLaunch, wait_s: float) -> None:

@@ -18,6 +18,13 @@ from llmctl.cluster.errors import (
     NodeNetworkError,
 )
 from llmctl.cluster.inventory import parse_inventory
+from llmctl.cluster.launch.group_server import (
+    check_cluster_backend,
+    exit_reason,
+    group_record,
+    node_serve_argvs,
+)
+from llmctl.cluster.launch.head_server import Layout
 from llmctl.cluster.launch.node_launch import NodeFacts, local_launch, node_launches
 from llmctl.cluster.launch.parsers import (
     DockerInfo,
@@ -247,3 +254,89 @@ def test_public_ip_is_refused_unless_allowed():
     assert found.host == "n2" and "public address" in found.message
     assert "--allow-public-ip" in found.hint
     assert public_ip_problems(inv, allow_public_ip=True) == []
+
+
+def test_mp_launch_idles_and_ray_hashes_are_unchanged():
+    head, worker = launches(backend="mp")
+    argv = head.docker_run_argv()
+    assert argv[argv.index("llmctl:latest") + 1 :] == ["sleep", "infinity"]
+    assert "--init" in argv and "llmctl.backend=mp" in argv
+    assert "VLLM_HOST_IP=10.0.0.1\n" in head.env_file_text()
+    assert "NCCL_SOCKET_IFNAME=eth0\n" in head.env_file_text()
+    assert "GLOO_SOCKET_IFNAME=ens5\n" in worker.env_file_text()  # the node's own env wins
+    ray_head, _ = launches()
+    assert head.config_hash != ray_hash(ray_head)
+    # A Ray container started before `backend` existed keeps its hash (no needless recreate).
+    assert ray_head.config_hash == ray_hash(ray_head)
+    with pytest.raises(ConfigError, match="unknown backend 'slurm'"):
+        launches(backend="slurm")
+
+
+def ray_hash(launch) -> str:
+    """The hash as computed before NodeLaunch had a `backend` field."""
+    import hashlib
+    import json
+
+    fields = {k: v for k, v in launch.__dict__.items() if k not in ("env_file", "backend")}
+    blob = json.dumps(fields, sort_keys=True, default=list).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def test_each_node_serves_its_part_of_the_mp_group():
+    """The head serves the API as node 0; every other node runs its stages --headless, all with
+    the same engine options and the head's address as the rendezvous."""
+    inventory = parse_inventory(INVENTORY)
+    layout = Layout(2, 2, "as given")
+    record = group_record("/models/smol", layout, 8011, {"dtype": "float32"},
+                          {"shutdown_timeout": 5.0}, inventory)  # fmt: skip
+    common = [
+        "llmctl", "serve", "/models/smol", "--tensor-parallel-size", "2",
+        "--pipeline-parallel-size", "2", "--distributed-executor-backend", "mp",
+        "--nnodes", "2", "--master-addr", "10.0.0.1", "--master-port", "29501",
+    ]  # fmt: skip
+    assert list(record.argv) == common + [
+        "--node-rank", "0", "--host", "0.0.0.0", "--port", "8011", "--shutdown-timeout", "5.0",
+        "--dtype", "float32",
+    ]  # fmt: skip
+    assert record.workers == (
+        ("n2", tuple(common + ["--node-rank", "1", "--headless", "--dtype", "float32"])),
+    )
+    assert record.backend == "mp" and record.endpoint("10.0.0.1") == "http://10.0.0.1:8011/v1"
+    port = group_record("/m", layout, 8011, {"master_port": 4000}, None, inventory)
+    assert "4000" in port.argv and "4000" in port.workers[0][1]
+    three = node_serve_argvs("/m", Layout(1, 3, ""), 80, {}, None, head_ip="h", nnodes=3)
+    assert [argv[argv.index("--node-rank") + 1] for argv in three] == ["0", "1", "2"]
+
+
+def test_mp_layouts_must_run_whole_stages_per_node():
+    inventory = parse_inventory(INVENTORY)
+    with pytest.raises(ConfigError) as info:
+        group_record("/m", Layout(4, 1, ""), 80, {}, None, inventory)
+    assert "pipeline_parallel_size=1 (tp=4) does not divide among them" in info.value.message
+    assert "pass -pp 2 (or a multiple of 2) and -tp 2" in info.value.hint
+    with pytest.raises(ConfigError, match="puts 4 ranks on each of the 2 nodes"):
+        group_record("/m", Layout(4, 2, ""), 80, {}, None, inventory)
+    with pytest.raises(ConfigError, match="--nnodes, --master-addr: with -i"):
+        group_record("/m", Layout(2, 2, ""), 80, {"nnodes": 2, "master_addr": "x"}, None,
+                     inventory)  # fmt: skip
+
+
+def test_serve_uses_the_backend_the_containers_run():
+    assert check_cluster_backend(None, "mp", "c.yaml") == "mp"
+    assert check_cluster_backend("mp", "mp", "c.yaml") == "mp"
+    with pytest.raises(ConfigError) as info:
+        check_cluster_backend("mp", "ray", "c.yaml")
+    assert info.value.message == "the cluster's containers were started for the ray backend, not mp"
+    assert info.value.hint.startswith("run llmctl cluster up -i c.yaml --backend mp first")
+    assert check_cluster_backend("mp", "ray", "c.yaml", stop=True) == "ray"
+
+
+def test_a_nodes_exit_reason_is_its_error_not_the_hint():
+    log = (
+        "INFO Node 1: joining node 0 at 10.0.0.1:29502 (global ranks 1, up to 10 s)\n"
+        "error: node 1 could not reach node 0 at 10.0.0.1:29502 within 10 s\n"
+        "hint: start node 0 (llmctl serve ... --nnodes 2 --node-rank 0 ...)\n"
+    )
+    assert exit_reason(log) == "node 1 could not reach node 0 at 10.0.0.1:29502 within 10 s"
+    assert exit_reason("Traceback ...\nKilled\n\n") == "Killed"
+    assert exit_reason("") == "(no output)"

@@ -14,7 +14,7 @@ from fake_transport import FakeTransport, docker_node
 from typer.testing import CliRunner
 
 from llmctl.cli.main import app
-from llmctl.cluster.errors import NodeNetworkError, RemoteCommandError
+from llmctl.cluster.errors import ClusterError, NodeNetworkError, RemoteCommandError
 from llmctl.cluster.inventory import parse_inventory
 from llmctl.cluster.launch import commands, launcher
 from llmctl.cluster.launch.launch_report import Report
@@ -244,3 +244,56 @@ def test_down_removes_what_up_started_and_then_finds_nothing():
             assert fake.ran(r"^rm -f -- ") == [["rm", "-f", "--", f"/root/.llmctl/demo-{ip}.env"]]
         again = cluster.down()
         assert [r.action for r in again.rows] == ["absent"] * 3 and not again.changed
+
+
+VERSIONS = json.dumps({"python": "3.11.2", "torch": "2.13.0", "ray": None, "llmctl": "0.1.0"})
+
+
+def mp_nodes(text: str = INVENTORY) -> dict[str, FakeTransport]:
+    """Nodes whose containers answer llmctl's version script (an image without Ray)."""
+    fakes = {n.host: docker_node(n.host, n.ip, model=MODEL) for n in parse_inventory(text).nodes}
+    for fake in fakes.values():
+        fake.reply(rf"^docker exec {CONTAINER} python3 -c ", VERSIONS)
+    return fakes
+
+
+def test_mp_backend_up_starts_idle_containers_with_the_env_and_no_ray():
+    fakes = mp_nodes()
+    report = up(fakes, backend="mp")
+    assert [r.action for r in report.rows] == ["created"] * 3 and report.ray is None
+    assert [r.versions["llmctl"] for r in report.rows] == ["0.1.0"] * 3
+    assert "serve a model: llmctl serve -i cluster.yaml --backend mp" in report.notes
+    for fake in fakes.values():
+        [run] = fake.ran(r"^docker run ")
+        assert run[-3:] == ["llmctl:latest", "sleep", "infinity"]  # nothing to join: no Ray
+        assert "--init" in run and "llmctl.backend=mp" in run
+        assert fake.ran(r"ray (start|status|list)") == []
+        env = next(data for path, data in fake.files.items() if path.endswith(".env"))
+        assert b"VLLM_HOST_IP=10.0.0." in env and b"RAY_AUTH_TOKEN" not in env
+        assert b"NCCL_SOCKET_IFNAME=eth0\n" in env and b"GLOO_SOCKET_IFNAME=eth0\n" in env
+    forget(fakes)
+    again = up(fakes, backend="mp")
+    assert [r.action for r in again.rows] == ["unchanged"] * 3
+    assert all(changes(f) == [] for f in fakes.values())
+    # The same inventory on Ray is another container on every node.
+    ray_fakes = nodes()
+    for host, fake in ray_fakes.items():
+        fake.containers.update(fakes[host].containers)
+    switched = up(ray_fakes)
+    assert [r.action for r in switched.rows] == ["recreated"] * 3
+
+
+def test_mp_backend_up_refuses_nodes_that_differ_or_lack_llmctl():
+    fakes = mp_nodes()
+    older = VERSIONS.replace("0.1.0", "0.0.9")
+    fakes["n3"].reply(rf"^docker exec {CONTAINER} python3 -c ", older)
+    with pytest.raises(ClusterError) as info:
+        up(fakes, backend="mp")
+    assert "different llmctl versions: n1 0.1.0, n2 0.1.0, n3 0.0.9" in info.value.message
+    assert "containers started by this run: n1, n2, n3" in info.value.hint
+    fakes = mp_nodes()
+    fakes["n2"].reply(rf"^docker exec {CONTAINER} python3 -c ", (1, "", "python3: not found"))
+    fakes["n2"].reply(r"^docker logs", "python3: not found\n")
+    with Cluster(parse_inventory(INVENTORY), fakes, ray_wait_s=0.0) as cluster:
+        with pytest.raises(ClusterError, match="the container on the worker n2 is not ready"):
+            cluster.up(backend="mp")

@@ -10,13 +10,17 @@ from pathlib import Path
 import pytest
 
 from llmctl.cluster.errors import ConfigError, ImageBuildError
+from llmctl.cluster.launch import image
 from llmctl.cluster.launch.image import (
     DEBOOTSTRAP_BASE,
+    RAY_LABEL,
+    SOURCE_LABEL,
     ImageBuild,
     docker_build_argv,
     source_hash,
     source_root,
     split_wheels,
+    up_to_date,
     wheel_argv,
 )
 
@@ -70,3 +74,38 @@ def test_source_hash_follows_the_sources(tmp_path):
     engine_file.write_text(engine_file.read_text() + "\n# changed\n")
     assert source_hash(root) != before
     assert len(before) == 16 and Path(root / "templates" / "Dockerfile").is_file()
+
+
+def test_no_ray_image_leaves_ray_out_of_the_wheels_and_the_install(tmp_path):
+    root = source_root()
+    build = ImageBuild("t", debootstrap=True, ray=False)
+    wheels = wheel_argv(build, root, tmp_path)
+    assert str(root) in wheels and f"{root}[ray]" not in wheels  # no Ray wheel is even built
+    argv = docker_build_argv(build, tmp_path, "abc")
+    assert "LLMCTL_EXTRAS=" in argv and "llmctl.ray=no" in argv
+    with_ray = docker_build_argv(ImageBuild("t"), tmp_path, "abc")
+    assert "LLMCTL_EXTRAS=[ray]" in with_ray and "llmctl.ray=yes" in with_ray
+    # The Dockerfile installs llmctl with exactly those extras.
+    dockerfile = (root / "templates" / "Dockerfile").read_text()
+    assert '"${wheel}${LLMCTL_EXTRAS}"' in dockerfile and 'ARG LLMCTL_EXTRAS="[ray]"' in dockerfile
+
+
+def test_an_image_with_ray_is_not_up_to_date_for_no_ray(monkeypatch):
+    labels = {SOURCE_LABEL: "abc", RAY_LABEL: "yes"}
+    monkeypatch.setattr(image, "image_label", lambda tag, label: labels.get(label, "<no value>"))
+    assert up_to_date(ImageBuild("t"), "abc")
+    assert not up_to_date(ImageBuild("t", ray=False), "abc")
+    assert not up_to_date(ImageBuild("t"), "other sources")
+    del labels[RAY_LABEL]  # built before the label: it has Ray
+    assert up_to_date(ImageBuild("t"), "abc") and not up_to_date(ImageBuild("t", ray=False), "abc")
+
+
+def test_image_build_dry_run_prints_the_no_ray_commands():
+    from typer.testing import CliRunner
+
+    from llmctl.cli.main import app
+
+    result = CliRunner().invoke(app, ["image", "build", "--no-ray", "--dry-run", "--tag", "t:1"])
+    assert result.exit_code == 0, result.output
+    assert "LLMCTL_EXTRAS= " in result.output and "llmctl.ray=no" in result.output
+    assert "[ray]" not in result.output
