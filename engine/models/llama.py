@@ -135,11 +135,23 @@ class LlamaModel(nn.Module):
         if shard.is_last:
             self.norm = RMSNorm(shape.hidden_size, config.rms_norm_eps)
 
+    def stage_layers(self) -> list[nn.Module]:
+        """This pipeline stage's layers (a plain list, made once: slicing the ModuleList builds
+        a new one every step)."""
+        layers = self.__dict__.get("_stage_layers")
+        if layers is None:
+            layers = list(self.layers[self.shard.start_layer : self.shard.end_layer])
+            self.__dict__["_stage_layers"] = layers
+        return layers
+
     def fused_decode(self, layers, hidden_states: torch.Tensor) -> DecodeStack | None:
         """The C++ decode stack for this step, when every layer is a dense Llama layer."""
-        if not all(isinstance(layer.mlp, LlamaMLP) for layer in layers):
-            return None  # mixtures of experts run their modules
-        return DecodeStack.for_step(self, layers, hidden_states)
+        dense = self.__dict__.get("_dense_layers")
+        if dense is None:  # mixtures of experts run their modules
+            dense = self.__dict__["_dense_layers"] = all(
+                isinstance(layer.mlp, LlamaMLP) for layer in layers
+            )
+        return DecodeStack.for_step(self, layers, hidden_states) if dense else None
 
     def forward(
         self,
@@ -152,7 +164,7 @@ class LlamaModel(nn.Module):
         else:
             hidden_states = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
-        layers = self.layers[self.shard.start_layer : self.shard.end_layer]
+        layers = self.stage_layers()
         fused = self.fused_decode(layers, hidden_states)
         if fused is not None:  # a small decode step on the CPU: all layers in one C++ call
             hidden_states, residual = fused(hidden_states, residual, positions)

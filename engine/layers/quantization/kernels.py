@@ -41,7 +41,7 @@ logger = logging.getLogger("llmctl")
 
 _SOURCE = Path(__file__).with_name("quantized_matmul_cpu.cpp")
 _PREFIX = "llmctl_quantized_matmul"
-SMALL_BATCH = 32  # rows of x up to which the fused kernels beat dequantize + GEMM (measured)
+SMALL_BATCH = 24  # rows of x up to which the fused kernels beat dequantize + GEMM (measured)
 _TILE_BYTES = 1 << 20  # float32 bytes of W expanded per tile on the batched path
 
 
