@@ -211,16 +211,11 @@ class DecodeStack : public torch::CustomClassHolder {
       at::Tensor o = linear(attn, L.o);
       add_and_norm(o, res, x, L.post_norm, true);
       at::Tensor gu = linear(x, L.gate_up);  // [M, 2 I] as [gate | up]
+      // silu(gate) * up with ATen's vectorised silu, as SiluAndMul computes it (a scalar exp
+      // per element was ~1 ms a token for SmolLM2's 30 x 1536)
       const int64_t I = gu.size(1) / 2;
-      at::Tensor act = at::empty({M, I}, hidden.options());
-      const float* gu_p = gu.data_ptr<float>();
-      float* act_p = act.data_ptr<float>();
-      for (int64_t r = 0; r < M; ++r) {
-        const float* g = gu_p + r * 2 * I;
-        const float* u = g + I;
-        float* a = act_p + r * I;
-        for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-      }
+      at::Tensor act = at::silu(gu.narrow(1, 0, I));
+      act.mul_(gu.narrow(1, I, I));
       h = linear(act, L.down);
     }
     return std::make_tuple(h, res);

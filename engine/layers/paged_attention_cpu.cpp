@@ -38,6 +38,8 @@
 #ifdef __AVX512BF16__
 #define LLMCTL_DOT_BF16 1  // bfloat16 q . k with vdpbf16ps: exact products, float32 sums
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
 #endif
 
 #ifndef LLMCTL_OP_NAMESPACE
@@ -55,7 +57,7 @@ constexpr int kMaxVecs = kMaxHeadDim / kLanes;
 // scores and accumulators, and measured slower.
 constexpr int64_t kAhead = 2;
 
-// ---- 16 float32 lanes: AVX-512, or plain arrays the compiler vectorizes as it can -------------
+// ---- 16 float32 lanes: AVX-512, two AVX2 registers, or plain arrays the compiler vectorizes --
 // Loads and stores take the number of valid lanes n (1..16); lanes >= n load as 0.
 
 #ifdef LLMCTL_AVX512
@@ -141,6 +143,101 @@ inline Vec vexp(Vec a) {
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return {_mm512_scalef_ps(y, n)};
 }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+// ---- AVX2: the 16 lanes as two __m256 (lo: lanes 0-7, hi: 8-15) --------------------------------
+
+struct Vec {
+  __m256 lo, hi;
+};
+
+// lanes < n of the 8 starting at `first`: an all-ones int mask per valid lane
+inline __m256i lanes8(int n, int first) {
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n - first), iota);
+}
+inline Vec vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Vec vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline Vec vload(const float* p, int n) {
+  if (n == kLanes) return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+  return {_mm256_maskload_ps(p, lanes8(n, 0)), _mm256_maskload_ps(p + 8, lanes8(n, 8))};
+}
+inline __m256 bf16x8_to_ps(__m128i raw) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline Vec vload(const BFloat16* p, int n) {
+  if (n == kLanes) {
+    return {bf16x8_to_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+            bf16x8_to_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+  }
+  alignas(32) uint16_t raw[kLanes] = {};
+  for (int i = 0; i < n; ++i) raw[i] = p[i].x;
+  return {bf16x8_to_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(raw))),
+          bf16x8_to_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(raw + 8)))};
+}
+inline void vstore(float* p, Vec a, int n) {
+  if (n == kLanes) {
+    _mm256_storeu_ps(p, a.lo);
+    _mm256_storeu_ps(p + 8, a.hi);
+    return;
+  }
+  _mm256_maskstore_ps(p, lanes8(n, 0), a.lo);
+  _mm256_maskstore_ps(p + 8, lanes8(n, 8), a.hi);
+}
+inline void vstore(BFloat16* p, Vec a, int n) {  // rounded as c10::BFloat16 rounds
+  alignas(32) float f[kLanes];
+  _mm256_store_ps(f, a.lo);
+  _mm256_store_ps(f + 8, a.hi);
+  for (int i = 0; i < n; ++i) p[i] = static_cast<BFloat16>(f[i]);
+}
+inline Vec vadd(Vec a, Vec b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline Vec vsub(Vec a, Vec b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline Vec vmul(Vec a, Vec b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline Vec vfma(Vec a, Vec b, Vec c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline Vec vmax(Vec a, Vec b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float vsum(Vec a) { return hsum8(_mm256_add_ps(a.lo, a.hi)); }
+inline float vmaxall(Vec a) {
+  __m256 m = _mm256_max_ps(a.lo, a.hi);
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+template <int R>
+inline void vsums(const Vec* s, float* dst) {
+  for (int u = 0; u < R; ++u) dst[u] = vsum(s[u]);
+}
+// exp(x) for x <= 0, the AVX-512 path's Cephes polynomial; x below -87.3 (past float's normal
+// range, -inf included) gives 0.
+inline __m256 vexp8(__m256 a) {
+  const __m256 x = _mm256_max_ps(a, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // y * 2^n, n in [-126, 0]: n's biased exponent
+  const __m256i pow2 =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
+  return _mm256_and_ps(y, _mm256_cmp_ps(a, _mm256_set1_ps(-87.3f), _CMP_GE_OQ));
+}
+inline Vec vexp(Vec a) { return {vexp8(a.lo), vexp8(a.hi)}; }
 
 #else  // portable
 
