@@ -87,14 +87,23 @@ class DecodeStack:
         if md is None or md.prefills or md.num_decodes != hidden.shape[0]:
             return None
         stack = owner.__dict__.get("_fused_decode_stack")
-        if stack is False:
-            return None
         if stack is not None and stack.current(layers):
-            return stack
+            return stack if isinstance(stack, DecodeStack) else None
+        # Decided again whenever the KV caches are rebound (a step before they are bound is no
+        # reason to give up the stack for good).
         ops = _ops_for(layers)
-        stack = DecodeStack(layers, ops) if ops is not None else False
+        stack = DecodeStack(layers, ops) if ops is not None else _NoStack(layers)
         owner.__dict__["_fused_decode_stack"] = stack
-        return stack or None
+        return stack if isinstance(stack, DecodeStack) else None
+
+
+class _NoStack:
+    """The decision that `layers`, with their current KV caches, run their modules."""
+
+    def __init__(self, layers: Sequence[nn.Module]):
+        self.caches = [layer.self_attn.attn.kv_cache for layer in layers]
+
+    current = DecodeStack.current
 
 
 def _ops_for(layers: Sequence[nn.Module]) -> tuple[str, str, str] | None:
