@@ -123,6 +123,10 @@ class DecodeStack : public torch::CustomClassHolder {
       layer.input_norm = next_t();
       layer.post_norm = next_t();
       layer.kv_cache = next_t();
+      TORCH_CHECK(layer.kv_cache.dim() == 5 && layer.kv_cache.is_contiguous() &&
+                      layer.kv_cache.scalar_type() == at::kFloat,
+                  "DecodeStack: a KV cache must be a contiguous float32 [2, blocks, block_size, "
+                  "kv_heads, head_dim] tensor");
       layer.qkv = read_linear();
       layer.o = read_linear();
       layer.gate_up = read_linear();
