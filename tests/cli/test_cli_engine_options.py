@@ -115,8 +115,8 @@ def test_plan_takes_the_engine_options(invoke):
 def test_serve_on_a_cluster_forwards_the_engine_options(invoke, served, monkeypatch):
     seen = {}
 
-    def record(inventory, model, tp, pp, port, options, *, server, stop, wait):
-        seen.update(tp=tp, pp=pp, port=port, options=options, server=server)
+    def record(inventory, model, tp, pp, port, options, *, server, stop, wait, backend):
+        seen.update(tp=tp, pp=pp, port=port, options=options, server=server, backend=backend)
 
     monkeypatch.setattr(serve_command, "_serve_on_cluster", record)
     result = invoke(
@@ -126,6 +126,7 @@ def test_serve_on_a_cluster_forwards_the_engine_options(invoke, served, monkeypa
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert (seen["tp"], seen["pp"]) == (2, None)  # the layout, chosen apart
+    assert seen["backend"] is None  # none asked: the one the cluster was started with
     assert seen["options"] == {
         "served_model_name": "smol",
         "dtype": "auto",
