@@ -203,11 +203,11 @@ class ParallelConfig:
                 f"pipeline_parallel_size = {self.world_size}",
                 "use --distributed-executor-backend mp or ray",
             )
-        if self.data_parallel_size > 1 and backend in ("uni", "ray"):
+        if self.data_parallel_size > 1 and backend == "uni":
             raise ConfigError(
                 f"data_parallel_size={self.data_parallel_size} runs each replica in its own "
-                f"worker processes on this node; the {backend} backend cannot (not yet for ray)",
-                "use --distributed-executor-backend mp, or leave it out",
+                "worker processes; the uni backend cannot",
+                "use --distributed-executor-backend mp (or ray), or leave it out",
             )
 
         if self.nnodes != 1 or self.node_rank != 0:

@@ -8,6 +8,13 @@ as in vLLM): rank i's actor then takes the CPUs and GPUs of bundle i, and the gr
 caller's. Actors keep their node's own environment (VLLM_HOST_IP, NCCL and
 Gloo interface variables): nothing of the driver's environment is copied to them.
 
+Data-parallel replicas (`--data-parallel-size N` on this backend) are N RayExecutors in one
+process, each with its own placement group, so Ray places each replica where its bundles fit (on
+any node of the cluster). They share one connection to Ray (`_RaySession`): the first to start
+connects (or starts a private local Ray with a CPU per rank of every replica), the last to stop
+disconnects, so a replica that fails and restarts does not take the others' actors down with it.
+A rank's torch threads are the node's cores shared out over the ranks of every local replica.
+
 This module is imported only when the Ray backend is chosen; Ray itself is imported here.
 """
 
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -84,22 +92,24 @@ class RayExecutor(Executor):
         pc = self.parallel_config
         self.world_size = pc.world_size
         self._waiting_on: frozenset[int] = frozenset()  # ranks the engine waits for (_get)
-        self._started_ray = False
-        if not ray.is_initialized():
-            self._started_ray = _connect_or_start_ray(self.world_size)
-        resource = self._bundle_resource(ray)
-        current = pc.placement_group
-        if current is None:
-            current = ray.util.get_current_placement_group()
-        if current is not None:
-            pg, self._own_pg = current, False
-        else:
-            pg = placement_group([{resource: 1.0}] * self.world_size, strategy="PACK")
-            self._own_pg = True
+        _SESSION.acquire(self.world_size * pc.data_parallel_size)
+        try:
+            resource = self._bundle_resource(ray)
+            current = pc.placement_group
+            if current is None:
+                current = ray.util.get_current_placement_group()
+            if current is not None:
+                pg, self._own_pg = current, False
+            else:
+                pg = placement_group([{resource: 1.0}] * self.world_size, strategy="PACK")
+                self._own_pg = True
+        except BaseException:
+            _SESSION.release()
+            raise
         self.placement_group = pg
         self.actors: list = []
         self._finalizer = weakref.finalize(
-            self, stop_actors, self.actors, pg if self._own_pg else None, self._started_ray
+            self, stop_actors, self.actors, pg if self._own_pg else None
         )
         try:
             ready, _ = ray.wait([pg.ready()], timeout=_PLACEMENT_TIMEOUT_S)
@@ -168,6 +178,7 @@ class RayExecutor(Executor):
             local_ranks.append(per_node.get(ip, 0))
             per_node[ip] = per_node.get(ip, 0) + 1
         cores = len(os.sched_getaffinity(0))
+        dp = self.parallel_config.data_parallel_size  # replicas sharing this node's cores
         worker_config = for_workers(self.engine_config)  # actors need not import transformers
         refs = [
             actor.start.remote(
@@ -175,7 +186,7 @@ class RayExecutor(Executor):
                 rank,
                 local_ranks[rank],
                 init_method,
-                max(1, cores // per_node[self.node_ips[rank]]),
+                max(1, cores // (per_node[self.node_ips[rank]] * dp)),
             )
             for rank, actor in enumerate(self.actors)
         ]
@@ -275,38 +286,101 @@ class RayExecutor(Executor):
         self._finalizer()
 
 
-def _connect_or_start_ray(world_size: int) -> bool:
+class _RaySession:
+    """This process's connection to Ray, shared by its executors (data-parallel replicas are
+    built and stopped at the same time, in their own threads): connected by the first, closed by
+    the last, and only if this process connected.
+
+    A private local Ray is started, and stopped, by a thread of its own that lives as long as
+    the session: Ray starts its GCS and raylet with PR_SET_PDEATHSIG, which fires when the
+    *thread* that started them ends, so a replica's engine thread that started Ray and then
+    stopped would take every other replica's actors down with it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._thread: threading.Thread | None = None  # set while this process holds Ray
+        self._stop = threading.Event()
+
+    def acquire(self, ranks_here: int) -> None:
+        import ray
+
+        with self._lock:
+            if self._users == 0 and not ray.is_initialized():
+                self._start(ranks_here)
+            self._users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._users = max(0, self._users - 1)
+            if self._users == 0 and self._thread is not None:
+                self._stop.set()
+                self._thread.join()
+                self._thread = None
+
+    def _start(self, ranks_here: int) -> None:
+        started: list[BaseException | None] = []
+        ready = threading.Event()
+        self._stop.clear()
+
+        def hold() -> None:
+            import ray
+
+            try:
+                _connect_or_start_ray(ranks_here)
+                started.append(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to acquire()
+                started.append(exc)
+                return
+            finally:
+                ready.set()
+            self._stop.wait()
+            ray.shutdown()
+
+        self._thread = threading.Thread(target=hold, name="llmctl-ray", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if started[0] is not None:
+            self._thread.join()
+            self._thread = None
+            raise started[0]
+
+
+_SESSION = _RaySession()
+
+
+def _connect_or_start_ray(ranks: int) -> None:
     """Join the cluster named by RAY_ADDRESS (or a local `ray start` cluster); else start a
-    private local instance. Returns True when this process started Ray."""
+    private local instance with a CPU for each of the `ranks` (at least the machine's cores)."""
     import ray
 
     address = os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, logging_level=logging.WARNING)
-        return False
+        return
     try:
         ray.init(address="auto", logging_level=logging.WARNING)
-        return False
+        return
     except ConnectionError:
         pass
     cores = len(os.sched_getaffinity(0))
     ray.init(
-        num_cpus=max(cores, world_size),
+        num_cpus=max(cores, ranks),
         include_dashboard=False,
         logging_level=logging.WARNING,
     )
-    return True
 
 
-def stop_actors(actors: list, pg, started_ray: bool) -> None:
-    """Kill the actors, remove the placement group, and disconnect when this process started or
-    joined Ray for them; each step tolerates what is already gone."""
+def stop_actors(actors: list, pg) -> None:
+    """Kill the actors, remove the placement group, and let go of this process's connection to
+    Ray (the last executor to stop closes it); each step tolerates what is already gone."""
     try:
         import ray
         from ray.util.placement_group import remove_placement_group
     except ImportError:
         return
     if not ray.is_initialized():
+        _SESSION.release()
         return
     for actor in actors:
         try:
@@ -318,5 +392,4 @@ def stop_actors(actors: list, pg, started_ray: bool) -> None:
             remove_placement_group(pg)
         except Exception:
             pass
-    if started_ray:
-        ray.shutdown()
+    _SESSION.release()

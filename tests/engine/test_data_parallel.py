@@ -61,6 +61,31 @@ def test_replicas_of_two_tensor_parallel_ranks_each(tiny_models):
         assert greedy(llm, batch) == expected
 
 
+def test_replicas_on_the_ray_backend_share_one_ray_and_outlive_each_other(tiny_models):
+    """dp=2 on Ray: each replica its own placement group and actor, one Ray for both (started
+    here, a CPU per rank); one replica's executor stopping leaves the other serving, and Ray
+    goes down with the last."""
+    ray = pytest.importorskip("ray")
+    path = str(tiny_models.path("llama"))
+    common = dict(use_tqdm_on_load=False, dtype="float32", kv_cache_space_gib=0.02)
+    batch = prompts()[:4]
+    with LLM(path, **common) as llm:
+        expected = greedy(llm, batch)
+    assert not ray.is_initialized()
+    with LLM(path, data_parallel_size=2, distributed_executor_backend="ray", **common) as llm:
+        executors = [r.engine.executor for r in llm._dp.replicas]
+        assert [type(e).__name__ for e in executors] == ["RayExecutor", "RayExecutor"]
+        assert executors[0].placement_group.id != executors[1].placement_group.id
+        assert len({pid for e in executors for pid in e.pids}) == 2
+        assert ray.cluster_resources()["CPU"] >= 2
+        assert greedy(llm, batch) == expected
+        assert all(r.get_stats().prompt_tokens > 0 for r in llm._dp.replicas)
+        executors[0].shutdown()  # as a failed replica's executor is stopped before a restart
+        assert ray.is_initialized()
+        assert ray.get(executors[1].actors[0].node_ip.remote())  # its actor still answers
+    assert not ray.is_initialized()
+
+
 @pytest.mark.parametrize(
     "kwargs, message, hint",
     [
