@@ -103,7 +103,9 @@ def plan(
         str | None,
         typer.Option(
             help="Write the plan as Kubernetes manifests: lws (a LeaderWorkerSet, mp backend "
-            "across nodes) or raycluster (KubeRay's RayCluster, ray backend; also: kuberay).",
+            "across nodes), rayservice (KubeRay's RayService: llmctl's Ray Serve application, "
+            "a replica per data-parallel replica; also: kuberay) or raycluster (KubeRay's "
+            "RayCluster running llmctl serve, ray backend).",
             rich_help_panel=_KUBE,
         ),
     ] = None,
@@ -176,7 +178,8 @@ def plan(
     ray_version: Annotated[
         str | None,
         typer.Option(
-            help="--emit raycluster: the image's Ray version, for KubeRay.", rich_help_panel=_KUBE
+            help="--emit raycluster/rayservice: the image's Ray version, for KubeRay.",
+            rich_help_panel=_KUBE,
         ),
     ] = None,  # fmt: skip
 ) -> None:

@@ -6,7 +6,9 @@ inside them are the full core/v1 PodTemplateSpec schema, not x-kubernetes-preser
 so every container field is checked too). A structural schema prunes unknown fields silently;
 kubectl's default strict field validation refuses them instead, and so does this: every object
 schema with `properties` is closed (additionalProperties: false) unless it preserves unknown
-fields. A core/v1 Service is checked against the subset of its schema that llmctl emits.
+fields. A core/v1 Service is checked against the subset of its schema that llmctl emits. A
+RayService's serveConfigV2 is a string to the CRD: it is checked as the Ray dashboard checks
+what KubeRay submits, with Ray Serve's own ServeDeploySchema.
 
 jsonschema comes with ray, a test dependency.
 """
@@ -25,6 +27,7 @@ CRDS = Path(__file__).parent / "unit" / "data" / "crds"
 _CRD_FILES = {
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkerset.x-k8s.io_leaderworkersets",
     ("ray.io/v1", "RayCluster"): "ray.io_rayclusters",
+    ("ray.io/v1", "RayService"): "ray.io_rayservices",
 }
 # A DNS-1123 label: metadata.name of a Service (and, by our builders, of every object).
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -114,7 +117,30 @@ def errors(obj: dict) -> list[str]:
         f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
         for e in validator.iter_errors(obj)
     ]
+    if key == ("ray.io/v1", "RayService") and "serveConfigV2" in obj.get("spec", {}):
+        found += serve_config_errors(obj["spec"]["serveConfigV2"])
     name = obj.get("metadata", {}).get("name", "")
     if not _NAME.fullmatch(name) or len(name) > 63:
         found.append(f"metadata.name: {name!r} is not a DNS-1123 label")
+    return found
+
+
+def serve_config_errors(text: str) -> list[str]:
+    """Every violation of Ray Serve's config schema (ServeDeploySchema) in a serveConfigV2: its
+    validators, and (strict, as above) no field the schema does not name, which Ray ignores."""
+    import pydantic
+    from ray.serve.schema import ServeDeploySchema
+
+    config = yaml.safe_load(text)
+    if not isinstance(config, dict):
+        return [f"serveConfigV2: not a mapping: {config!r}"]
+    validator = jsonschema.Draft7Validator(closed(ServeDeploySchema.model_json_schema()))
+    found = [
+        f"serveConfigV2.{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+        for e in validator.iter_errors(config)
+    ]
+    try:
+        ServeDeploySchema.model_validate(config)
+    except pydantic.ValidationError as exc:
+        found += [f"serveConfigV2.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
     return found

@@ -1,6 +1,6 @@
 """Kubernetes manifests from a Plan: pure builders of plain dicts; the CLI dumps them as YAML.
 
-Two ways to run a plan's layout on Kubernetes:
+Three ways to run a plan's layout on Kubernetes:
   - `lws`: a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1), one group of `nodes` pods per
     replica, on the mp backend across nodes. The leader (pod 0) runs
         llmctl serve MODEL -tp T -pp P ... --nnodes N --node-rank 0
@@ -8,19 +8,26 @@ Two ways to run a plan's layout on Kubernetes:
     and each worker the same with --node-rank $(LWS_WORKER_INDEX) --headless (Kubernetes expands
     $(VAR) from the env LWS injects into every container). One node: the leader alone, the plan's
     own backend. A Service selects the leaders.
-  - `raycluster` (or `kuberay`): a KubeRay RayCluster (ray.io/v1), a head pod and nodes-1 worker
-    pods, on the ray backend. The head runs the `ray start` KubeRay generates
-    ($KUBERAY_GEN_RAY_START_CMD, with the ray.io/overwrite-container-cmd annotation), waits for
-    Ray, then runs `llmctl serve`; its ranks go wherever Ray places them, the head first, as with
-    `llmctl serve -i`. (A RayService would need a Ray Serve application; llmctl's server is a
-    process, so the RayCluster it runs on is what is emitted.)
+  - `raycluster`: a KubeRay RayCluster (ray.io/v1), a head pod and nodes-1 worker pods, on the
+    ray backend. The head runs the `ray start` KubeRay generates ($KUBERAY_GEN_RAY_START_CMD,
+    with the ray.io/overwrite-container-cmd annotation), waits for Ray, then runs `llmctl serve`;
+    its ranks go wherever Ray places them, the head first, as with `llmctl serve -i`.
+  - `rayservice` (or `kuberay`, what KubeRay's and vLLM's docs serve with): a KubeRay RayService
+    (ray.io/v1), Ray Serve LLM style. Its serveConfigV2 deploys llmctl's Ray Serve application
+    (engine/server/ray_serve_app.py) with the plan's engine options as `args:`, one deployment
+    replica per data-parallel replica, each replica's resources as Ray Serve LLM asks them (one
+    placement-group bundle per rank, the ranks on the ray backend); its rayClusterConfig is the
+    RayCluster's spec with a pod per node of each replica, every pod running only `ray start`.
+    Ray Serve's proxy serves the API on every pod (KubeRay's Service NAME-serve-svc); Ray Serve
+    health-checks each replica's engine and replaces one whose /health fails.
 
 Every pod gets the node's GPUs (`nvidia.com/gpu` limits = the plan's GPUs per node), /dev/shm as a
 memory-backed emptyDir (NCCL and torch share memory through it), VLLM_HOST_IP from the pod's IP
 and NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME set to the pod's interface, and the model read-only
 (a hostPath or a PersistentVolumeClaim holding it, mounted at its directory). The serving
 container has readiness and liveness probes on /health of the serving port, behind a startup
-probe that gives the model time to load. Every `llmctl serve` flag is spelled by
+probe that gives the model time to load (a RayService's pods keep KubeRay's own probes of Ray and
+its Serve proxy). Every `llmctl serve` flag is spelled by
 engine_args_to_argv from the plan's EngineArgs keywords.
 """
 
@@ -37,7 +44,7 @@ import yaml
 from llmctl.cluster.errors import ConfigError
 from llmctl.engine.engine_args import SERVE, SERVER, EngineArgs, engine_args_to_argv, option
 
-EMIT_KINDS = ("lws", "raycluster", "kuberay")  # kuberay: the RayCluster (see above)
+EMIT_KINDS = ("lws", "raycluster", "rayservice", "kuberay")  # kuberay: the RayService
 DEFAULT_IMAGE = "llmctl:latest"  # `llmctl image build`'s default tag
 DEFAULT_PORT = 8000
 DEFAULT_MASTER_PORT = 29501  # the mp backend's own default (ParallelConfig.master_port)
@@ -83,13 +90,14 @@ class KubeOptions:
     shm_size: str = DEFAULT_SHM_SIZE
     socket_ifname: str = DEFAULT_SOCKET_IFNAME
     master_port: int | None = None  # lws only (default DEFAULT_MASTER_PORT)
-    ray_version: str | None = None  # raycluster only: the image's Ray, for KubeRay
+    ray_version: str | None = None  # raycluster/rayservice only: the image's Ray, for KubeRay
 
     def __post_init__(self) -> None:
         if self.kind not in EMIT_KINDS:
             raise ConfigError(
                 f"unknown --emit kind {self.kind!r}",
-                "use --emit lws (LeaderWorkerSet, mp backend) or --emit raycluster (KubeRay)",
+                "use --emit lws (LeaderWorkerSet, mp backend), --emit rayservice (KubeRay and "
+                "Ray Serve) or --emit raycluster (KubeRay)",
             )
         only, other = (_RAY_ONLY, "raycluster") if self.kind == "lws" else (_LWS_ONLY, "lws")
         given = [flag for name, flag in only.items() if getattr(self, name) is not None]
@@ -184,12 +192,23 @@ def manifests(plan, opts: KubeOptions) -> list[dict]:
     """The objects to `kubectl apply`, in order."""
     if opts.kind == "lws":
         return [leader_worker_set(plan, opts), leader_service(opts)]
-    return [ray_cluster(plan, opts)]
+    if opts.kind == "raycluster":
+        return [ray_cluster(plan, opts)]
+    return [ray_service(plan, opts)]
 
 
 class _Dumper(yaml.SafeDumper):
     def ignore_aliases(self, data) -> bool:  # a manifest spells every value out, no &id001
         return True
+
+
+def _str(dumper: yaml.SafeDumper, text: str):
+    """A multi-line string (a RayService's serveConfigV2) as a literal block, readable YAML."""
+    style = "|" if "\n" in text else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
+_Dumper.add_representer(str, _str)
 
 
 def to_yaml(objects: list[dict]) -> str:
@@ -256,6 +275,7 @@ def container(
     args: list[str] | None = None,
     serving: bool,
     extra_env: dict[str, str] | None = None,
+    ports: list[dict] | None = None,
 ) -> dict:
     spec: dict = {"name": name, "image": opts.image, "command": command}
     if args is not None:
@@ -264,6 +284,8 @@ def container(
     if serving:
         spec["ports"] = [{"name": "http", "containerPort": opts.port, "protocol": "TCP"}]
         spec.update(health_probes(opts))
+    elif ports:
+        spec["ports"] = ports
     gpus = gpus_per_pod(plan)
     if gpus:
         spec["resources"] = {"limits": {GPU_RESOURCE: gpus}}
@@ -385,38 +407,109 @@ def head_script(serve: list[str]) -> str:
     )
 
 
+# Not a login shell (-l, as KubeRay's examples): Debian's /etc/profile resets PATH, which loses
+# the image's /opt/llmctl/bin (templates/Dockerfile).
+_SHELL = ["/bin/bash", "-c", "--"]
+# KubeRay copies it to the pods: their command is ours, its `ray start` in an env variable.
+_OVERWRITE = {"ray.io/overwrite-container-cmd": "true"}
+_RAY_START = 'ulimit -n 65536; eval "exec $KUBERAY_GEN_RAY_START_CMD"'
+
+
 def ray_cluster(plan, opts: KubeOptions) -> dict:
     """A head and nodes-1 workers; the head serves on the ray backend (every node's GPUs)."""
-    nodes = plan.nodes_used
     serve = serve_argv(plan, opts, "ray", host="0.0.0.0", port=opts.port)
     timeout = {"LLMCTL_RAY_PLACEMENT_TIMEOUT": str(RAY_PLACEMENT_TIMEOUT_S)}
-    # Not a login shell (-l, as KubeRay's examples): Debian's /etc/profile resets PATH, which
-    # loses the image's /opt/llmctl/bin (templates/Dockerfile).
-    shell = ["/bin/bash", "-c", "--"]
-    # KubeRay copies it to the pods: their command is ours, its `ray start` in an env variable.
-    overwrite = {"ray.io/overwrite-container-cmd": "true"}
-    head = container("ray-head", plan, opts, command=shell, args=[head_script(serve)],
+    head = container("ray-head", plan, opts, command=_SHELL, args=[head_script(serve)],
                      serving=True, extra_env=timeout)  # fmt: skip
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": {**_metadata(opts), "annotations": dict(_OVERWRITE)},
+        "spec": ray_cluster_spec(plan, opts, head, plan.nodes_used),
+    }
+
+
+def ray_cluster_spec(
+    plan, opts: KubeOptions, head: dict, pods: int, worker_ports: list[dict] | None = None
+) -> dict:
+    """The head pod running `head`, and pods-1 workers running `ray start` alone; every pod
+    has the GPUs of one node of the plan."""
     spec: dict = {"headGroupSpec": {"rayStartParams": {}, "template": pod_template([head], opts)}}
     if opts.ray_version:
         spec = {"rayVersion": opts.ray_version, **spec}
-    if nodes > 1:
-        worker = container("ray-worker", plan, opts, command=shell,
-                           args=['ulimit -n 65536; eval "exec $KUBERAY_GEN_RAY_START_CMD"'],
-                           serving=False)  # fmt: skip
+    if pods > 1:
+        worker = container("ray-worker", plan, opts, command=_SHELL, args=[_RAY_START],
+                           serving=False, ports=worker_ports)  # fmt: skip
         spec["workerGroupSpecs"] = [
             {
                 "groupName": "gpu" if plan.device == "cuda" else "cpu",
-                "replicas": nodes - 1,
-                "minReplicas": nodes - 1,
-                "maxReplicas": nodes - 1,
+                "replicas": pods - 1,
+                "minReplicas": pods - 1,
+                "maxReplicas": pods - 1,
                 "rayStartParams": {},
                 "template": pod_template([worker], opts),
             }
         ]
+    return spec
+
+
+# -- KubeRay RayService --------------------------------------------------------------------------
+
+
+def serve_app_args(plan, opts: KubeOptions) -> dict:
+    """The Ray Serve application's `args:`: the plan's EngineArgs keywords for one replica, the
+    model's path in the pod, and the ray backend when the replica has several ranks."""
+    args = {k: v for k, v in plan.serve_args.items() if v is not None}
+    args.pop("distributed_executor_backend", None)
+    if plan.gpus_used > 1:
+        args["distributed_executor_backend"] = "ray"  # the ranks in the replica's bundles
+    args = {k: list(v) if isinstance(v, tuple) else v for k, v in args.items()}
+    return {"model": opts.model_path, **args} if opts.model_path else args
+
+
+def serve_config(plan, opts: KubeOptions) -> dict:
+    """serveConfigV2: llmctl's application, num_replicas = the plan's data-parallel replicas,
+    each replica's resources those of its tp x pp ranks (ray_serve_app.deployment_options)."""
+    from llmctl.engine.server import ray_serve_app
+
+    options = ray_serve_app.deployment_options(
+        plan.tensor_parallel_size, plan.pipeline_parallel_size, gpu=plan.device == "cuda"
+    )
+    deployment = {
+        "name": ray_serve_app.DEPLOYMENT_NAME,
+        "num_replicas": plan.data_parallel_size,
+        **options,
+    }
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": "0.0.0.0", "port": opts.port},
+        "applications": [
+            {
+                "name": "llmctl",
+                "route_prefix": "/",
+                "import_path": ray_serve_app.IMPORT_PATH,
+                "args": serve_app_args(plan, opts),
+                "deployments": [deployment],
+            }
+        ],
+    }
+
+
+def ray_service(plan, opts: KubeOptions) -> dict:
+    """Ray Serve's application on a RayCluster of a pod per node of each data-parallel replica
+    (the plan's GPUs per node in each), every pod running `ray start` and Ray Serve's proxy."""
+    config = yaml.dump(serve_config(plan, opts), Dumper=_Dumper, sort_keys=False, width=100)
+    serve_port = [{"name": "serve", "containerPort": opts.port, "protocol": "TCP"}]
+    head = container("ray-head", plan, opts, command=_SHELL, args=[_RAY_START], serving=False,
+                     ports=serve_port)  # fmt: skip
+    pods = plan.data_parallel_size * plan.nodes_used
     return {
         "apiVersion": "ray.io/v1",
-        "kind": "RayCluster",
-        "metadata": {**_metadata(opts), "annotations": overwrite},
-        "spec": spec,
+        "kind": "RayService",
+        # KubeRay copies a RayService's annotations to the RayCluster it creates.
+        "metadata": {**_metadata(opts), "annotations": dict(_OVERWRITE)},
+        "spec": {
+            "serveConfigV2": config,
+            "rayClusterConfig": ray_cluster_spec(plan, opts, head, pods, serve_port),
+        },
     }

@@ -1,6 +1,9 @@
-"""`llmctl plan --emit lws|raycluster`: Kubernetes manifests on stdout or in --output."""
+"""`llmctl plan --emit lws|rayservice|raycluster`: Kubernetes manifests on stdout or in --output."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import yaml
 from k8s_schemas import errors
@@ -40,6 +43,41 @@ def test_emit_raycluster_to_a_file_prints_the_plan_too(invoke, tmp_path):
     assert head["readinessProbe"]["httpGet"] == {"path": "/health", "port": 9000}
     assert "--port 9000" in head["args"][0] and "-tp 8" in head["args"][0]
     assert head["resources"]["limits"] == {"nvidia.com/gpu": 8}
+
+
+def test_emit_rayservice_deploys_the_plans_replicas(invoke):
+    result = invoke("plan", "Llama-3.1-70B", "-tp", "4", "--data-parallel-size", "2",
+                    "--max-model-len", "8192", "--emit", "kuberay", "--model-pvc", "models",
+                    "--ray-version", "2.60.0")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (service,) = yaml.safe_load_all(result.stdout)  # nothing but YAML on stdout
+    assert service["kind"] == "RayService" and errors(service) == []
+    (app,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    assert app["args"] == {
+        "model": "/models/Llama-3.1-70B", "tensor_parallel_size": 4, "max_model_len": 8192,
+        "distributed_executor_backend": "ray",
+    }  # fmt: skip
+    (deployment,) = app["deployments"]
+    assert deployment["num_replicas"] == 2 and len(deployment["placement_group_bundles"]) == 4
+    cluster = service["spec"]["rayClusterConfig"]
+    assert cluster["rayVersion"] == "2.60.0"
+    (workers,) = cluster["workerGroupSpecs"]
+    assert workers["replicas"] == 1  # the head and one worker: a pod of 4 GPUs per replica
+
+
+def test_emit_rayservice_imports_neither_ray_nor_torch():
+    """Planning is instant: the RayService's deployment options come without Ray."""
+    code = (
+        "import sys\n"
+        "from llmctl.cli.main import main\n"
+        "sys.argv = ['llmctl', 'plan', 'Llama-3.1-70B', '-tp', '8', '--emit', 'rayservice']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    assert out.rstrip().endswith("[]")
+    assert "kind: RayService" in out
 
 
 def test_emit_errors_name_the_fix(invoke):

@@ -2,9 +2,10 @@
 
 Three layouts as `llmctl plan` decides them on 80 GiB GPUs: Llama-3.1-8B on one GPU,
 Llama-3.1-70B at tp=8 on one node, Llama-3.1-405B at tp=8 x pp=2 on two nodes. Each manifest
-must pass the LeaderWorkerSet or RayCluster CRD's schema (tests/k8s_schemas.py: strict, as
-kubectl apply) and carry what the plan decided: the layout in `llmctl serve`'s flags, the nodes
-as pods, the GPUs per pod, the env, the probes and the model.
+must pass the LeaderWorkerSet, RayCluster or RayService CRD's schema (tests/k8s_schemas.py:
+strict, as kubectl apply; a RayService's serveConfigV2 against Ray Serve's schema) and carry what
+the plan decided: the layout in `llmctl serve`'s flags (or the Ray Serve application's args), the
+nodes and replicas as pods, the GPUs per pod, the env, the probes and the model.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from llmctl.cluster.plan.manifests import (
 from llmctl.cluster.plan.model_spec import load_model_spec
 from llmctl.cluster.plan.planner import PlanOptions, make_plan
 from llmctl.engine.errors import ConfigError
+from llmctl.engine.server.ray_serve_app import split_args
 
 LAYOUTS = {
     # name: (model, nodes, plan options, (tp, pp, nodes, GPUs per pod))
@@ -171,6 +173,133 @@ def test_ray_cluster_carries_the_plan(layout):
     assert worker["args"] == ['ulimit -n 65536; eval "exec $KUBERAY_GEN_RAY_START_CMD"']
 
 
+def serve_app(service: dict) -> tuple[dict, dict, dict]:
+    """A RayService's serveConfigV2: (the config, its one application, its one deployment)."""
+    config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    (app,) = config["applications"]
+    (deployment,) = app["deployments"]
+    return config, app, deployment
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_ray_service_carries_the_plan(layout):
+    plan = plan_for(layout)
+    tp, pp, nodes, gpus = LAYOUTS[layout][3]
+    model = LAYOUTS[layout][0]
+    opts = kube_options("rayservice", model, ray_version="2.60.0")
+    (service,) = manifests(plan, opts)
+    assert errors(service) == []
+    assert service["metadata"]["name"] == opts.name
+    # KubeRay copies it to the RayCluster: the pods run our `ray start` line, not a login shell.
+    assert service["metadata"]["annotations"] == {"ray.io/overwrite-container-cmd": "true"}
+    config, app, deployment = serve_app(service)
+    assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
+    assert app["import_path"] == "llmctl.engine.server.ray_serve_app:build_app"
+    assert app["route_prefix"] == "/"
+    # The application's args: the plan's engine options, as the replica's EngineArgs take them.
+    args = app["args"]
+    assert args["model"] == f"/models/{model}"
+    assert args.get("tensor_parallel_size", 1) == tp
+    assert args.get("pipeline_parallel_size", 1) == pp
+    assert args.get("distributed_executor_backend") == (None if tp * pp == 1 else "ray")
+    assert args.get("max_model_len") == plan.serve_args.get("max_model_len")
+    engine, server = split_args(args)
+    assert engine == args and server == {}
+    # One deployment replica per data-parallel replica (8B fits one of the node's 8 GPUs: the
+    # plan proposes 8), each with its ranks' resources.
+    dp = plan.data_parallel_size
+    assert dp == {"1gpu": 8, "tp8": 1, "tp8xpp2": 1}[layout]
+    assert deployment["name"] == "LLMServer"
+    assert deployment["num_replicas"] == dp
+    if tp * pp == 1:
+        assert deployment["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 1}
+        assert "placement_group_bundles" not in deployment
+    else:
+        assert deployment["ray_actor_options"] == {"num_cpus": 1}
+        bundles = deployment["placement_group_bundles"]
+        assert bundles == [{"CPU": 1, "GPU": 1}] + [{"GPU": 1}] * (tp * pp - 1)
+        assert deployment["placement_group_strategy"] == ("STRICT_PACK" if pp == 1 else "PACK")
+    # The cluster: a pod per node of each replica, each with a node's GPUs, all running Ray.
+    cluster = service["spec"]["rayClusterConfig"]
+    assert cluster["rayVersion"] == "2.60.0"
+    templates = [cluster["headGroupSpec"]["template"]]
+    groups = cluster.get("workerGroupSpecs", [])
+    if dp * nodes == 1:
+        assert groups == []
+    else:
+        (group,) = groups
+        assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == dp * nodes - 1
+        templates.append(group["template"])
+    assert gpus * dp * nodes == dp * tp * pp  # a GPU for every rank of every replica
+    for template in templates:
+        container = check_pod(template, plan, gpus, "/models")
+        assert container["command"] == ["/bin/bash", "-c", "--"]
+        assert container["args"] == ['ulimit -n 65536; eval "exec $KUBERAY_GEN_RAY_START_CMD"']
+        assert container["ports"] == [{"name": "serve", "containerPort": 8000, "protocol": "TCP"}]
+        # KubeRay's own probes: Ray's health, and on workers its Serve proxy's.
+        assert "readinessProbe" not in container and "livenessProbe" not in container
+
+
+def test_ray_service_of_replicas_and_of_a_cpu_plan():
+    """-dp 2 of tp=4: two replicas, two pods of 4 GPUs; on the CPU, bundles of CPUs and no
+    GPU; kuberay is the RayService; the serveConfigV2 is a readable YAML block."""
+    plan = make_plan(
+        load_model_spec("Llama-3.1-70B"), inventory_from_flags(1, 8, 80.0, "nvlink"),
+        PlanOptions(tensor_parallel_size=4, data_parallel_size=2, max_model_len=4096),
+    )  # fmt: skip
+    (service,) = manifests(plan, kube_options("kuberay", "Llama-3.1-70B", port=9000))
+    assert service["kind"] == "RayService" and errors(service) == []
+    config, app, deployment = serve_app(service)
+    assert deployment["num_replicas"] == 2 and "data_parallel_size" not in app["args"]
+    assert app["args"]["max_model_len"] == 4096
+    assert len(deployment["placement_group_bundles"]) == 4
+    assert config["http_options"]["port"] == 9000
+    (group,) = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert group["replicas"] == 1
+    assert the_container(group["template"])["resources"]["limits"] == {"nvidia.com/gpu": 4}
+    assert the_container(group["template"])["ports"][0]["containerPort"] == 9000
+    assert "serveConfigV2: |\n    proxy_location: EveryNode\n" in to_yaml([service])
+
+    cpu = make_plan(
+        load_model_spec("Llama-3.1-8B"), inventory_from_flags(1, 8, 80.0, "nvlink"),
+        PlanOptions(device="cpu", tensor_parallel_size=2, kv_cache_space_gib=4, max_model_len=8192),
+    )  # fmt: skip
+    (service,) = manifests(cpu, kube_options("rayservice", "Llama-3.1-8B"))
+    assert errors(service) == []
+    _, app, deployment = serve_app(service)
+    assert deployment["placement_group_bundles"] == [{"CPU": 2}, {"CPU": 1}]
+    assert app["args"]["device"] == "cpu" and app["args"]["kv_cache_space_gib"] == 4
+    head = the_container(service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"])
+    assert "resources" not in head
+
+
+def test_ray_serve_args_refuse_what_a_replica_cannot_take():
+    with pytest.raises(ConfigError) as info:
+        split_args({"model": "/m", "tensor_parralel_size": 2})
+    assert "unknown args for LLMServer: tensor_parralel_size" in info.value.message
+    assert "tensor_parallel_size" in info.value.hint
+    with pytest.raises(ConfigError) as info:
+        split_args({"data_parallel_size": 2})
+    assert "set the deployment's num_replicas" in info.value.hint
+    with pytest.raises(ConfigError, match="nnodes, master_addr: the mp backend's multi-node"):
+        split_args({"nnodes": 2, "master_addr": "10.0.0.1"})
+    assert split_args({"model": "/m", "api_key": "k"}) == ({"model": "/m"}, {"api_key": "k"})
+
+
+def test_serve_config_check_refuses_what_ray_serve_would():
+    """The serveConfigV2 check can fail: a misspelt deployment option, a bad replica count."""
+    (service,) = manifests(plan_for("tp8"), kube_options("rayservice", "Llama-3.1-70B"))
+    config, app, deployment = serve_app(service)
+    deployment["num_replica"] = 2
+    deployment["ray_actor_options"]["num_gpu"] = 1
+    app["deployments"].append({"name": "x", "num_replicas": "two"})
+    service["spec"]["serveConfigV2"] = yaml.safe_dump(config)
+    found = errors(service)
+    assert any("'num_replica' was unexpected" in e for e in found)
+    assert any("'num_gpu' was unexpected" in e for e in found)
+    assert any("num_replicas` must be an int" in e for e in found)
+
+
 def test_the_schema_check_refuses_what_kubernetes_would():
     """The validation can fail: a misspelt field, a wrong type, a missing required field."""
     (cluster,) = manifests(plan_for("tp8"), kube_options("raycluster", "Llama-3.1-70B"))
@@ -210,6 +339,8 @@ def test_local_model_is_mounted_at_its_own_path(tmp_path):
         ("lws", {"ray_version": "2.60.0"}, "--ray-version applies to --emit raycluster",
          "drop --ray-version, or use --emit raycluster"),
         ("raycluster", {"master_port": 1234}, "--master-port applies to --emit lws",
+         "drop --master-port, or use --emit lws"),
+        ("rayservice", {"master_port": 1234}, "--master-port applies to --emit lws",
          "drop --master-port, or use --emit lws"),
         ("helm", {}, "unknown --emit kind 'helm'", "use --emit lws"),
         ("lws", {"name": "Llama_70B"}, "--name 'Llama_70B' is not a Kubernetes name",
