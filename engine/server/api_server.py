@@ -234,6 +234,9 @@ def run_server(
             host=config.host,
             port=config.port,
             http=guarded_protocol(config.http_timeout),
+            # asyncio's loop, not uvloop even where it is installed (Ray Serve's extra brings
+            # it): the server behaves the same with or without Ray.
+            loop="asyncio",
             log_level="warning",
             timeout_graceful_shutdown=int(config.shutdown_timeout),
         )
