@@ -58,7 +58,22 @@ class RayWorker:
     def environment(self, names: list[str]) -> dict[str, str | None]:
         return {name: os.environ.get(name) for name in names}
 
-    def start(self, engine_config, rank: int, local_rank: int, init_method: str, threads: int):
+    def gpu_ids(self) -> list[str]:
+        import ray
+
+        return [str(i) for i in ray.get_gpu_ids()]
+
+    def start(
+        self,
+        engine_config,
+        rank: int,
+        local_rank: int,
+        init_method: str,
+        threads: int,
+        cuda_visible_devices: str | None = None,
+    ):
+        if cuda_visible_devices is not None:  # before torch's first CUDA call in this process
+            os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
         import torch
 
         from llmctl.engine.worker.worker import Worker
@@ -180,6 +195,10 @@ class RayExecutor(Executor):
         cores = len(os.sched_getaffinity(0))
         dp = self.parallel_config.data_parallel_size  # replicas sharing this node's cores
         worker_config = for_workers(self.engine_config)  # actors need not import transformers
+        visible: list[str | None] = [None] * self.world_size
+        if self.engine_config.device_config.device == "cuda":
+            gpu_ids = ray.get([a.gpu_ids.remote() for a in self.actors])
+            visible = cuda_visible_devices(self.node_ips, gpu_ids)
         refs = [
             actor.start.remote(
                 worker_config,
@@ -187,6 +206,7 @@ class RayExecutor(Executor):
                 local_ranks[rank],
                 init_method,
                 max(1, cores // (per_node[self.node_ips[rank]] * dp)),
+                visible[rank],
             )
             for rank, actor in enumerate(self.actors)
         ]
@@ -284,6 +304,22 @@ class RayExecutor(Executor):
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+def cuda_visible_devices(node_ips: list[str], gpu_ids: list[list[str]]) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES for each rank (ranks in node order, as _order_by_node leaves them):
+    Ray shows an actor only its own GPU, but a rank selects `cuda:<local_rank>`; so every rank
+    sees the GPUs Ray gave the ranks of its node, in local-rank order, as vLLM's Ray executor
+    does (CUDA IPC between a node's ranks needs it too). Ranks 0-3 on node A given GPUs 2, 0,
+    3, 1 and ranks 4-5 on node B given 1, 0: "2,0,3,1" for ranks 0-3 (rank 1, local rank 1,
+    uses cuda:1 = GPU 0), "1,0" for ranks 4-5. None for all when a rank has not exactly one
+    GPU (a caller's bundles): Ray's own setting stays."""
+    if any(len(ids) != 1 for ids in gpu_ids):
+        return [None] * len(node_ips)
+    per_node: dict[str, list[str]] = {}
+    for ip, (gpu,) in zip(node_ips, gpu_ids, strict=True):
+        per_node.setdefault(ip, []).append(gpu)
+    return [",".join(per_node[ip]) for ip in node_ips]
 
 
 class _RaySession:
