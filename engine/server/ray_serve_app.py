@@ -75,9 +75,11 @@ def deployment_options(
 
 
 def split_args(args: Mapping[str, Any]) -> tuple[dict, dict]:
-    """Ray Serve's `args:` as (EngineArgs keywords, ServerConfig keywords); unknown keys and the
-    options a replica cannot take are typed errors naming the fix."""
-    from llmctl.engine.engine_args import EngineArgs
+    """Ray Serve's `args:` as (EngineArgs keywords, ServerConfig keywords). `serve run
+    IMPORT_PATH tensor_parallel_size=2` gives strings: a number or a boolean is converted to
+    the option's type. Unknown keys and the options a replica cannot take are typed errors
+    naming the fix."""
+    from llmctl.engine.engine_args import EngineArgs, cli_options
 
     engine_keys = {f.name for f in dataclasses.fields(EngineArgs)}
     unknown = sorted(set(args) - engine_keys - set(SERVER_KEYS))
@@ -87,9 +89,11 @@ def split_args(args: Mapping[str, Any]) -> tuple[dict, dict]:
             "give EngineArgs keywords (model, tensor_parallel_size, pipeline_parallel_size, "
             f"max_model_len, ...) or {', '.join(SERVER_KEYS)}",
         )
-    engine = {k: v for k, v in args.items() if k in engine_keys}
-    server = {k: v for k, v in args.items() if k in SERVER_KEYS}
-    if int(engine.get("data_parallel_size") or 1) > 1:
+    types = {o.name: o.value_type for o in cli_options()} | _SERVER_TYPES
+    typed = {k: _typed(k, v, types.get(k)) for k, v in args.items()}
+    engine = {k: v for k, v in typed.items() if k in engine_keys}
+    server = {k: v for k, v in typed.items() if k in SERVER_KEYS}
+    if (engine.get("data_parallel_size") or 1) > 1:
         raise ConfigError(
             "data_parallel_size > 1 in a Ray Serve application: Ray Serve runs the replicas",
             "drop data_parallel_size and set the deployment's num_replicas instead",
@@ -102,6 +106,23 @@ def split_args(args: Mapping[str, Any]) -> tuple[dict, dict]:
             "drop them: a replica's ranks are Ray actors in its placement group",
         )
     return engine, server
+
+
+_SERVER_TYPES = {"max_request_body_bytes": int, "http_timeout": float, "num_prepare_threads": int}
+_BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+def _typed(name: str, value: Any, kind: type | None) -> Any:
+    """A string from `serve run`'s key=value as the option's int, float or bool."""
+    if not isinstance(value, str) or kind not in (int, float, bool):
+        return value
+    try:
+        return _BOOLS[value.lower()] if kind is bool else kind(value)
+    except (KeyError, ValueError):
+        raise ConfigError(
+            f"{name}={value!r} is not a{'n' if kind is int else ''} {kind.__name__}",
+            f"give {name} as a{'n' if kind is int else ''} {kind.__name__}",
+        ) from None
 
 
 class LLMServer:
@@ -151,8 +172,13 @@ def build_app(args: dict[str, Any]):
     import ray
     from ray import serve
 
-    args = dict(args or {})
-    engine, server = split_args(args)
+    from llmctl.engine.engine_args import EngineArgs
+    from llmctl.engine.server.server_config import ServerConfig
+
+    engine, server = split_args(dict(args or {}))
+    # Typed errors now, when the application is deployed, not in every replica that starts.
+    EngineArgs(**engine)
+    ServerConfig(**server)
     device = engine.get("device", "auto")
     if device == "auto":  # where the replicas will run: any GPU in the Ray cluster
         gpu = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0

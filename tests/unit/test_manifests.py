@@ -273,19 +273,6 @@ def test_ray_service_of_replicas_and_of_a_cpu_plan():
     assert "resources" not in head
 
 
-def test_ray_serve_args_refuse_what_a_replica_cannot_take():
-    with pytest.raises(ConfigError) as info:
-        split_args({"model": "/m", "tensor_parralel_size": 2})
-    assert "unknown args for LLMServer: tensor_parralel_size" in info.value.message
-    assert "tensor_parallel_size" in info.value.hint
-    with pytest.raises(ConfigError) as info:
-        split_args({"data_parallel_size": 2})
-    assert "set the deployment's num_replicas" in info.value.hint
-    with pytest.raises(ConfigError, match="nnodes, master_addr: the mp backend's multi-node"):
-        split_args({"nnodes": 2, "master_addr": "10.0.0.1"})
-    assert split_args({"model": "/m", "api_key": "k"}) == ({"model": "/m"}, {"api_key": "k"})
-
-
 def test_serve_config_check_refuses_what_ray_serve_would():
     """The serveConfigV2 check can fail: a misspelt deployment option, a bad replica count."""
     (service,) = manifests(plan_for("tp8"), kube_options("rayservice", "Llama-3.1-70B"))
