@@ -26,9 +26,10 @@ memory-backed emptyDir (NCCL and torch share memory through it), VLLM_HOST_IP fr
 and NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME set to the pod's interface, and the model read-only
 (a hostPath or a PersistentVolumeClaim holding it, mounted at its directory). The serving
 container has readiness and liveness probes on /health of the serving port, behind a startup
-probe that gives the model time to load (a RayService's pods keep KubeRay's own probes of Ray and
-its Serve proxy). Every `llmctl serve` flag is spelled by
-engine_args_to_argv from the plan's EngineArgs keywords.
+probe that gives the model time to load; a RayService's pods have KubeRay's own probes of Ray
+and its Serve proxy, spelled as HTTP GETs (KubeRay's run wget, which the llmctl image does not
+install). Every `llmctl serve` flag is spelled by engine_args_to_argv from the plan's EngineArgs
+keywords.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ STARTUP_SECONDS = 3600
 PROBE_PERIOD_S = 10
 # The ray backend waits this long for Ray to place every rank (worker pods may still be pulling).
 RAY_PLACEMENT_TIMEOUT_S = 1800
+# The ports `ray start` gets from KubeRay: the dashboard (head) and each node's dashboard agent.
+RAY_DASHBOARD_PORT, RAY_AGENT_PORT = 8265, 52365
 
 _LWS_ONLY = {"master_port": "--master-port"}
 _RAY_ONLY = {"ray_version": "--ray-version"}
@@ -276,6 +279,7 @@ def container(
     serving: bool,
     extra_env: dict[str, str] | None = None,
     ports: list[dict] | None = None,
+    probes: dict | None = None,
 ) -> dict:
     spec: dict = {"name": name, "image": opts.image, "command": command}
     if args is not None:
@@ -286,6 +290,7 @@ def container(
         spec.update(health_probes(opts))
     elif ports:
         spec["ports"] = ports
+    spec.update(probes or {})
     gpus = gpus_per_pod(plan)
     if gpus:
         spec["resources"] = {"limits": {GPU_RESOURCE: gpus}}
@@ -430,7 +435,12 @@ def ray_cluster(plan, opts: KubeOptions) -> dict:
 
 
 def ray_cluster_spec(
-    plan, opts: KubeOptions, head: dict, pods: int, worker_ports: list[dict] | None = None
+    plan,
+    opts: KubeOptions,
+    head: dict,
+    pods: int,
+    worker_ports: list[dict] | None = None,
+    worker_probes: dict | None = None,
 ) -> dict:
     """The head pod running `head`, and pods-1 workers running `ray start` alone; every pod
     has the GPUs of one node of the plan."""
@@ -439,7 +449,7 @@ def ray_cluster_spec(
         spec = {"rayVersion": opts.ray_version, **spec}
     if pods > 1:
         worker = container("ray-worker", plan, opts, command=_SHELL, args=[_RAY_START],
-                           serving=False, ports=worker_ports)  # fmt: skip
+                           serving=False, ports=worker_ports, probes=worker_probes)  # fmt: skip
         spec["workerGroupSpecs"] = [
             {
                 "groupName": "gpu" if plan.device == "cuda" else "cpu",
@@ -495,13 +505,30 @@ def serve_config(plan, opts: KubeOptions) -> dict:
     }
 
 
+def ray_probes(opts: KubeOptions, head: bool) -> dict:
+    """KubeRay's probes of a RayService's pod (its defaults), as HTTP GETs: liveness, the node's
+    raylet (through its dashboard agent); readiness, the GCS on the head (KubeRay routes to the
+    head's proxy itself), Ray Serve's proxy on a worker (a node without replicas drains it)."""
+    live = {"path": "/api/local_raylet_healthz", "port": RAY_AGENT_PORT}
+    if head:
+        ready = {"path": "/api/gcs_healthz", "port": RAY_DASHBOARD_PORT}
+    else:
+        ready = {"path": "/-/healthz", "port": opts.port}
+    return {
+        "readinessProbe": {"httpGet": ready, "initialDelaySeconds": 10, "periodSeconds": 5,
+                           "timeoutSeconds": 5, "failureThreshold": 10 if head else 1},
+        "livenessProbe": {"httpGet": live, "initialDelaySeconds": 30, "periodSeconds": 5,
+                          "timeoutSeconds": 5, "failureThreshold": 120},
+    }  # fmt: skip
+
+
 def ray_service(plan, opts: KubeOptions) -> dict:
     """Ray Serve's application on a RayCluster of a pod per node of each data-parallel replica
     (the plan's GPUs per node in each), every pod running `ray start` and Ray Serve's proxy."""
     config = yaml.dump(serve_config(plan, opts), Dumper=_Dumper, sort_keys=False, width=100)
     serve_port = [{"name": "serve", "containerPort": opts.port, "protocol": "TCP"}]
     head = container("ray-head", plan, opts, command=_SHELL, args=[_RAY_START], serving=False,
-                     ports=serve_port)  # fmt: skip
+                     ports=serve_port, probes=ray_probes(opts, head=True))  # fmt: skip
     pods = plan.data_parallel_size * plan.nodes_used
     return {
         "apiVersion": "ray.io/v1",
@@ -510,6 +537,8 @@ def ray_service(plan, opts: KubeOptions) -> dict:
         "metadata": {**_metadata(opts), "annotations": dict(_OVERWRITE)},
         "spec": {
             "serveConfigV2": config,
-            "rayClusterConfig": ray_cluster_spec(plan, opts, head, pods, serve_port),
+            "rayClusterConfig": ray_cluster_spec(
+                plan, opts, head, pods, serve_port, ray_probes(opts, head=False)
+            ),
         },
     }

@@ -149,6 +149,8 @@ def test_ranks_are_actors_in_the_replicas_placement_group(deployed):
     assert list(group["bundles"].values()) == [{"CPU": 2.0}, {"CPU": 1.0}]
     assert group["strategy"] == "STRICT_PACK"
     assert len(rank_pids()) == 2
+    # The proxy's health, which the RayService's worker pods are probed on.
+    assert httpx.get(f"{deployed}/-/healthz", timeout=10).text == "success"
     # All 3 CPUs of the group are taken: the ranks did not take the 1 CPU outside it.
     key = f"CPU_group_{group['placement_group_id']}"
     wait_for(lambda: ray.available_resources().get(key, 0) == 0, 10, "the group's CPUs in use")

@@ -236,8 +236,15 @@ def test_ray_service_carries_the_plan(layout):
         assert container["command"] == ["/bin/bash", "-c", "--"]
         assert container["args"] == ['ulimit -n 65536; eval "exec $KUBERAY_GEN_RAY_START_CMD"']
         assert container["ports"] == [{"name": "serve", "containerPort": 8000, "protocol": "TCP"}]
-        # KubeRay's own probes: Ray's health, and on workers its Serve proxy's.
-        assert "readinessProbe" not in container and "livenessProbe" not in container
+        # KubeRay's own probes as HTTP GETs: the raylet; the GCS on the head, Serve's proxy on
+        # the workers (KubeRay's wget would fail in the llmctl image).
+        live = {"path": "/api/local_raylet_healthz", "port": 52365}
+        assert container["livenessProbe"]["httpGet"] == live
+    head = the_container(templates[0])
+    assert head["readinessProbe"]["httpGet"] == {"path": "/api/gcs_healthz", "port": 8265}
+    for template in templates[1:]:
+        worker = the_container(template)
+        assert worker["readinessProbe"]["httpGet"] == {"path": "/-/healthz", "port": 8000}
 
 
 def test_ray_service_of_replicas_and_of_a_cpu_plan():
