@@ -285,17 +285,23 @@ class AsyncLLM:
     def _loop(self) -> None:
         engine = self.engine
         monitor = self.monitor
+        stepped = False  # since the engine was last idle
         while not self._stopping and self.dead_error is None:
             if self._aborted is not None:  # a worker died while the engine was idle
                 raise self._aborted
             self._drain_commands()
             if not engine.has_unfinished_requests():
+                if stepped:  # the last request just finished: the steps' heap back (a call
+                    stepped = False  # to every worker, watched for stalls as a step is)
+                    engine.release_idle_memory()
+                    continue  # look for requests that came meanwhile before waiting
                 monitor.idle()
                 self._wakeup.wait(_IDLE_CHECK_S)
                 self._wakeup.clear()
                 engine.check_alive()  # a worker that died while idle fails the engine now
                 continue
             monitor.busy()
+            stepped = True
             outputs = engine.step()
             monitor.step_completed()
             self._stats = engine.get_stats()

@@ -5,11 +5,18 @@ block table). With prefix caching, each full block is named by a hash of its tok
 blocks before it; a new request whose prompt starts with the same tokens reuses those blocks
 (reference-counted) instead of recomputing them. Freed blocks keep their hash and stay findable
 until they are evicted, least recently freed first.
+
+Blocks never written yet are kept apart (`fresh`). Where the cache's memory is committed on first
+write (the CPU's KV cache is an anonymous map the kernel fills as pages are touched),
+`reuse_written_first` takes a free block that was written before - evicting the least recently
+freed cached one - ahead of a fresh one, so the resident set follows the most KV in use at once,
+not every token the server has seen; the prefix cache then holds what fits in that set. Without
+it (a GPU's cache is all allocated up front) fresh blocks go first, keeping cached blocks longer.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from llmctl.engine.request import Request
@@ -40,15 +47,22 @@ class PrefixCacheStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        reuse_written_first: bool = False,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.reuse_written_first = reuse_written_first
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        # Free blocks, least recently freed first (evicted first). Holds cached blocks too.
-        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks
-        )
+        self.fresh: deque[int] = deque(range(num_blocks))  # never written, lowest id first
+        # Free blocks written before, least recently freed first (evicted first); cached
+        # blocks are among them.
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict()
         self.cached: dict[int, KVCacheBlock] = {}  # block hash -> block
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_num_hashed: dict[str, int] = {}  # leading blocks already named in the cache
@@ -56,7 +70,12 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_queue) + len(self.fresh)
+
+    @property
+    def num_written_blocks(self) -> int:
+        """Blocks written at least once: on the CPU, the KV cache's resident share."""
+        return self.num_blocks - len(self.fresh)
 
     @property
     def usage(self) -> float:
@@ -130,7 +149,7 @@ class BlockManager:
                 self.free_queue[block.block_id] = block
 
     def reset_prefix_cache(self) -> bool:
-        if len(self.free_queue) != self.num_blocks:
+        if self.num_free_blocks != self.num_blocks:
             return False  # blocks in use
         for block in self.blocks:
             block.block_hash = None
@@ -143,6 +162,10 @@ class BlockManager:
         block.ref_cnt += 1
 
     def _pop_free(self) -> KVCacheBlock:
+        if self.fresh and not (self.reuse_written_first and self.free_queue):
+            block = self.blocks[self.fresh.popleft()]
+            block.ref_cnt = 1
+            return block
         _, block = self.free_queue.popitem(last=False)
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:

@@ -75,7 +75,12 @@ class LLMEngine:
             self.executor.shutdown()
             raise
         self._log_kv_cache()
-        self.scheduler = Scheduler(engine_config.scheduler_config, cc, self.num_blocks)
+        self.scheduler = Scheduler(
+            engine_config.scheduler_config,
+            cc,
+            self.num_blocks,
+            reuse_written_first=engine_config.device_config.device == "cpu",
+        )
         # The pipeline's batches in flight: one per stage unless max_concurrent_batches says.
         sc = engine_config.scheduler_config
         self.batch_queue = BatchQueue(self.executor, sc.max_concurrent_batches)
@@ -152,6 +157,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def release_idle_memory(self) -> None:
+        """Every worker gives back the heap pages its steps freed (the CPU's; a no-op on GPUs).
+        The server calls this when its last request finished, not between steps."""
+        self.executor.collective_rpc("release_free_heap")
 
     # -- the loop ------------------------------------------------------------------------------
 

@@ -44,12 +44,21 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        reuse_written_first: bool = False,
     ) -> None:
+        """`reuse_written_first`: the KV cache's memory is committed as it is first written (the
+        CPU's): reuse written blocks before fresh ones (block_manager.py)."""
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.block_manager = BlockManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            reuse_written_first=reuse_written_first,
         )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -27,6 +28,7 @@ class ScriptedEngine:
         self.added: list[str] = []
         self.aborted: list[str] = []
         self.step_count = 0
+        self.idle_releases = 0
         self.shut_down = False
 
     def add_request(self, request_id, prompt, params) -> None:
@@ -44,6 +46,10 @@ class ScriptedEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def release_idle_memory(self) -> None:
+        assert not self.requests, "the heap is given back only once no request is left"
+        self.idle_releases += 1
 
     def check_alive(self) -> None:
         pass
@@ -92,6 +98,25 @@ def test_requests_run_and_bad_ones_fail_alone():
     assert llm.health_error() is None
     llm.shutdown()
     assert engine.shut_down
+
+
+def test_the_engine_gives_its_heap_back_each_time_its_last_request_finishes():
+    """Once per idle spell, after the last request's final output, never between steps."""
+    engine = ScriptedEngine(steps=4)
+    llm = AsyncLLM(engine)
+
+    def releases_reach(count: int) -> None:
+        deadline = time.monotonic() + 10
+        while engine.idle_releases < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.idle_releases == count
+
+    asyncio.run(collect(llm, "p", "a"))
+    releases_reach(1)
+    asyncio.run(collect(llm, "p", "b"))
+    releases_reach(2)
+    llm.shutdown()
+    assert engine.step_count == 8 and engine.idle_releases == 2
 
 
 def test_an_exception_in_the_engine_thread_fails_everyone_and_health():

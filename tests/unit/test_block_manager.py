@@ -88,3 +88,38 @@ def test_caching_off():
     bm.allocate_slots(a, 9)
     assert bm.get_computed_blocks(request("b", list(range(9)))) == ([], 0)
     assert not bm.cached
+
+
+def test_written_blocks_are_reused_before_fresh_ones_where_memory_is_committed_on_write():
+    """The CPU's policy: a single stream keeps reusing the blocks it wrote (its resident set
+    stays put), a prefix it just used is still found, and fresh blocks are taken only when more
+    KV is in use at once than was ever written."""
+    bm = BlockManager(num_blocks=8, block_size=4, reuse_written_first=True)
+    a = request("a", list(range(9)))  # 3 blocks
+    bm.allocate_slots(a, 9)
+    bm.free(a)
+    assert bm.num_written_blocks == 3 and bm.num_free_blocks == 8
+    b = request("b", list(range(100, 109)))  # another 3 blocks: a's, not fresh ones
+    assert sorted(bm.allocate_slots(b, 9)) == [0, 1, 2]
+    assert bm.num_written_blocks == 3
+    b_blocks = bm.block_ids("b")
+    bm.free(b)
+    c = request("c", list(range(100, 108)) + [7, 7])  # b's first two blocks are cached
+    hits, tokens = bm.get_computed_blocks(c)
+    assert tokens == 8 and [x.block_id for x in hits] == b_blocks[:2]
+    bm.allocate_slots(c, 2, hits)
+    assert bm.num_written_blocks == 3
+    # c holds all 3 written blocks (its third evicted b's last one): d's 4 must be fresh
+    d = request("d", list(range(200, 213)))
+    assert sorted(bm.allocate_slots(d, 13)) == [3, 4, 5, 6]
+    assert bm.num_written_blocks == 7 and bm.num_free_blocks == 1
+
+
+def test_fresh_blocks_go_first_by_default_keeping_cached_blocks_longer():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = request("a", list(range(9)))
+    bm.allocate_slots(a, 9)
+    bm.free(a)
+    b = request("b", list(range(100, 109)))
+    assert bm.allocate_slots(b, 9) == [3, 4, 5]
+    assert bm.get_computed_blocks(request("a2", list(range(9))))[1] == 8  # a's still cached

@@ -51,6 +51,9 @@ class Replica:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def release_idle_memory(self) -> None:
+        pass
+
     def check_alive(self) -> None:
         pass
 

@@ -159,6 +159,9 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def release_idle_memory(self) -> None:
+        pass
+
     def check_alive(self) -> None:
         """As the real one: a worker gone while the engine was idle fails it."""
         if self.executor.exited is not None:
