@@ -248,7 +248,8 @@ class EngineArgs:
         panel=PARALLEL,
     )
     rendezvous_timeout: float = option(
-        "Seconds the nodes wait for each other to join.",
+        "Seconds the nodes wait for each other to join (and a data-parallel head for a joined "
+        "replica's engine to be built).",
         default=ParallelConfig.rendezvous_timeout,
         panel=PARALLEL,
     )
