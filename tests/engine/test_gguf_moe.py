@@ -9,7 +9,7 @@ Quantized experts (Q8_0, Q4_0, Q4_1, and Q4_K_M's Q4_K / Q6_K mix) run in their 
 their tokens are those of llmctl's float path on the dequantized weights (`gguf_dequantize`),
 or, where accumulation order parts them, the reference's logit gap between the two choices at
 the first differing position is below 1e-3 (printed); alone, tensor parallel and expert
-parallel."""
+parallel; and the planner predicts each rank's packed weight bytes exactly."""
 
 from __future__ import annotations
 
@@ -351,3 +351,36 @@ def test_each_expert_is_one_tensor_of_the_loading_progress(models):
     assert gguf_tensor_count(gguf_file) == len(names) == len(set(names))
     assert "model.layers.1.mlp.experts.5.down_proj.weight" in names  # 6 experts
     assert "model.layers.1.mlp.shared_expert_gate.weight" in names
+
+
+@pytest.mark.parametrize(
+    "split",
+    [{}, dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True)],
+    ids=["tp1", "tp2", "ep2"],
+)
+def test_the_plan_predicts_each_ranks_packed_experts_exactly(split, quantized_gguf):
+    from llmctl.cluster.inventory import inventory_from_flags
+    from llmctl.cluster.plan.model_spec import load_model_spec
+    from llmctl.cluster.plan.planner import PlanOptions, make_plan
+
+    path = str(quantized_gguf("mixtral-64", "Q8_0"))
+    options = PlanOptions(
+        device="cpu",
+        kv_cache_space_gib=0.02,
+        max_model_len=256,
+        tensor_parallel_size=split.get("tensor_parallel_size"),
+        enable_expert_parallel=split.get("enable_expert_parallel", False),
+    )
+    plan = make_plan(load_model_spec(path), inventory_from_flags(1, 2, 1), options)
+    backend = {"distributed_executor_backend": "mp"} if split else {}
+    with LLM(
+        path,
+        use_tqdm_on_load=False,
+        kv_cache_space_gib=0.02,
+        max_model_len=256,
+        skip_tokenizer_init=True,
+        **split,
+        **backend,
+    ) as llm:
+        loaded = [r["weight_bytes"] for r in llm.llm_engine.executor.rank_info()]
+    assert [r.weight_bytes for r in plan.ranks] == loaded
