@@ -384,3 +384,19 @@ def test_the_plan_predicts_each_ranks_packed_experts_exactly(split, quantized_gg
     ) as llm:
         loaded = [r["weight_bytes"] for r in llm.llm_engine.executor.rank_info()]
     assert [r.weight_bytes for r in plan.ranks] == loaded
+
+
+def test_the_planner_and_the_engine_split_experts_blocks_alike(quantized_gguf):
+    # The tiny Mixtral's experts of 32 features: tp=2 cuts their Q8_0 blocks, unless expert
+    # parallelism keeps every expert whole.
+    from llmctl.cluster.plan.model_spec import load_model_spec
+    from llmctl.engine.layers.quantization.quant_config import QuantizationConfig, check_group_split
+
+    spec = load_model_spec(str(quantized_gguf("mixtral", "Q8_0")))
+    formats, shape = spec.weight_formats, spec.shape
+    assert formats.cut_groups(shape, 2) == ["down (16 of 32 inputs; groups of 32)"]
+    assert formats.cut_groups(shape, 2, expert_parallel=True) == []
+    quant = QuantizationConfig.for_gguf(["Q8_0", "F32"])
+    with pytest.raises(ConfigError):
+        check_group_split(shape, 2, quant)
+    check_group_split(shape, 2, quant, expert_parallel=True)  # whole experts: accepted

@@ -95,16 +95,16 @@ def resolve_quantization(
 
 def _row_split_sizes(shape: ModelShape, tp: int, expert_parallel: bool = False) -> list[list[int]]:
     """The per-rank input features of the row-parallel layers (o_proj, down_proj) at tp; for a
-    mixture of experts also its experts' down matrices (split like down_proj unless expert
-    parallel) and its shared expert's."""
+    mixture of experts, its experts' down matrices instead of down_proj (split like it unless
+    expert parallel; a quantized MoE is a GGUF file, every layer of which is MoE) and its shared
+    expert's."""
     from llmctl.engine.distributed.partition import column_shards, head_shards
 
     heads = head_shards(shape.num_attention_heads, shape.num_kv_heads, tp)
-    sizes = [
-        [h.num_q_heads * shape.head_dim for h in heads],
-        column_shards(shape.intermediate_size, tp, "MLP features"),
-    ]
-    if shape.num_experts and not expert_parallel:
+    sizes = [[h.num_q_heads * shape.head_dim for h in heads]]
+    if not shape.num_experts:
+        sizes.append(column_shards(shape.intermediate_size, tp, "MLP features"))
+    elif not expert_parallel:
         sizes.append(column_shards(shape.expert_intermediate_size, tp, "expert MLP features"))
     if shape.shared_expert_intermediate_size:
         sizes.append(
@@ -143,11 +143,10 @@ def check_group_split(
     what = "GGUF blocks" if quant.method == "gguf" else f"--quantization {quant.method} groups"
     features = f"{shape.intermediate_size} MLP features and "
     hint = f"use tensor_parallel_size {', '.join(map(str, valid))}, or --pipeline-parallel-size"
-    if shape.num_experts and not expert_parallel:
-        features = (
-            f"{shape.intermediate_size} MLP features, {shape.expert_intermediate_size} "
-            "features of each expert and "
-        )
+    if shape.num_experts and expert_parallel:
+        features = ""  # whole experts: only the attention is split
+    elif shape.num_experts:
+        features = f"{shape.expert_intermediate_size} features of each expert and "
         hint += ", or --enable-expert-parallel (whole experts per rank)"
     raise ConfigError(
         f"tensor_parallel_size={tp} would cut the {what} of {quant.group_size} weights: the "
