@@ -32,9 +32,10 @@ A rank is refused, naming who holds it, when it is one of the head's own or alre
 listener stays open while the head serves, so a late duplicate is refused, not left waiting); so
 is a node started with another --data-parallel-size, -tp, -pp or model. Replicas that have not
 joined within --rendezvous-timeout are named in a DataParallelJoinTimeoutError, and so is a
-joined replica whose "ready" (or "failed") has not come within --rendezvous-timeout of its join
-(its node is building the engine: loading a large model may need a larger --rendezvous-timeout;
-a node that hangs while loading must not keep the head from starting, or waiting, forever).
+joined replica whose "ready" (or "failed") has not come within --rendezvous-timeout of its join,
+or of the head's own replicas being built if that came later (so a remote replica has as long as
+the head's own, plus --rendezvous-timeout; a node that hangs while loading must not keep the
+head from starting, or waiting, forever).
 
 While the head serves, a remote replica whose connection was lost (its node died, was stopped,
 or went silent for --stall-timeout) gives up its rank: a node started again with the same
@@ -166,7 +167,9 @@ class DPCoordinator:
 
         try:
             joined = self._wait_joined()
-            reports = {rank: self._wait_ready(j) for rank, j in sorted(joined.items())}
+            # the head's own replicas are built: a remote one has `timeout` more to be built
+            built = time.monotonic()
+            reports = {rank: self._wait_ready(j, built) for rank, j in sorted(joined.items())}
         except BaseException as exc:
             reason = exc.message if isinstance(exc, LLMCtlError) else repr(exc)
             self.close(reason=f"the head did not start: {reason}")
@@ -251,12 +254,14 @@ class DPCoordinator:
             missing_replicas=tuple(missing),
         )
 
-    def _wait_ready(self, replica: JoinedReplica) -> dict:
+    def _wait_ready(self, replica: JoinedReplica, since: float = 0.0) -> dict:
         """Until the node has built the replica's engine (its "ready" report), for at most
-        `timeout` seconds from its join (DataParallelJoinTimeoutError naming it)."""
+        `timeout` seconds from its join or `since` (the head's own replicas built), whichever
+        is later (DataParallelJoinTimeoutError naming it)."""
         try:
             if replica.first is None:
-                remaining = replica.joined_at + self.timeout - time.monotonic()
+                start = max(replica.joined_at, since)
+                remaining = start + self.timeout - time.monotonic()
                 if not replica.conn.poll(max(0.0, remaining)):
                     raise self._ready_timeout(replica)
             # kept in `first`, so that left() never reads from the replica's connection again
@@ -279,8 +284,9 @@ class DPCoordinator:
     def _ready_timeout(self, replica: JoinedReplica) -> DataParallelJoinTimeoutError:
         return DataParallelJoinTimeoutError(
             f"{replica.describe()} joined the head at {self.placement.endpoint} but its engine "
-            f"was not built within {self.timeout:g} s of joining (--rendezvous-timeout): its "
-            "node is still loading the model, or hangs",
+            f"was not built within {self.timeout:g} s (--rendezvous-timeout, counted from its "
+            "join, or from when the head's own replicas were built if later): its node is still "
+            "loading the model, or hangs",
             "see that node's log; if loading the model takes longer, raise --rendezvous-timeout "
             "on the head; if the node hangs, stop it and start it again",
             missing_replicas=(replica.rank,),

@@ -175,8 +175,8 @@ def test_a_joined_replica_whose_engine_is_never_built_is_named(head):
     assert err.value.missing_replicas == (2,)
     assert err.value.message.startswith("data-parallel replica 2 (host ")
     assert (
-        f"joined the head at {placement.endpoint} but its engine was not built within 0.5 s of "
-        "joining (--rendezvous-timeout)" in err.value.message
+        f"joined the head at {placement.endpoint} but its engine was not built within 0.5 s "
+        "(--rendezvous-timeout, counted from its join" in err.value.message
     )
     assert "raise --rendezvous-timeout on the head" in err.value.hint
     for conn in (one, two):  # both are told the head did not start
