@@ -127,7 +127,8 @@ def random_blocks(rng, type_name: str, shape) -> np.ndarray:
 
 def write_gguf(path, family: str, config, directory, experts: str | dict = "F16") -> None:
     """`experts`: the stacked expert tensors' type (F16, or a quantized type such as Q8_0), or
-    a type per stacked tensor ({"ffn_gate_exps": "Q4_K", ...}; K-quants get random blocks)."""
+    a type per kind of tensor ({"ffn_gate_exps": "Q4_K", "attn_q": "Q8_0", ...}: the others
+    as written by default; K-quants get random blocks)."""
     import gguf
 
     family = family.split("-")[0] if family.startswith("mixtral") else family
@@ -152,8 +153,11 @@ def write_gguf(path, family: str, config, directory, experts: str | dict = "F16"
     if family == "qwen2-moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     for name, w in gguf_tensors(family, config, directory).items():
-        kind = experts.get(name.split(".")[-2], "F16") if isinstance(experts, dict) else experts
-        if "_exps." in name and kind != "F16":
+        if isinstance(experts, dict):  # by the tensor's kind: ffn_up_exps, attn_q, output, ...
+            kind = experts.get(name.split(".")[-2], "F16")
+        else:
+            kind = experts if "_exps." in name else "F16"
+        if kind != "F16":
             qtype = gguf.GGMLQuantizationType[kind]
             if kind in ("Q4_K", "Q6_K"):
                 raw = random_blocks(rng, kind, w.shape)
@@ -283,6 +287,12 @@ def quantized_gguf(models, tmp_path_factory):
 
 
 Q4_K_M_EXPERTS = (("ffn_gate_exps", "Q4_K"), ("ffn_up_exps", "Q6_K"), ("ffn_down_exps", "Q6_K"))
+# As llama.cpp quantizes a whole file: every matrix but the router (ffn_gate_inp stays float).
+ALL_Q8_0 = tuple(
+    (kind, "Q8_0")
+    for kind in ("token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output")
+    + ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+)
 
 
 @pytest.mark.parametrize(
@@ -294,6 +304,7 @@ Q4_K_M_EXPERTS = (("ffn_gate_exps", "Q4_K"), ("ffn_up_exps", "Q6_K"), ("ffn_down
         ("qwen3-moe", "Q8_0"),
         # Q4_K_M's mix: an expert's gate (Q4_K) and up (Q6_K) are two packed formats
         ("mixtral-256", Q4_K_M_EXPERTS),
+        ("mixtral", ALL_Q8_0),  # attention, embedding and LM head quantized too
     ],
 )
 def test_quantized_experts_run_natively_as_the_float_path(family, experts, quantized_gguf):
