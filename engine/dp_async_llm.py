@@ -15,7 +15,9 @@ dead, before it took the request, is routed again: nothing of it ran. `health_er
 only once every replica stopped; `replica_states()` tells /health and /metrics which one and why.
 With --restart-on-failure a replica that failed builds a new engine in its thread: once that one
 serves (the replica's health clears and its engine is not the one that failed), the replica
-rejoins routing, with an empty prefix cache.
+rejoins routing, with an empty prefix cache. A remote replica whose node was lost rejoins the
+same way when a node started again with its --data-parallel-start-rank has built its engine
+(DPCoordinator.take_rejoined): the new RemoteReplica takes the lost one's place.
 """
 
 from __future__ import annotations
@@ -213,6 +215,12 @@ class DPAsyncLLM:
     def _note_deaths(self) -> None:
         """Bring the router up to date: replicas that stopped (or are restarting) out, replicas
         serving a new engine since they were marked dead back in."""
+        if self.coordinator is not None:
+            for i, rejoined in self.coordinator.take_rejoined().items():
+                logger.warning("data-parallel replica %d rejoined: routing to it again", i)
+                self.replicas[i] = rejoined  # the lost one's connection is closed already
+                self._failed_engines.pop(i, None)
+                self.router.revive(i)
         for i, replica in enumerate(self.replicas):
             error = replica.health_error()
             if error is not None and i not in self.router.dead:

@@ -31,9 +31,20 @@ then multiprocessing Connection frames (4-byte length, pickle), one replica per 
 A rank is refused, naming who holds it, when it is one of the head's own or already joined (the
 listener stays open while the head serves, so a late duplicate is refused, not left waiting); so
 is a node started with another --data-parallel-size, -tp, -pp or model. Replicas that have not
-joined within --rendezvous-timeout are named in a DataParallelJoinTimeoutError. Connections are
-unauthenticated, as torch.distributed's are: the port must be reachable only from the cluster's
-own network.
+joined within --rendezvous-timeout are named in a DataParallelJoinTimeoutError, and so is a
+joined replica whose "ready" (or "failed") has not come within --rendezvous-timeout of its join,
+or of the head's own replicas being built if that came later (so a remote replica has as long as
+the head's own, plus --rendezvous-timeout; a node that hangs while loading must not keep the
+head from starting, or waiting, forever).
+
+While the head serves, a remote replica whose connection was lost (its node died, was stopped,
+or went silent for --stall-timeout) gives up its rank: a node started again with the same
+--data-parallel-start-rank joins as at start-up, builds its engine and, once "ready" (within
+--rendezvous-timeout of joining, or it is dropped and named in the log), is handed to the router
+(`take_rejoined`) in place of the lost one. A rank whose replica still serves stays refused.
+
+Connections are unauthenticated, as torch.distributed's are: the port must be reachable only
+from the cluster's own network.
 """
 
 from __future__ import annotations
@@ -43,8 +54,9 @@ import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from llmctl.engine.config import EngineConfig
 from llmctl.engine.distributed import rendezvous
@@ -54,6 +66,9 @@ from llmctl.engine.errors import (
     DataParallelJoinTimeoutError,
     LLMCtlError,
 )
+
+if TYPE_CHECKING:
+    from llmctl.engine.dp_remote_replica import RemoteReplica
 
 logger = logging.getLogger("llmctl")
 
@@ -89,6 +104,7 @@ class JoinedReplica:
     pid: int
     conn: Connection
     first: tuple | None = None  # its first message ("ready" or "failed"), once read
+    joined_at: float = field(default_factory=time.monotonic)  # its engine is built from then
 
     def left(self) -> bool:
         """True when the node closed the connection before its first message; reads that
@@ -115,13 +131,19 @@ class DPCoordinator:
         silence_timeout: float = 0.0,
     ) -> None:
         """Bind the head's address and port (typed errors name them), then accept replicas in
-        a thread until close(). `timeout`: seconds the replicas have to join;
-        `silence_timeout`: see RemoteReplica."""
+        a thread until close(). `timeout`: seconds the replicas have to join, and each joined
+        one to build its engine (from its join); `silence_timeout`: see RemoteReplica."""
         self.placement = placement
         self.config = config
         self.timeout = timeout
         self.silence_timeout = silence_timeout
         self.joined: dict[int, JoinedReplica] = {}
+        # Once the head serves: its remote replicas by rank, the nodes joining again in place of
+        # a lost one (building their engine), and those ready that the router has not taken.
+        self.remote: dict[int, RemoteReplica] = {}
+        self._rejoining: dict[int, JoinedReplica] = {}
+        self._rejoined: dict[int, RemoteReplica] = {}
+        self._engine_view = None
         self._lock = threading.Lock()
         self._closed = False
         self._sock = _bind(placement)
@@ -145,18 +167,34 @@ class DPCoordinator:
 
         try:
             joined = self._wait_joined()
-            reports = {rank: self._wait_ready(j) for rank, j in sorted(joined.items())}
+            # the head's own replicas are built: a remote one has `timeout` more to be built
+            built = time.monotonic()
+            reports = {rank: self._wait_ready(j, built) for rank, j in sorted(joined.items())}
         except BaseException as exc:
             reason = exc.message if isinstance(exc, LLMCtlError) else repr(exc)
             self.close(reason=f"the head did not start: {reason}")
             raise
-        engine = EngineView.of(self.config) if self.placement.local == 0 else None
-        return [
+        self._engine_view = EngineView.of(self.config) if self.placement.local == 0 else None
+        replicas = [
             RemoteReplica(
-                joined[rank], reports[rank], self.placement.endpoint, engine, self.silence_timeout
+                joined[rank],
+                reports[rank],
+                self.placement.endpoint,
+                self._engine_view,
+                self.silence_timeout,
             )
             for rank in sorted(joined)
         ]
+        with self._lock:
+            self.remote = {replica.rank: replica for replica in replicas}
+        return replicas
+
+    def take_rejoined(self) -> dict[int, RemoteReplica]:
+        """Replicas whose node joined again after the head lost them, and built its engine
+        since the last call: rank -> its new RemoteReplica (the router's to take)."""
+        with self._lock:
+            rejoined, self._rejoined = self._rejoined, {}
+        return rejoined
 
     def close(self, reason: str | None = None) -> None:
         """Accept no more replicas; with `reason`, also end those that joined (a failed start:
@@ -168,14 +206,21 @@ class DPCoordinator:
             pass
         self._sock.close()
         self._thread.join(timeout=rendezvous.HELLO_TIMEOUT_S)
-        if reason is not None:
-            with self._lock:
-                for replica in self.joined.values():
-                    try:
-                        replica.conn.send(("shutdown", reason))
-                    except OSError:
-                        pass
-                    replica.conn.close()
+        with self._lock:
+            # nodes joining again are not the router's yet: they stop with the head
+            ending = list(self._rejoining.values()) + (
+                list(self.joined.values()) if reason is not None else []
+            )
+            self._rejoining.clear()
+            unclaimed, self._rejoined = list(self._rejoined.values()), {}
+        for replica in ending:
+            try:
+                replica.conn.send(("shutdown", reason))
+            except OSError:
+                pass
+            replica.conn.close()
+        for remote in unclaimed:
+            remote.shutdown()
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -209,9 +254,16 @@ class DPCoordinator:
             missing_replicas=tuple(missing),
         )
 
-    def _wait_ready(self, replica: JoinedReplica) -> dict:
-        """Until the node has built the replica's engine (its "ready" report)."""
+    def _wait_ready(self, replica: JoinedReplica, since: float = 0.0) -> dict:
+        """Until the node has built the replica's engine (its "ready" report), for at most
+        `timeout` seconds from its join or `since` (the head's own replicas built), whichever
+        is later (DataParallelJoinTimeoutError naming it)."""
         try:
+            if replica.first is None:
+                start = max(replica.joined_at, since)
+                remaining = start + self.timeout - time.monotonic()
+                if not replica.conn.poll(max(0.0, remaining)):
+                    raise self._ready_timeout(replica)
             # kept in `first`, so that left() never reads from the replica's connection again
             message = replica.first = replica.first or replica.conn.recv()
         except (EOFError, OSError):
@@ -228,6 +280,71 @@ class DPCoordinator:
                 getattr(error, "hint", None) or "see that node's log",
             )
         return message[1]
+
+    def _ready_timeout(self, replica: JoinedReplica) -> DataParallelJoinTimeoutError:
+        return DataParallelJoinTimeoutError(
+            f"{replica.describe()} joined the head at {self.placement.endpoint} but its engine "
+            f"was not built within {self.timeout:g} s (--rendezvous-timeout, counted from its "
+            "join, or from when the head's own replicas were built if later): its node is still "
+            "loading the model, or hangs",
+            "see that node's log; if loading the model takes longer, raise --rendezvous-timeout "
+            "on the head; if the node hangs, stop it and start it again",
+            missing_replicas=(replica.rank,),
+        )
+
+    def _await_rejoin(self, joined: JoinedReplica) -> None:
+        """A node that joined again while the head serves: wait for its engine, then hand it to
+        the router (take_rejoined); on a failure or timeout, drop it and say why."""
+        from llmctl.engine.dp_remote_replica import RemoteReplica
+
+        try:
+            report = self._wait_ready(joined)
+        except DataParallelJoinError as exc:
+            with self._lock:
+                mine = self._rejoining.get(joined.rank) is joined
+                if mine:
+                    del self._rejoining[joined.rank]
+            if mine:  # (else close() ended it)
+                logger.error("%s (%s)", exc.message, exc.hint)
+                try:
+                    joined.conn.send(("shutdown", f"the head dropped it: {exc.message}"))
+                except OSError:
+                    pass
+                joined.conn.close()
+            return
+        replica = RemoteReplica(
+            joined, report, self.placement.endpoint, self._engine_view, self.silence_timeout
+        )
+        with self._lock:
+            mine = self._rejoining.get(joined.rank) is joined
+            if mine:
+                del self._rejoining[joined.rank]
+                self.joined[joined.rank] = joined
+                self.remote[joined.rank] = replica
+                self._rejoined[joined.rank] = replica
+        if not mine:  # the head stopped meanwhile
+            replica.shutdown()
+            return
+        logger.warning(
+            "%s built its engine: the router sends it requests again", replica.describe()
+        )
+
+    def _holder(self, rank: int) -> JoinedReplica | None:
+        """Who holds `rank` now (under the lock): a replica that joined (and has not left
+        before the head started, nor been lost since), or a node joining again; None: free."""
+        pending = self._rejoining.get(rank)
+        if pending is not None:
+            return pending
+        other = self.joined.get(rank)
+        if other is not None and other.left():  # its node went away before "ready"
+            logger.warning("%s left before the head started", other.describe())
+            other.conn.close()
+            del self.joined[rank]
+            return None
+        remote = self.remote.get(rank)
+        if remote is not None and remote.dead_error is not None:
+            return None  # lost while the head serves: its node may join again
+        return other
 
     def _accept_loop(self) -> None:
         while not self._closed:
@@ -256,12 +373,7 @@ class DPCoordinator:
             return _refuse(sock, *refusal)
         rank, host, pid = int(hello["dp_rank"]), str(hello["host"]), int(hello["pid"])
         with self._lock:
-            other = self.joined.get(rank)
-            if other is not None and other.left():  # its node went away before "ready"
-                logger.warning("%s left before the head started", other.describe())
-                other.conn.close()
-                del self.joined[rank]
-                other = None
+            other = self._holder(rank)
             if other is not None or self._closed:
                 if other is None:
                     return _refuse(sock, "the head accepts no more replicas", "start it again")
@@ -270,11 +382,32 @@ class DPCoordinator:
                     f"data-parallel replica rank {rank} was given twice: it already joined from "
                     f"host {other.host} (pid {other.pid}); host {host} (pid {pid}) is refused",
                     "give each node its own --data-parallel-start-rank, so that no two nodes "
-                    "run the same replica",
+                    "run the same replica (a node restarted in place of a lost one joins once "
+                    "the head reports that replica dead in /health)",
                 )
             rendezvous.send_line(sock, {"ok": True})
             rendezvous.tune(sock)
-            self.joined[rank] = JoinedReplica(rank, host, pid, Connection(sock.detach()))
+            joined = JoinedReplica(rank, host, pid, Connection(sock.detach()))
+            again = rank in self.remote  # the head serves: in place of a lost replica
+            if again:
+                self._rejoining[rank] = joined
+            else:
+                self.joined[rank] = joined
+        if again:
+            logger.warning(
+                "Data-parallel replica %d joined again from host %s (pid %d) in place of the "
+                "lost one; waiting for its engine",
+                rank,
+                host,
+                pid,
+            )
+            threading.Thread(
+                target=self._await_rejoin,
+                args=(joined,),
+                name=f"llmctl-dp{rank}-rejoin",
+                daemon=True,
+            ).start()
+            return
         logger.info("Data-parallel replica %d joined from host %s (pid %d)", rank, host, pid)
 
     def _refusal(self, hello: dict) -> tuple[str, str] | None:

@@ -248,7 +248,8 @@ class EngineArgs:
         panel=PARALLEL,
     )
     rendezvous_timeout: float = option(
-        "Seconds the nodes wait for each other to join.",
+        "Seconds the nodes wait for each other to join (and a data-parallel head for a joined "
+        "replica's engine to be built).",
         default=ParallelConfig.rendezvous_timeout,
         panel=PARALLEL,
     )
@@ -398,7 +399,9 @@ class EngineArgs:
                 "Expert parallel: %s",
                 describe_expert_placement(shape.num_experts, self.tensor_parallel_size),
             )
-        check_group_split(shape, self.tensor_parallel_size, quantization)
+        check_group_split(
+            shape, self.tensor_parallel_size, quantization, self.enable_expert_parallel
+        )
         resolved_dtype = platform.resolve_dtype(dtype, device, checkpoint_dtype(hf_config))
         max_model_len = resolve_max_model_len(shape, self.max_model_len)
         model_config = ModelConfig(

@@ -231,18 +231,19 @@ class WeightFormats:
             return self.format_of(None, Tensor("embedding", tensor.rows, tensor.cols))
         return self.format_of(None, tensor)
 
-    def cut_groups(self, shape: ModelShape, tp: int) -> list[str]:
+    def cut_groups(self, shape: ModelShape, tp: int, expert_parallel: bool = False) -> list[str]:
         """The row-parallel weights (o, down) whose input split on some rank of `tp` cuts a
         quantization group: "down (384 of 1536 inputs; groups of 256)". The engine's rule
         (quant_config.check_group_split): every row-parallel split falls on whole groups of the
-        largest block among the quantized formats."""
+        largest block among the quantized formats (`expert_parallel`: a MoE model's experts are
+        whole on each rank, their down matrices unsplit)."""
         blocks = [fmt.block_size for _, fmt in self.by_role if fmt.quantized]
         if not blocks:
             return []
         group = max(blocks)
         cuts: list[str] = []
         for tp_rank in range(tp):
-            for t in layer_tensors(shape, tp_rank, tp):
+            for t in layer_tensors(shape, tp_rank, tp, expert_parallel):
                 if t.is_split and t.cols % group and not any(c.startswith(t.role) for c in cuts):
                     cuts.append(f"{t.role} ({t.cols} of {t.full_cols} inputs; groups of {group})")
         return cuts

@@ -890,7 +890,7 @@ def _choose(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> Plan
 
     def whole(tp: int) -> bool:
         """Quantized weights: every rank's row-parallel inputs are whole quantization groups."""
-        return not ctx.weights.cut_groups(spec.shape, tp)
+        return not ctx.weights.cut_groups(spec.shape, tp, options.enable_expert_parallel)
 
     def allowed(tp: int) -> bool:
         if options.enable_expert_parallel and tp > spec.num_experts:
@@ -928,7 +928,7 @@ def _choose(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> Plan
                     return _finish(ctx, chosen, reasons, rejected, alternatives)
         else:
             for tp in range(2, gpus + 1):
-                cuts = ctx.weights.cut_groups(spec.shape, tp)
+                cuts = ctx.weights.cut_groups(spec.shape, tp, options.enable_expert_parallel)
                 if cuts:
                     rejected.append((_layout(tp, 1), f"cuts the quantization groups of {cuts[0]}"))
                     continue

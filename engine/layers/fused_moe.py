@@ -18,6 +18,10 @@ How the ranks of the tensor-parallel group share the experts:
 Either way the partial sums are combined with one all-reduce over the group, as the MLP's
 row-parallel layer does (`reduce_results=False` leaves it to the caller, e.g. to add Qwen2-MoE's
 shared expert first).
+
+Built under a GGUF QuantizationConfig (a quantized GGUF file), the layer's `quant_method` is a
+quantization/moe_method.PackedMoEMethod: the same split, each expert's slices kept in their GGUF
+blocks and multiplied by the quantized matmul kernel; the stacked float tensors stay empty.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from torch import nn
 from llmctl.engine.distributed.parallel_state import get_ep_group, get_tp_group
 from llmctl.engine.distributed.partition import column_shards, expert_shards, offsets
 from llmctl.engine.layers.linear import _copy_into, _cpu_prepack_enabled
+from llmctl.engine.layers.quantization.linear_method import current_quant_config
+from llmctl.engine.layers.quantization.moe_method import PackedMoEMethod, expert_matmul
 from llmctl.engine.model_loader.weights import CheckpointTensor
 
 # Checkpoint roles of an expert's matrices -> (fused parameter, shard id).
@@ -160,12 +166,21 @@ class FusedMoE(nn.Module):
             self.intermediate_start = offsets(shards)[tp.rank_in_group]
             self.intermediate_size_per_partition = shards[tp.rank_in_group]
         inter = self.intermediate_size_per_partition
-        self.w13_weight = nn.Parameter(
-            torch.empty(self.num_local_experts, 2 * inter, hidden_size), requires_grad=False
-        )
-        self.w2_weight = nn.Parameter(
-            torch.empty(self.num_local_experts, hidden_size, inter), requires_grad=False
-        )
+        self.hidden_size = hidden_size
+        quant = current_quant_config()
+        self.quant_method: PackedMoEMethod | None = None
+        if quant is not None and quant.method == "gguf":
+            self.quant_method = PackedMoEMethod(quant, self.num_local_experts)
+            # placeholders that carry the weight loader; the packed experts are not parameters
+            self.w13_weight = nn.Parameter(torch.empty(0), requires_grad=False)
+            self.w2_weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        else:
+            self.w13_weight = nn.Parameter(
+                torch.empty(self.num_local_experts, 2 * inter, hidden_size), requires_grad=False
+            )
+            self.w2_weight = nn.Parameter(
+                torch.empty(self.num_local_experts, hidden_size, inter), requires_grad=False
+            )
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
         self._packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
@@ -179,6 +194,15 @@ class FusedMoE(nn.Module):
         if not 0 <= local < self.num_local_experts:
             return
         start, size = self.intermediate_start, self.intermediate_size_per_partition
+        if self.quant_method is not None:
+            if shard_id == "down":
+                rows, expected = loaded.narrow(1, start, size), (self.hidden_size, size)
+            else:
+                rows, expected = loaded.narrow(0, start, size), (size, self.hidden_size)
+            what = f"expert {expert_id} {shard_id}"
+            device = param.device  # the placeholder was made on the model's device
+            self.quant_method.store(local, shard_id, rows, expected, device, what)
+            return
         if shard_id == "down":
             rows, dest = loaded.narrow(1, start, size), param.data[local]
         else:
@@ -190,7 +214,11 @@ class FusedMoE(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """On the CPU, each expert's matrices repacked for oneDNN (as the linear layers': about
-        1.5x faster per expert matmul); the packed copies replace the stacked weights."""
+        1.5x faster per expert matmul); the packed copies replace the stacked weights.
+        Quantized experts: a ModelLoadError if the checkpoint left one incomplete."""
+        if self.quant_method is not None:
+            self.quant_method.check_loaded(self.first_expert, type(self).__name__)
+            return
         if not _cpu_prepack_enabled(self.w13_weight):
             return
         reorder = torch.ops.mkldnn._reorder_linear_weight
@@ -205,7 +233,9 @@ class FusedMoE(nn.Module):
         # hidden_states [num_tokens, hidden_size]; router_logits [num_tokens, num_experts]
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         w13, w2, linear = self.w13_weight, self.w2_weight, F.linear
-        if self._packed is not None:
+        if self.quant_method is not None:
+            w13, w2, linear = self.quant_method.w13, self.quant_method.w2, expert_matmul
+        elif self._packed is not None:
             (w13, w2), linear = self._packed, _packed_linear
         out = fused_experts(
             hidden_states, w13, w2, topk_weights, topk_ids, self.first_expert, linear

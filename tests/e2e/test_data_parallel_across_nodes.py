@@ -7,7 +7,8 @@ MODEL -dp 2 --data-parallel-size-local 1 --data-parallel-start-rank 1 ... --head
 Concurrent requests reach both replicas (/metrics' `replica` label) and the greedy answers equal
 the single engine's; a node claiming a rank already taken, or with another -dp, is refused by
 name while the group runs; killing the remote node fails its request in flight, /health turns
-degraded naming replica 1 and its host, and the head serves on with replica 0."""
+degraded naming replica 1 and its host, and the head serves on with replica 0; the remote node
+started again rejoins the running head and serves again."""
 
 from __future__ import annotations
 
@@ -350,3 +351,35 @@ def test_a_stopped_remote_node_is_declared_stalled_after_the_stall_timeout(
         with contextlib.suppress(ProcessLookupError):
             os.kill(node.pid, signal.SIGCONT)
         kill_session(node)
+
+
+def test_a_restarted_remote_node_rejoins_the_running_head(tiny_models, server_factory):
+    """The remote node dies and is started again with the same --data-parallel-start-rank: it
+    joins the running head, /health turns ok again, and replica 1 takes requests again."""
+    model = str(tiny_models.path("llama"))
+    port = free_port()
+    node = headless_node(model, port)
+    again = None
+    try:
+        head = server_factory(model, *TINY_ARGS, *dp_flags(port), quiet=False)
+        status = lambda: httpx.get(f"{head.url}/health", timeout=10).json()  # noqa: E731
+        kill_session(node)
+        wait_until(lambda: status()["status"] == "degraded", 60, "replica 1 reported lost")
+        again = headless_node(model, port)  # the node started again, same start rank
+        alive = lambda: per_replica(head.url, "llmctl:engine_alive")  # noqa: E731
+        wait_until(lambda: alive() == {"0": 1.0, "1": 1.0}, 240, "replica 1 serving again")
+        body = status()
+        assert body["status"] == "ok" and len(body["replicas"]) == 2, body
+        assert "Data-parallel replica 1 joined again from host" in head.output()
+        answers = asyncio.run(complete(head.url, PROMPTS, 64))  # long enough to overlap
+        assert [len(a) for a in answers] == [64] * len(PROMPTS)
+        prompt_tokens = per_replica(head.url, "llmctl:prompt_tokens_total")
+        assert prompt_tokens.get("1", 0) > 0, prompt_tokens  # the new replica 1 served
+        assert head.stop() == 0
+        out, _ = again.communicate(timeout=60)
+        assert again.returncode == 0, out
+        assert "Data-parallel replica 1: the head ended it" in out
+    finally:
+        kill_session(node)
+        if again is not None:
+            kill_session(again)

@@ -1,13 +1,16 @@
 """The head's DPCoordinator against real joins on 127.0.0.1 (engine/dp_replica_server.join_head,
 what a --headless node calls): each way a replica is refused names it and what to change, a
-replica that never joins is named after --rendezvous-timeout, and a node that fails or leaves
-before its engine is built fails the head's start by name. No model loads: the head's config is
-read from a tiny checkpoint."""
+replica that never joins is named after --rendezvous-timeout, as is one that joined but whose
+engine is never built, and a node that fails or leaves before its engine is built fails the head's
+start by name. While the head serves, a lost remote replica's rank is taken again by its node
+started again, handed over once its engine is built (or dropped, named, when it never is). No
+model loads: the head's config is read from a tiny checkpoint."""
 
 from __future__ import annotations
 
 import dataclasses
 import socket
+import time
 
 import pytest
 
@@ -152,3 +155,86 @@ def test_a_foreign_peer_is_dropped_and_the_head_serves_on(head):
         rendezvous.send_line(peer, {"llmctl": PROTOCOL, "kind": "node"})
         assert rendezvous.recv_line(peer, 5)["ok"] is False
     assert coordinator._thread.is_alive()
+
+
+def wait_until(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return value
+
+
+def test_a_joined_replica_whose_engine_is_never_built_is_named(head):
+    # its node joined, then hangs while loading: the head does not wait for it forever
+    placement, _, coordinator = head
+    one, two = join(head, 1), join(head, 2)
+    one.send(("ready", {}))
+    with pytest.raises(DataParallelJoinTimeoutError) as err:
+        coordinator.wait_for_replicas()
+    assert err.value.missing_replicas == (2,)
+    assert err.value.message.startswith("data-parallel replica 2 (host ")
+    assert (
+        f"joined the head at {placement.endpoint} but its engine was not built within 0.5 s "
+        "(--rendezvous-timeout, counted from its join" in err.value.message
+    )
+    assert "raise --rendezvous-timeout on the head" in err.value.hint
+    for conn in (one, two):  # both are told the head did not start
+        message = conn.recv()
+        assert message[0] == "shutdown" and "was not built within 0.5 s" in message[1]
+
+
+@pytest.fixture
+def serving(head):
+    """The head serving with remote replicas 1 and 2 (their nodes' connections, scripted)."""
+    _, _, coordinator = head
+    nodes = {1: join(head, 1), 2: join(head, 2)}
+    for conn in nodes.values():
+        conn.send(("ready", {}))
+    replicas = {r.rank: r for r in coordinator.wait_for_replicas()}
+    yield coordinator, nodes, replicas
+    for conn in nodes.values():
+        conn.close()
+    for replica in replicas.values():
+        replica.shutdown(timeout=5)
+
+
+def test_a_lost_remote_replica_rejoins_when_its_node_starts_again(head, serving):
+    coordinator, nodes, replicas = serving
+    with pytest.raises(DataParallelJoinError) as err:  # replica 1 serves: its rank is taken
+        join(head, 1, pid=4242)
+    assert "data-parallel replica rank 1 was given twice" in err.value.message
+    assert "joins once the head reports that replica dead" in err.value.hint
+
+    nodes[1].close()  # replica 1's node dies
+    wait_until(lambda: replicas[1].dead_error is not None, 10, "replica 1 seen lost")
+    nodes[1] = join(head, 1, pid=4243)  # started again with the same start rank: accepted
+    assert coordinator.take_rejoined() == {}  # not before its engine is built
+    with pytest.raises(DataParallelJoinError) as err:  # one node at a time takes the rank
+        join(head, 1, pid=4244)
+    assert "(pid 4243); host" in err.value.message and "(pid 4244) is refused" in err.value.message
+    nodes[1].send(("ready", {"restarts": 0}))
+    rejoined = wait_until(coordinator.take_rejoined, 10, "replica 1 rejoined")
+    assert list(rejoined) == [1]
+    new = rejoined[1]
+    assert new is not replicas[1] and new.pid == 4243 and new.health_error() is None
+    replicas[1] = new
+    assert coordinator.take_rejoined() == {}  # handed over once
+    with pytest.raises(DataParallelJoinError):  # serving again: its rank is taken again
+        join(head, 1, pid=4245)
+
+
+def test_a_rejoining_node_whose_engine_is_never_built_is_dropped(head, serving):
+    coordinator, nodes, replicas = serving
+    nodes[2].close()
+    wait_until(lambda: replicas[2].dead_error is not None, 10, "replica 2 seen lost")
+    nodes[2] = join(head, 2, pid=4246)  # joins again, then hangs while loading
+    assert nodes[2].poll(10)  # dropped after --rendezvous-timeout (0.5 s) from its join
+    message = nodes[2].recv()
+    assert message[0] == "shutdown"
+    assert "the head dropped it: data-parallel replica 2 (host " in message[1]
+    assert "pid 4246) joined the head" in message[1]
+    assert "was not built within 0.5 s" in message[1]
+    assert coordinator.take_rejoined() == {}
+    nodes[2].close()
+    nodes[2] = join(head, 2, pid=4247)  # the rank is free again

@@ -1,7 +1,7 @@
 """DPAsyncLLM over scripted engines (the real replicas run in tests/engine and tests/e2e): requests
 spread over the replicas; a replica found dead before it took a request sends the request to
 another; one that dies mid-stream fails its own requests only; none left is a typed error; one
-restarted (--restart-on-failure) takes requests again."""
+restarted (--restart-on-failure), or replaced by its node joining again, takes requests again."""
 
 from __future__ import annotations
 
@@ -231,3 +231,34 @@ def test_every_replica_restarting_is_a_retry_later_error():
     [served] = run_all(dp, [[1, 2, 3]])
     assert served[-1].finished
     dp.shutdown()
+
+
+class Rejoins:
+    """The head's coordinator as DPAsyncLLM sees it: replicas whose node joined again."""
+
+    def __init__(self) -> None:
+        self.ready: dict = {}
+
+    def take_rejoined(self) -> dict:
+        ready, self.ready = self.ready, {}
+        return ready
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_lost_replica_replaced_by_its_rejoined_node_is_routed_to_again():
+    engines = Replica(dead_on_add=True), Replica()
+    dp = dp_of(*engines)
+    dp.coordinator = Rejoins()
+    run_all(dp, [[1, 2, 3]])  # replica 0 is found dead; its request runs on replica 1
+    assert list(dp.router.dead) == [0]
+    lost, rejoined = dp.replicas[0], Replica()
+    dp.coordinator.ready = {0: AsyncLLM(rejoined)}  # its node started again, engine built
+    assert [error for _, _, error in dp.replica_states()] == [None, None]
+    assert dp.router.dead == {}
+    results = run_all(dp, [[4, 5, 6], [7, 8, 9]])
+    assert all(r[-1].finished for r in results)
+    assert len(rejoined.added) == 1 and dp.replicas[0].engine is rejoined
+    dp.shutdown()
+    lost.shutdown()

@@ -93,10 +93,7 @@ class PackedLinearMethod:
 
     def store(self, layer: torch.nn.Module, row_start: int, loaded, what: str) -> None:
         """Take rows [row_start, row_start + rows) of this rank's weight."""
-        from llmctl.engine.model_loader.weights import QuantizedCheckpointTensor
-
-        if not isinstance(loaded, (torch.Tensor, QuantizedCheckpointTensor)):
-            loaded = loaded.load()  # a whole CheckpointTensor (a replicated layer's)
+        loaded = readable(loaded)
         expected_k = layer.input_size_per_partition
         if loaded.shape[1] != expected_k or row_start + loaded.shape[0] > (
             layer.output_size_per_partition
@@ -106,15 +103,7 @@ class PackedLinearMethod:
                 f"rows within {layer.output_size_per_partition} and {expected_k} columns",
                 "the weights do not match config.json; check that both come from the same model",
             )
-        if isinstance(loaded, QuantizedCheckpointTensor):
-            piece = ("packed", loaded.decode())
-        elif self.config.bits is not None:
-            bits, group = self.config.bits, self.config.group_size
-            q, scales, zeros = quantize_rtn(loaded, bits, group)
-            piece = ("packed", pack_groups(q, scales, zeros, bits, group))
-        else:  # a float tensor in a GGUF file
-            piece = ("float", loaded.to(torch.get_default_dtype()))
-        self._pieces.append((row_start, piece))
+        self._pieces.append((row_start, decode_piece(self.config, loaded)))
         if sum(_rows(p) for _, p in self._pieces) == layer.output_size_per_partition:
             # Complete: pack now, so that the decoded rows of one layer at a time are in memory.
             self.process_weights_after_loading(layer)
@@ -131,15 +120,8 @@ class PackedLinearMethod:
                 f"{layer.output_size_per_partition} output rows",
                 "the weight files are incomplete or belong to another model",
             )
-        # Runs of pieces in one format are packed together.
-        runs: list[list[tuple]] = []
-        for _, piece in pieces:
-            if runs and _format(runs[-1][-1]) == _format(piece):
-                runs[-1].append(piece)
-            else:
-                runs.append([piece])
         device = layer.weight.device  # the placeholder was made on the model's device
-        self.parts = [_pack([_to(p, device) for p in run]) for run in runs]
+        self.parts = pack_pieces([piece for _, piece in pieces], device)
 
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
@@ -158,6 +140,44 @@ class PackedLinearMethod:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
+
+
+def readable(loaded):
+    """A checkpoint slice as store() takes it: a torch tensor or a QuantizedCheckpointTensor
+    (a lazy float CheckpointTensor is read now)."""
+    from llmctl.engine.model_loader.weights import QuantizedCheckpointTensor
+
+    if not isinstance(loaded, (torch.Tensor, QuantizedCheckpointTensor)):
+        loaded = loaded.load()  # a whole CheckpointTensor (a replicated layer's)
+    return loaded
+
+
+def decode_piece(config: QuantizationConfig, loaded) -> tuple:
+    """("packed", PackedLinearWeight) or ("float", tensor) of checkpoint rows: a GGUF
+    QuantizedCheckpointTensor decoded as it is, float rows quantized round-to-nearest under
+    int8/int4, or kept float (a GGUF file's float tensor)."""
+    from llmctl.engine.model_loader.weights import QuantizedCheckpointTensor
+
+    loaded = readable(loaded)
+    if isinstance(loaded, QuantizedCheckpointTensor):
+        return ("packed", loaded.decode())
+    if config.bits is not None:
+        bits, group = config.bits, config.group_size
+        q, scales, zeros = quantize_rtn(loaded, bits, group)
+        return ("packed", pack_groups(q, scales, zeros, bits, group))
+    return ("float", loaded.to(torch.get_default_dtype()))  # a float tensor in a GGUF file
+
+
+def pack_pieces(pieces: list[tuple], device: torch.device) -> list:
+    """Pieces (decode_piece's) in row order -> the packed weights (or float rows) to multiply
+    by, one per run of pieces in one format, concatenated on output."""
+    runs: list[list[tuple]] = []
+    for piece in pieces:
+        if runs and _format(runs[-1][-1]) == _format(piece):
+            runs[-1].append(piece)
+        else:
+            runs.append([piece])
+    return [_pack([_to(p, device) for p in run]) for run in runs]
 
 
 def _rows(piece: tuple) -> int:

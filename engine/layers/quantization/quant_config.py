@@ -93,42 +93,65 @@ def resolve_quantization(
     return QuantizationConfig(flag)
 
 
-def _row_split_sizes(shape: ModelShape, tp: int) -> list[list[int]]:
-    """The per-rank input features of the row-parallel layers (o_proj, down_proj) at tp."""
+def _row_split_sizes(shape: ModelShape, tp: int, expert_parallel: bool = False) -> list[list[int]]:
+    """The per-rank input features of the row-parallel layers (o_proj, down_proj) at tp; for a
+    mixture of experts, its experts' down matrices instead of down_proj (split like it unless
+    expert parallel; a quantized MoE is a GGUF file, every layer of which is MoE) and its shared
+    expert's."""
     from llmctl.engine.distributed.partition import column_shards, head_shards
 
     heads = head_shards(shape.num_attention_heads, shape.num_kv_heads, tp)
-    return [
-        [h.num_q_heads * shape.head_dim for h in heads],
-        column_shards(shape.intermediate_size, tp, "MLP features"),
-    ]
+    sizes = [[h.num_q_heads * shape.head_dim for h in heads]]
+    if not shape.num_experts:
+        sizes.append(column_shards(shape.intermediate_size, tp, "MLP features"))
+    elif not expert_parallel:
+        sizes.append(column_shards(shape.expert_intermediate_size, tp, "expert MLP features"))
+    if shape.shared_expert_intermediate_size:
+        sizes.append(
+            column_shards(shape.shared_expert_intermediate_size, tp, "shared expert features")
+        )
+    return sizes
 
 
-def _splits_on_groups(shape: ModelShape, tp: int, group_size: int) -> bool:
+def _splits_on_groups(
+    shape: ModelShape, tp: int, group_size: int, expert_parallel: bool = False
+) -> bool:
     try:
-        return all(s % group_size == 0 for sizes in _row_split_sizes(shape, tp) for s in sizes)
+        sizes = _row_split_sizes(shape, tp, expert_parallel)
     except ConfigError:
         return False
+    return all(s % group_size == 0 for split in sizes for s in split)
 
 
-def valid_group_tp_sizes(shape: ModelShape, group_size: int) -> list[int]:
+def valid_group_tp_sizes(
+    shape: ModelShape, group_size: int, expert_parallel: bool = False
+) -> list[int]:
     return [
         tp
         for tp in range(1, shape.num_attention_heads + 1)
-        if _splits_on_groups(shape, tp, group_size)
+        if _splits_on_groups(shape, tp, group_size, expert_parallel)
     ]
 
 
-def check_group_split(shape: ModelShape, tp: int, quant: QuantizationConfig | None) -> None:
+def check_group_split(
+    shape: ModelShape, tp: int, quant: QuantizationConfig | None, expert_parallel: bool = False
+) -> None:
     """Refuse a tensor-parallel size whose row-parallel split cuts a quantization group."""
-    if quant is None or tp == 1 or _splits_on_groups(shape, tp, quant.group_size):
+    if quant is None or tp == 1 or _splits_on_groups(shape, tp, quant.group_size, expert_parallel):
         return
-    valid = valid_group_tp_sizes(shape, quant.group_size)
+    valid = valid_group_tp_sizes(shape, quant.group_size, expert_parallel)
     what = "GGUF blocks" if quant.method == "gguf" else f"--quantization {quant.method} groups"
+    features = f"{shape.intermediate_size} MLP features and "
+    hint = f"use tensor_parallel_size {', '.join(map(str, valid))}, or --pipeline-parallel-size"
+    if shape.num_experts and expert_parallel:
+        features = ""  # whole experts: only the attention is split
+    elif shape.num_experts:
+        features = f"{shape.expert_intermediate_size} features of each expert and "
+        hint += ", or --enable-expert-parallel (whole experts per rank)"
     raise ConfigError(
         f"tensor_parallel_size={tp} would cut the {what} of {quant.group_size} weights: the "
-        f"row-parallel layers split {shape.intermediate_size} MLP features and "
+        f"row-parallel layers split {features}"
         f"{shape.num_attention_heads * shape.head_dim} attention features into "
-        f"{' and '.join(str(s) for s in _row_split_sizes(shape, tp))}",
-        f"use tensor_parallel_size {', '.join(map(str, valid))}, or --pipeline-parallel-size",
+        f"{' and '.join(str(s) for s in _row_split_sizes(shape, tp, expert_parallel))}",
+        hint,
     )
