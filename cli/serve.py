@@ -113,12 +113,6 @@ def serve(
                 "put LLMCTL_API_KEY in the inventory's `env` (it reaches the container through "
                 "its 0600 env file) and run `llmctl cluster up` again",
             )
-        if engine.get("data_parallel_size", 1) > 1:
-            raise ConfigError(
-                "data-parallel replicas run on one node (mp workers), but a cluster is served "
-                "on the Ray backend: --data-parallel-size with -i is not yet supported",
-                "drop --data-parallel-size, or run `llmctl serve -dp N` on one node",
-            )
         tp = engine.pop("tensor_parallel_size", None)
         pp = engine.pop("pipeline_parallel_size", None)
         executor = engine.pop("distributed_executor_backend", None)
@@ -176,6 +170,19 @@ def serve(
         run_server(engine_args, server_config)
 
 
+def _check_replicas_on(backend: str | None, dp: int) -> None:
+    """Data-parallel replicas on a cluster are Ray's to place: the mp backend's group is one
+    engine across the inventory's nodes."""
+    if dp > 1 and backend == "mp":
+        raise ConfigError(
+            f"--data-parallel-size {dp} with -i on the mp backend: its group runs one engine "
+            "across the inventory's nodes, not replicas",
+            "serve on the Ray backend (`cluster up --backend ray`: Ray places each replica's "
+            f"workers), or run the per-node commands of `llmctl plan -i ... -dp {dp}` "
+            "(--data-parallel-size-local, --headless)",
+        )
+
+
 def _serve_on_cluster(
     inventory_path: str,
     model: str | None,
@@ -204,8 +211,10 @@ def _serve_on_cluster(
     )
     from llmctl.cluster.launch.launcher import Cluster
     from llmctl.cluster.plan.model_spec import load_model_spec
-    from llmctl.cluster.plan.planner import make_plan
+    from llmctl.cluster.plan.planner import PlanOptions, make_plan
 
+    dp = int(options.get("data_parallel_size", 1))  # type: ignore[call-overload]
+    _check_replicas_on(backend, dp)  # a backend given: before any connection
     inv = load_inventory(inventory_path)
     log = lambda line: stderr_console().print(f"[dim]{line}[/dim]")  # noqa: E731
     with Cluster(inv, log=log) as cluster:
@@ -225,7 +234,11 @@ def _serve_on_cluster(
         model = model or inv.model
         if not model:
             raise ConfigError(f"{inv.source} names no model", "pass MODEL or add `model:` to it")
-        layout = choose_layout(inv, model, tp, pp, lambda m, i: make_plan(load_model_spec(m), i))
+        _check_replicas_on(backend, dp)
+        plan_options = PlanOptions(data_parallel_size=dp) if dp > 1 else None
+        layout = choose_layout(
+            inv, model, tp, pp, lambda m, i: make_plan(load_model_spec(m), i, plan_options)
+        )
         check_cluster_options(options)
         if backend == "mp":
             record = group_record(model, layout, port, options, server, inv)
@@ -243,7 +256,8 @@ def _serve_on_cluster(
             f"{where}"
         )
         state = head.start(record, wait_s=wait, log=log)
+    replicas = f"dp={dp}, " if dp > 1 else ""
     stdout_console().print(
-        f"cluster {inv.name}: serving {model} (tp={record.tensor_parallel_size}, "
+        f"cluster {inv.name}: serving {model} ({replicas}tp={record.tensor_parallel_size}, "
         f"pp={record.pipeline_parallel_size}, pid {state.pid}) at {record.endpoint(inv.head.ip)}"
     )

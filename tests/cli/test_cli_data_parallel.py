@@ -101,10 +101,13 @@ def test_replicas_on_the_uni_backend_are_refused(invoke, tiny_llama):
     assert "use --distributed-executor-backend mp" in result.stderr
 
 
-def test_replicas_on_a_cluster_are_refused_before_any_connection(invoke, tmp_path):
+def test_replicas_on_an_mp_cluster_are_refused_before_any_connection(invoke, tmp_path):
+    """On a cluster, Ray places replicas (tests/e2e/cluster/test_serve_on_cluster.py); the mp
+    backend's group is one engine across the nodes."""
     inventory = tmp_path / "cluster.yaml"
     inventory.write_text("name: t\nnodes:\n  - {host: 10.255.0.1, head: true, gpus: 2}\n")
-    result = invoke("serve", "-i", str(inventory), "-dp", "2")
+    result = invoke("serve", "-i", str(inventory), "-dp", "2", "--backend", "mp")
     assert result.exit_code == 1
-    assert "--data-parallel-size with -i is not yet supported" in result.stderr
-    assert "run `llmctl serve -dp N` on one node" in result.stderr
+    assert "--data-parallel-size 2 with -i on the mp backend" in result.stderr
+    assert "Ray places each replica's workers" in result.stderr
+    assert "llmctl plan -i ... -dp 2" in result.stderr

@@ -198,6 +198,6 @@ def test_every_flag_the_engine_names_exists(invoke):
     for path in Path(llmctl.engine.__file__).parent.rglob("*.py"):
         named |= set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9]", path.read_text()))
     accepted = set()
-    for args in (["--help"], ["generate", "--help"], ["serve", "--help"]):
+    for args in (["--help"], ["generate", "--help"], ["serve", "--help"], ["plan", "--help"]):
         accepted |= _flags(invoke(*args, env=WIDE).stdout)
     assert named - _NOT_LLMCTL <= accepted, sorted(named - _NOT_LLMCTL - accepted)

@@ -1,7 +1,8 @@
 """One model served across two real hosts: `llmctl cluster up`, then `llmctl serve -i` runs the
 server in the head container on the Ray backend (pipeline stages on different nodes, tensor
 parallel inside each), and the official openai client gets the offline engine's greedy answers.
-Then the worker's container is killed while a request runs: /health turns 503, the request fails,
+Two data-parallel replicas on the same cluster: Ray places one on each node. Then the worker's
+container is killed while a request runs: /health turns 503, the request fails,
 `cluster status` names the node.
 
 Both tests serve the bundled GGUF file (the same path on every host), which each rank reads in
@@ -115,6 +116,30 @@ def test_pipeline_stages_on_two_nodes(cli_env, testbed, hosts, model, offline, t
         assert "serving" in again.stdout  # the same server, found healthy
         stopped = llmctl(cli_env, "serve", "-i", str(inv), "--stop").stdout
         assert "server stopped" in stopped
+
+        # Two data-parallel replicas on the same Ray cluster: Ray places each replica's worker
+        # (a bundle of one GPU) on a node of its own. While replica 0 streams a long answer,
+        # the router gives the prompts to replica 1: the same greedy answers.
+        out = llmctl(cli_env, "serve", "-i", str(inv), "-dp", "2", "--port", str(PORT), *ENGINE)
+        assert "(dp=2, tp=1, pp=1," in out.stdout, out.stdout + out.stderr
+        long = client(head).completions.create(
+            model="smol", prompt="Count:", max_tokens=300, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        next(iter(long))  # replica 0 holds it
+        assert greedy(head) == offline
+        long.close()
+        log = llmctl(cli_env, "cluster", "exec", "head", "-i", str(inv), "--", "cat",
+                     "/root/.llmctl/server.log").stdout  # fmt: skip
+        assert "Started 2 data-parallel replicas" in log, log
+        placed = re.findall(r"Ray worker rank 0 on node (\S+), pid", log)[-2:]
+        assert sorted(placed) == sorted([head.ip, worker.ip]), placed
+        metrics = httpx.get(f"http://{head.ip}:{PORT}/metrics", timeout=5).text
+        served = re.findall(
+            r'llmctl:prompt_tokens_total\{[^}]*replica="(\d)"[^}]*\} (\S+)', metrics
+        )
+        assert sorted(r for r, tokens in served if float(tokens) > 0) == ["0", "1"], served
+        llmctl(cli_env, "serve", "-i", str(inv), "--stop")
     finally:
         llmctl(cli_env, "cluster", "down", "-i", str(inv), check=False)
 
