@@ -326,8 +326,12 @@ class EngineArgs:
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}",
                 "allow a positive token budget per step",
             )
-        self.create_parallel_config()
+        parallel = self.create_parallel_config()
         placement = self.data_parallel_placement()  # typed errors for the multi-node DP flags
+        if parallel.expert_parallel_across_dp:
+            from llmctl.engine.dp_lockstep import check_engine_args
+
+            check_engine_args(self, placement)
         if self.headless and self.node_rank == 0 and not placement.headless:
             raise ConfigError(
                 "--headless runs no API server, but node rank 0 serves it",
@@ -391,12 +395,17 @@ class EngineArgs:
         )
         quantization = self._quantization(source.gguf_file)
         check_moe_quantization(shape, quantization.method if quantization else None)
-        if self.enable_expert_parallel and self.tensor_parallel_size > 1:
+        ep_size = self.tensor_parallel_size * (
+            self.data_parallel_size if self.enable_expert_parallel else 1
+        )
+        if self.enable_expert_parallel and ep_size > 1:
             from llmctl.engine.distributed.partition import describe_expert_placement
 
+            across = f" (EP size {ep_size} = DP x TP)" if self.data_parallel_size > 1 else ""
             logger.info(
-                "Expert parallel: %s",
-                describe_expert_placement(shape.num_experts, self.tensor_parallel_size),
+                "Expert parallel%s: %s",
+                across,
+                describe_expert_placement(shape.num_experts, ep_size),
             )
         check_group_split(shape, self.tensor_parallel_size, quantization)
         resolved_dtype = platform.resolve_dtype(dtype, device, checkpoint_dtype(hf_config))
