@@ -187,6 +187,7 @@ class Plan:
     weight_format: str = ""  # what the weights are held in: "bfloat16", "int4", "Q4_1 GGUF"
     weight_format_detail: str = ""  # by role, when quantized
     data_parallel_size: int = 1  # replicas of this layout (the ranks above are one replica's)
+    num_experts: int = 0  # a mixture of experts' routed experts per MoE layer (0: dense)
 
     @property
     def weight_line(self) -> str:
@@ -219,6 +220,24 @@ class Plan:
             f"{self.max_concurrency:.2f}x for {self.max_model_len:,} tokens per request",
             f"In total ({n} replicas, {n * self.gpus_used} GPUs): {self.total_kv_cache_tokens:,} "
             f"KV tokens, maximum concurrency {self.total_max_concurrency:.2f}x",
+            *self.expert_parallel_lines(),
+        ]
+
+    def expert_parallel_lines(self) -> list[str]:
+        """Data-parallel attention with expert-parallel MoE layers: the EP size and where the
+        experts go (the weights above count each replica's ranks as if EP spanned TP only, an
+        upper bound)."""
+        if not (self.serve_args.get("enable_expert_parallel") and self.num_experts):
+            return []
+        from llmctl.engine.distributed.partition import describe_expert_placement
+
+        n, tp = self.data_parallel_size, self.tensor_parallel_size
+        ep = n * tp
+        placement = describe_expert_placement(self.num_experts, ep).replace(" rank ", " EP rank ")
+        return [
+            f"Expert parallel across the replicas: EP size = DP x TP = {n} x {tp} = {ep} "
+            f"({placement}; EP rank = dp_rank x {tp} + tp_rank); the replicas step together "
+            "and one that fails stops them all"
         ]
 
     @property
@@ -1087,6 +1106,7 @@ def _finish(ctx: _Ctx, chosen: _Eval, reasons, rejected, alternatives) -> Plan:
         quantization=opts.quantization,
         weight_format=ctx.weights.label(),
         weight_format_detail=ctx.weights.detail(spec.shape) if ctx.weights.quantized else "",
+        num_experts=spec.shape.num_experts or 0,
     )
 
 
