@@ -49,7 +49,7 @@ class DPLockstep:
         self._cond = threading.Condition()
         self._round = 0
         self._arrived = 0
-        self._busy = False  # any replica busy, in the round being gathered
+        self._busy: set[int] = set()  # the replicas busy, in the round being gathered
         self._last = False  # the result of the last completed round
         self.failure: EngineDeadError | None = None
         self._replicas: list = [None] * size  # AsyncLLMs, once serving
@@ -73,10 +73,12 @@ class DPLockstep:
             self._raise_if_failed()
             round_ = self._round
             wake = busy and not self._last and not self._busy
-            self._busy |= busy
+            if busy:
+                self._busy.add(index)
             self._arrived += 1
             if self._arrived == self.size:
-                self._last, self._busy, self._arrived = self._busy, False, 0
+                self._last, self._arrived = bool(self._busy), 0
+                self._busy = set()
                 self._round += 1
                 self._cond.notify_all()
                 return self._last
@@ -88,7 +90,8 @@ class DPLockstep:
             while self._round == round_:
                 self._raise_if_failed()
                 if leaving is not None and leaving():
-                    self._arrived -= 1  # not in this round after all (its busy flag may stay)
+                    self._arrived -= 1  # not in this round after all
+                    self._busy.discard(index)
                     return False
                 self._cond.wait(_POLL_S)
             return self._last  # the next round needs this replica: it cannot change before

@@ -14,7 +14,7 @@ import signal
 import time
 
 import pytest
-from support import live_pids, random_prompts, token_ids
+from support import MOE_FAMILIES, live_pids, random_prompts, token_ids
 
 from llmctl.engine import LLM, SamplingParams
 from llmctl.engine.errors import ConfigError, EngineDeadError
@@ -50,7 +50,7 @@ def rank_infos(llm: LLM) -> list[list[dict]]:
     return [r.engine.executor.rank_info() for r in llm._dp.replicas]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2-moe"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_two_replicas_share_the_experts_and_match_transformers(
     family, tiny_models, expected, caplog
 ):
