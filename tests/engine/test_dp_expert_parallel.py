@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -156,3 +157,47 @@ def test_restart_on_failure_is_refused_naming_the_shared_world():
         EngineArgs(data_parallel_size=2, enable_expert_parallel=True, restart_on_failure=True)
     assert "share one torch.distributed world" in err.value.message
     assert "--restart-on-failure" in err.value.hint
+
+
+def test_a_replica_whose_peer_fails_to_start_stops_at_once(tiny_models):
+    """Replica 0 starts alone: its worker waits in the shared rendezvous for replica 1's, which
+    never come. When the start fails elsewhere (DPLockstep.fail, as start_replicas calls it),
+    replica 0's start ends at once with that error, its worker stopped, instead of waiting for
+    the rendezvous timeout."""
+    from llmctl.engine.dp_async_llm import replica_configs
+    from llmctl.engine.dp_lockstep import DPLockstep
+    from llmctl.engine.engine_args import EngineArgs
+    from llmctl.engine.llm_engine import LLMEngine
+
+    before = children()
+    args = EngineArgs(
+        model=str(tiny_models.path("mixtral")),
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        dtype="float32",
+        kv_cache_space_gib=0.02,
+    )
+    configs = replica_configs(args.create_engine_config())
+    port = configs[0].parallel_config.data_parallel_master_port
+    assert port == configs[1].parallel_config.data_parallel_master_port  # one world
+    lockstep = DPLockstep(2, port)
+
+    def fail_once_started() -> None:
+        deadline = time.monotonic() + 60
+        while not lockstep._executors and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling for the condition, not a fixed wait
+        lockstep.fail(EngineDeadError("it failed to start: replica 1's worker raised"))
+
+    failer = threading.Thread(target=fail_once_started)
+    failer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(EngineDeadError) as err:
+            LLMEngine(configs[0])
+    finally:
+        failer.join()
+        lockstep.close()
+    assert "replica 1's worker raised" in err.value.message
+    assert "share one expert-parallel world" in err.value.message
+    assert time.monotonic() - started < 60
+    assert children() <= before
