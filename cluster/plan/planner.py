@@ -49,6 +49,7 @@ from llmctl.cluster.inventory import Inventory
 from llmctl.cluster.plan.model_spec import ModelSpec
 from llmctl.engine.config import (
     DTYPE_BYTES,
+    ParallelConfig,
     SchedulerConfig,
     check_expert_parallel,
     check_moe_quantization,
@@ -633,8 +634,8 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
     per_node = gpus_per_node // plan.gpus_used
     nodes = _gpu_nodes(inventory)
     replicas = per_node * len(nodes)
-    if replicas < 2:
-        return plan
+    if replicas < 2 or _shared_experts_error(plan, replicas, len(nodes) > 1) is not None:
+        return plan  # (replicas sharing their experts only where they can)
     where = f"{plan.gpus_used} GPUs" if plan.gpus_used > 1 else "one GPU"
     if len(nodes) == 1:
         reason = (
@@ -664,7 +665,7 @@ def _across_nodes(plan: Plan, nodes: list, per_node: int, reason: str) -> Plan:
     from llmctl.engine.dp_placement import DEFAULT_RPC_PORT
 
     replicas = per_node * len(nodes)
-    plan = _with_replicas(plan, replicas, reason)
+    plan = _with_replicas(plan, replicas, reason, across_nodes=True)
     one = plan.commands["serve"]  # a layout of one node: no -i, each node starts its own
     base = {
         "data_parallel_size_local": per_node,
@@ -691,7 +692,9 @@ def _asked_replicas(spec: ModelSpec, inventory: Inventory, options: PlanOptions,
     nodes = _gpu_nodes(inventory)
     tp, pp = options.tensor_parallel_size or 1, options.pipeline_parallel_size or 1
     asked = tp * pp
-    if len(nodes) > 1 and (dp % len(nodes) == 0 or per_node < dp * asked):
+    # replicas that share their experts stay on one node when it holds them
+    shared = options.enable_expert_parallel and spec.num_experts and per_node >= dp * asked
+    if len(nodes) > 1 and not shared and (dp % len(nodes) == 0 or per_node < dp * asked):
         # spread over the nodes: N / nodes replicas each, none left idle
         return _asked_across_nodes(spec, inventory, options, dp, nodes, per_node)
     if per_node < dp * asked:
@@ -784,8 +787,41 @@ def _fits(plan_for, k: int) -> bool:
     return True
 
 
-def _with_replicas(plan: Plan, replicas: int, reason: str) -> Plan:
-    """The plan of one replica, served as `replicas` (the serve command with its flag)."""
+def _shared_experts_error(plan: Plan, replicas: int, across_nodes: bool) -> ConfigError | None:
+    """Why `replicas` of `plan` cannot run with --enable-expert-parallel (their MoE layers then
+    share the experts over DP x TP ranks: engine/dp_lockstep.py), or None when they can (or do
+    not share them)."""
+    from llmctl.engine.distributed.partition import expert_shards
+
+    if replicas < 2 or not (plan.serve_args.get("enable_expert_parallel") and plan.num_experts):
+        return None
+    try:
+        ParallelConfig(
+            tensor_parallel_size=plan.tensor_parallel_size,
+            pipeline_parallel_size=plan.pipeline_parallel_size,
+            enable_expert_parallel=True,
+            data_parallel_size=replicas,
+        )
+        expert_shards(plan.num_experts, replicas * plan.tensor_parallel_size)
+    except ConfigError as exc:
+        return exc
+    if across_nodes:
+        return ConfigError(
+            f"--enable-expert-parallel with --data-parallel-size {replicas} runs every replica "
+            "on one node (their MoE layers share the experts); replicas on several nodes are "
+            "not supported with it yet",
+            "use --data-parallel-size that fits one node, or drop --enable-expert-parallel to "
+            "run independent replicas across nodes",
+        )
+    return None
+
+
+def _with_replicas(plan: Plan, replicas: int, reason: str, across_nodes: bool = False) -> Plan:
+    """The plan of one replica, served as `replicas` (the serve command with its flag).
+    Raises ConfigError when the replicas cannot share their experts as asked."""
+    error = _shared_experts_error(plan, replicas, across_nodes)
+    if error is not None:
+        raise error
     serve = (
         plan.commands["serve"]
         + " "

@@ -134,3 +134,20 @@ def test_expert_parallel_replicas_print_ep_size_dp_x_tp(invoke):
     assert "--enable-expert-parallel --data-parallel-size 2" in result.stdout
     plain = invoke(*args, env={"COLUMNS": "300"})
     assert "Expert parallel across" not in plain.stdout  # independent replicas: no EP
+
+
+def test_expert_parallel_replicas_stay_on_one_node_or_are_refused_by_name(invoke):
+    two_nodes = ("--gpus-per-node", "8", "--nodes", "2", "--max-model-len", "8192")
+    one = invoke("plan", "Mixtral-8x7B", *two_nodes, "-tp", "4", "-dp", "2",
+                 "--enable-expert-parallel", "--json")  # fmt: skip
+    assert one.exit_code == 0, one.output
+    serve = json.loads(one.stdout)["commands"]["serve"]
+    assert serve.endswith("--enable-expert-parallel --data-parallel-size 2")  # no --headless
+    staged = invoke("plan", "Mixtral-8x7B", "-tp", "2", "-pp", "2", "-dp", "2",
+                    "--enable-expert-parallel")  # fmt: skip
+    assert staged.exit_code == 1
+    assert "does not support pipeline_parallel_size=2 yet" in staged.stderr
+    too_many = invoke("plan", "Mixtral-8x7B", *two_nodes, "-tp", "4", "-dp", "4",
+                      "--enable-expert-parallel")  # fmt: skip
+    assert too_many.exit_code == 1
+    assert "expert parallelism over 16 ranks exceeds the model's 8 experts" in too_many.stderr
