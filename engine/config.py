@@ -168,7 +168,8 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # uni, mp, ray; None: chosen automatically
     pipeline_layer_partition: tuple[int, ...] | None = None
-    # MoE layers hold whole experts per rank of the TP group instead of a slice of each.
+    # MoE layers hold whole experts per rank of the TP group instead of a slice of each (with
+    # data_parallel_size > 1: per rank of every replica, see expert_parallel_across_dp).
     enable_expert_parallel: bool = False
     # Data parallel: independent engine replicas of tp x pp ranks each (engine/dp_async_llm.py);
     # data_parallel_rank is the replica's index (set per replica with dataclasses.replace).

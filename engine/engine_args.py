@@ -219,7 +219,8 @@ class EngineArgs:
     )
     enable_expert_parallel: bool = option(
         "Mixture-of-experts models: each rank of the tensor-parallel group holds whole experts "
-        "(dealt out contiguously) instead of a slice of every expert.",
+        "(dealt out contiguously) instead of a slice of every expert; with "
+        "--data-parallel-size, every replica's ranks share them (EP size = DP x TP).",
         default=ParallelConfig.enable_expert_parallel,
         negatable=False,
         panel=PARALLEL,
