@@ -87,6 +87,17 @@ def test_tp2_x_dp2_matches_transformers(tiny_models, expected):
     assert alone == expected("mixtral")[4:]
 
 
+def test_the_triton_attention_path_matches_transformers(tiny_models, expected, monkeypatch):
+    """The attention path CUDA takes (Triton's interpreter here): the idle replica's dummy
+    batches write their key and value through reshape_and_cache into a scratch block."""
+    monkeypatch.setenv("LLMCTL_ATTENTION_BACKEND", "triton")
+    with LLM(str(tiny_models.path("mixtral")), **DP_EP) as llm:
+        alone = token_ids(llm.generate(prompts()[1:2], GREEDY, use_tqdm=False))
+        batch = token_ids(llm.generate(prompts()[:3], GREEDY, use_tqdm=False))
+    assert alone == expected("mixtral")[1:2]
+    assert batch == expected("mixtral")[:3]
+
+
 def test_a_worker_dying_mid_stream_stops_every_replica(tiny_models):
     """The request decodes on replica 0 while replica 1 runs dummy batches; replica 1's worker
     is killed: the request fails at once (not after a collective's timeout), and neither
