@@ -55,6 +55,11 @@ def rank_infos(llm: LLM) -> list[list[dict]]:
 def test_two_replicas_share_the_experts_and_match_transformers(
     family, tiny_models, expected, caplog
 ):
+    """Replica 1 caches the 30-token prompt's first block (block 0), then idles through dummy
+    batches while replica 0 decodes a request alone; the prompt again hits that block on
+    replica 1 and still gives Hugging Face's tokens; then the whole batch, spread over both."""
+    want = expected(family)
+    short, _, _, long, other = prompts()
     before = children()
     with (
         caplog.at_level(logging.INFO, logger="llmctl"),
@@ -62,12 +67,20 @@ def test_two_replicas_share_the_experts_and_match_transformers(
     ):
         # each replica's one worker holds half the experts: EP size 2 = DP 2 x TP 1
         weights = [info["weight_bytes"] for g in rank_infos(llm) for info in g]
+        replica1 = llm._dp.replicas[1]
+        assert token_ids(llm.generate([short, long], GREEDY, use_tqdm=False)) == [
+            want[0],
+            want[3],
+        ]
+        assert replica1.get_stats().prompt_tokens == len(long)  # the long one went there
+        alone = token_ids(llm.generate([other], GREEDY, use_tqdm=False))
+        assert replica1.get_stats().prompt_tokens == len(long)  # replica 1 only kept step
+        again = token_ids(llm.generate([long], GREEDY, use_tqdm=False))
+        assert replica1.get_stats().prefix_cache_hits >= 16  # its cached block, reused
         batch = token_ids(llm.generate(prompts(), GREEDY, use_tqdm=False))
-        assert all(r.get_stats().prompt_tokens > 0 for r in llm._dp.replicas)  # both ran some
-        # one request: one replica decodes, the other runs dummy batches to keep step
-        alone = token_ids(llm.generate(prompts()[3:4], GREEDY, use_tqdm=False))
-    assert batch == expected(family)
-    assert alone == expected(family)[3:4]
+    assert alone == [want[4]]
+    assert again == [want[3]]
+    assert batch == want
     assert "Expert parallel (EP size 2 = DP x TP)" in caplog.text
     with LLM(str(tiny_models.path(family)), **COMMON) as one:
         whole = one.llm_engine.executor.rank_info()[0]["weight_bytes"]
