@@ -159,6 +159,11 @@ def test_a_worker_dying_mid_stream_stops_every_replica(tiny_models):
             "--distributed-executor-backend mp",
         ),
         (
+            {"data_parallel_size_local": 1, "data_parallel_address": "127.0.0.1"},
+            "runs every replica on this node",
+            "drop --data-parallel-size-local",
+        ),
+        (
             {"tensor_parallel_size": 3, "data_parallel_size": 3},  # 9 ranks for 8 experts
             "expert parallelism over 9 ranks exceeds the model's 8 experts",
             "tensor_parallel_size x data_parallel_size",
