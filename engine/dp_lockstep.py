@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 
 from llmctl.engine.errors import ConfigError, EngineDeadError
@@ -37,8 +38,9 @@ logger = logging.getLogger("llmctl")
 # A replica waiting for the others looks this often whether it was told to stop.
 _POLL_S = 0.5
 
-# Executors of replicas that share a world, by the world's rendezvous port (one DPLockstep each).
-_LOCKSTEPS: dict[int, DPLockstep] = {}
+# The lockstep of each shared world, by its rendezvous port: the replicas' executors register
+# with it as they start (weak: a lockstep whose replicas are gone is forgotten).
+_LOCKSTEPS: weakref.WeakValueDictionary[int, DPLockstep] = weakref.WeakValueDictionary()
 _LOCKSTEPS_LOCK = threading.Lock()
 
 
