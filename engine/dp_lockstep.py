@@ -26,14 +26,11 @@ none waits for its workers' rendezvous timeout.
 
 from __future__ import annotations
 
-import logging
 import threading
 import weakref
 from collections.abc import Callable
 
 from llmctl.engine.errors import ConfigError, EngineDeadError
-
-logger = logging.getLogger("llmctl")
 
 # A replica waiting for the others looks this often whether it was told to stop.
 _POLL_S = 0.5
