@@ -14,10 +14,11 @@ work of its own (or none scheduled this step) runs a dummy batch (execute_dummy_
 through the model, no KV written, nothing sampled); if none was busy, every replica idles. A
 replica that gets work while the others idle wakes them, so a request waits for no idle period.
 
-A replica that fails or stops breaks the lockstep for all: the world is shared, so a dead rank
-would leave the others blocked in a collective. Every other replica's engine is aborted with an
+A replica that fails breaks the lockstep for all: the world is shared, so a dead rank would
+leave the others blocked in a collective. Every other replica's engine is aborted with an
 EngineDeadError naming the replica that failed (its workers are stopped, its requests get the
-error), and a replica waiting in `sync` gets the same error at once.
+error), and a replica waiting in `sync` gets the same error at once. A shutdown stops every
+replica together (DPAsyncLLM.shutdown), none waiting in `sync` for another.
 
 Start-up: the replicas' executors start at the same time and their workers meet in one
 rendezvous; an executor that fails to start aborts the others' (`register_executor`, `fail`), so
@@ -96,8 +97,8 @@ class DPLockstep:
             return self._last  # the next round needs this replica: it cannot change before
 
     def fail(self, error: EngineDeadError, origin: int | None = None) -> None:
-        """Replica `origin` (None: start-up or shutdown) failed or stopped: every other replica
-        is aborted with an error naming it, and no round completes again."""
+        """Replica `origin` (None: one at start-up) failed: every other replica is aborted with
+        an error naming it, and no round completes again."""
         with self._cond:
             if self.failure is not None:
                 return
