@@ -23,6 +23,10 @@ A caller's acceptance future is claimed by the engine thread with
 `set_running_or_notify_cancel()` before the request is added: from then on the caller can no
 longer cancel it (its abort goes through the command queue, behind the add), and until then a
 caller that went away leaves a cancelled future the engine skips.
+
+Data-parallel replicas whose MoE layers share experts (engine/dp_lockstep.py) pass a DPLockstep:
+each loop turn then agrees with the other replicas' on whether to step, and a failure of this
+engine stops theirs.
 """
 
 from __future__ import annotations
@@ -79,11 +83,18 @@ class AsyncLLM:
         max_restarts: int = 3,
         engine_factory: Callable[[], LLMEngine] | None = None,
         restart_backoff_s: float = 1.0,
+        lockstep=None,
+        replica_index: int = 0,
         _start: bool = True,
     ) -> None:
         """`stall_timeout` (0: off) and `restart_on_failure` as the server's options say;
-        restarts build the engine with `engine_factory`."""
+        restarts build the engine with `engine_factory`. `lockstep`: a DPLockstep of which
+        this engine is replica `replica_index`."""
         self.engine = engine
+        self.lockstep = lockstep
+        self.replica_index = replica_index
+        if lockstep is not None:
+            lockstep.attach(replica_index, self)
         self.dead_error: EngineDeadError | None = None
         self.restarting: EngineRestartingError | None = None  # set while a restart is under way
         self.stall_error: EngineStalledError | None = None  # the stall being torn down
@@ -162,6 +173,8 @@ class AsyncLLM:
         """Why the engine cannot serve (None while it can): dead, restarting, or stalled."""
         if self.dead_error is not None:
             return self.dead_error
+        if self.lockstep is not None and self.lockstep.failure is not None:
+            return self.lockstep.failure  # stopping with the replica that failed
         if self.restarting is not None:
             return self.restarting
         if not self._thread.is_alive():
@@ -235,11 +248,19 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         self._post(_Abort(request_id))
 
+    def wake(self) -> None:
+        """Have the engine thread look for work now (another replica of its lockstep has)."""
+        self._wakeup.set()
+
+    def request_stop(self) -> None:
+        """Tell the loop to stop, without waiting (shutdown() waits)."""
+        self._stopping = True
+        self._wakeup.set()
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the loop; the engine thread then shuts the engine down itself (Ray, for one,
         expects the thread that started it to stop it)."""
-        self._stopping = True
-        self._wakeup.set()
+        self.request_stop()
         self._thread.join(timeout)
         if self._thread.is_alive() and self.engine is not None:
             logger.warning("the engine thread did not stop within %.0f s", timeout)
@@ -275,6 +296,8 @@ class AsyncLLM:
             logger.exception("the engine thread failed")
             error = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
         finally:
+            if error is not None and self.lockstep is not None:
+                self.lockstep.fail(error, self.replica_index)  # the others stop too, now
             try:
                 self.engine.shutdown()
             finally:
@@ -290,7 +313,10 @@ class AsyncLLM:
             if self._aborted is not None:  # a worker died while the engine was idle
                 raise self._aborted
             self._drain_commands()
-            if not engine.has_unfinished_requests():
+            busy = engine.has_unfinished_requests()
+            if self.lockstep is not None:  # every replica steps, or none
+                busy = self.lockstep.sync(self.replica_index, busy, self.failure_in_hand)
+            if not busy:
                 if stepped:  # the last request just finished: the steps' heap back (a call
                     stepped = False  # to every worker, watched for stalls as a step is)
                     engine.release_idle_memory()

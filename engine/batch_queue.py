@@ -19,9 +19,12 @@ if TYPE_CHECKING:
 
 
 class BatchQueue:
-    def __init__(self, executor: Executor, depth: int) -> None:
+    def __init__(self, executor: Executor, depth: int, lockstep: bool = False) -> None:
+        """`lockstep`: every step runs one forward, a dummy one when nothing was scheduled
+        (data-parallel replicas whose MoE layers exchange tokens, engine/dp_lockstep.py)."""
         self.executor = executor
         self.depth = max(1, depth)
+        self.lockstep = lockstep
         self._in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
 
     def __len__(self) -> int:
@@ -39,6 +42,8 @@ class BatchQueue:
             self._in_flight.append((scheduler_output, future))
             if len(self._in_flight) < self.depth:
                 return None
+        elif self.lockstep:
+            self.executor.execute_dummy_batch().result()
         if not self._in_flight:
             return None
         oldest, future = self._in_flight.popleft()

@@ -168,12 +168,17 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # uni, mp, ray; None: chosen automatically
     pipeline_layer_partition: tuple[int, ...] | None = None
-    # MoE layers hold whole experts per rank of the TP group instead of a slice of each.
+    # MoE layers hold whole experts per rank of the TP group instead of a slice of each (with
+    # data_parallel_size > 1: per rank of every replica, see expert_parallel_across_dp).
     enable_expert_parallel: bool = False
     # Data parallel: independent engine replicas of tp x pp ranks each (engine/dp_async_llm.py);
     # data_parallel_rank is the replica's index (set per replica with dataclasses.replace).
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # With enable_expert_parallel and data_parallel_size > 1 the replicas' workers form one
+    # torch.distributed world (DP attention + EP MoE): its rendezvous port on this node, chosen
+    # once for every replica (engine/dp_async_llm.py).
+    data_parallel_master_port: int = 0
     # Rank of this process (set per worker with dataclasses.replace).
     rank: int = 0
     # Ray: the group whose bundle i hosts rank i (as vLLM's); None: the executor makes one.
@@ -214,6 +219,8 @@ class ParallelConfig:
             from llmctl.engine.distributed.ranks import check_nodes
 
             check_nodes(self)
+        if self.expert_parallel_across_dp:
+            check_expert_parallel_across_dp(self)
 
     @property
     def world_size(self) -> int:
@@ -222,6 +229,47 @@ class ParallelConfig:
     @property
     def ranks_per_node(self) -> int:
         return self.world_size // self.nnodes
+
+    @property
+    def expert_parallel_across_dp(self) -> bool:
+        """Data-parallel attention with expert-parallel MoE layers: the replicas share one
+        world, and the experts are dealt over all of its ranks (EP size = DP x TP)."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
+
+    @property
+    def world_size_across_dp(self) -> int:
+        """Ranks in this worker's torch.distributed world: every replica's, when they share it."""
+        return self.world_size * (self.data_parallel_size if self.expert_parallel_across_dp else 1)
+
+    @property
+    def global_rank_offset(self) -> int:
+        """This replica's first rank in the shared world (0 when replicas do not share one)."""
+        return self.world_size * self.data_parallel_rank if self.expert_parallel_across_dp else 0
+
+
+def check_expert_parallel_across_dp(pc: ParallelConfig) -> None:
+    """Refuse what data-parallel attention with expert-parallel MoE layers does not support
+    (yet): pipeline stages, a backend other than mp, several nodes."""
+    what = (
+        f"--enable-expert-parallel with --data-parallel-size {pc.data_parallel_size} (the "
+        "replicas share their MoE layers' experts)"
+    )
+    if pc.pipeline_parallel_size > 1:
+        raise ConfigError(
+            f"{what} does not support pipeline_parallel_size={pc.pipeline_parallel_size} yet",
+            "drop --pipeline-parallel-size (use -tp within each replica), or drop "
+            "--enable-expert-parallel to run independent replicas",
+        )
+    if pc.distributed_executor_backend not in (None, "mp"):
+        raise ConfigError(
+            f"{what} runs on the mp backend, not {pc.distributed_executor_backend!r}",
+            "use --distributed-executor-backend mp, or leave it out",
+        )
+    if pc.nnodes > 1:
+        raise ConfigError(
+            f"{what} runs every replica on this node, not on {pc.nnodes} nodes",
+            "drop --nnodes, or drop --enable-expert-parallel",
+        )
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,11 @@ serves (the replica's health clears and its engine is not the one that failed), 
 rejoins routing, with an empty prefix cache. A remote replica whose node was lost rejoins the
 same way when a node started again with its --data-parallel-start-rank has built its engine
 (DPCoordinator.take_rejoined): the new RemoteReplica takes the lost one's place.
+
+With --enable-expert-parallel on a mixture-of-experts model, the replicas are DP attention + EP
+MoE layers (engine/dp_lockstep.py): their workers share one torch.distributed world (one
+rendezvous port, chosen here), the experts are dealt over all DP x TP ranks, and the replicas'
+engine threads step together. One replica's failure then stops all of them.
 """
 
 from __future__ import annotations
@@ -47,20 +52,29 @@ def replica_configs(config: EngineConfig, local: int | None = None) -> list[Engi
     ranks)."""
     pc = config.parallel_config
     local = pc.data_parallel_size if local is None else local
+    shared = {}
+    if pc.expert_parallel_across_dp:  # one world for every replica's workers
+        from llmctl.engine.distributed.ports import free_port
+
+        shared = {"data_parallel_master_port": pc.data_parallel_master_port or free_port()}
     return [
         dataclasses.replace(
             config,
             parallel_config=dataclasses.replace(
-                pc, data_parallel_size=local, data_parallel_rank=index
+                pc, data_parallel_size=local, data_parallel_rank=index, **shared
             ),
         )
         for index in range(local)
     ]
 
 
-def start_replicas(configs: list[EngineConfig], engine_args, progress=None) -> list[AsyncLLM]:
+def start_replicas(
+    configs: list[EngineConfig], engine_args, progress=None, lockstep=None
+) -> list[AsyncLLM]:
     """Build every replica at once, each in its own engine thread; if one fails, the others
-    are stopped and its error raised."""
+    are stopped and its error raised. With a `lockstep` (DP attention + EP MoE) the first
+    failure aborts the others' start at once: their workers would wait for its in their
+    shared rendezvous."""
 
     def builder(index: int):
         # only the first replica reports loading progress (one bar, not N interleaved)
@@ -77,16 +91,26 @@ def start_replicas(configs: list[EngineConfig], engine_args, progress=None) -> l
             stall_timeout=engine_args.stall_timeout,
             restart_on_failure=engine_args.restart_on_failure,
             max_restarts=engine_args.max_restarts,
+            lockstep=lockstep,
+            replica_index=index,
         )
         for index in range(len(configs))
     ]
-    concurrent.futures.wait([built for _, built in started])
+    futures = [built for _, built in started]
+    first = None
+    if lockstep is not None:
+        done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+        first = next((f.exception() for f in done if f.exception() is not None), None)
+        if first is not None:
+            reason = getattr(first, "message", None) or f"{type(first).__name__}: {first}"
+            lockstep.fail(EngineDeadError(f"it failed to start: {reason}"))
+    concurrent.futures.wait(futures)
     errors = [built.exception() for _, built in started if built.exception() is not None]
     if errors:
         for replica, built in started:
             if built.exception() is None:
                 replica.shutdown()
-        raise errors[0]
+        raise first or errors[0]
     return [replica for replica, _ in started]
 
 
@@ -100,6 +124,7 @@ class DPAsyncLLM:
         self.max_model_len = config.model_config.max_model_len
         self.router = DPRouter(len(replicas), config.cache_config.block_size)
         self.coordinator = None  # the head's listener for replicas of other nodes
+        self.lockstep = None  # DPLockstep: the replicas step together (DP attention + EP MoE)
         # replica -> the engine it ran when it was marked dead: it rejoins on another one
         self._failed_engines: dict[int, LLMEngine | None] = {}
 
@@ -116,13 +141,20 @@ class DPAsyncLLM:
             coordinator = DPCoordinator(
                 placement, config, engine_args.rendezvous_timeout, engine_args.stall_timeout
             )
+        configs = replica_configs(config, placement.local)
+        lockstep = None
+        if config.parallel_config.expert_parallel_across_dp:
+            from llmctl.engine.dp_lockstep import DPLockstep
+
+            pc = configs[0].parallel_config
+            lockstep = DPLockstep(pc.data_parallel_size, pc.data_parallel_master_port)
         try:
-            replicas = start_replicas(
-                replica_configs(config, placement.local), engine_args, progress
-            )
+            replicas = start_replicas(configs, engine_args, progress, lockstep)
         except BaseException:
             if coordinator is not None:
                 coordinator.close(reason="the head failed to start its own replicas")
+            if lockstep is not None:
+                lockstep.close()
             raise
         if coordinator is not None:
             try:
@@ -134,6 +166,7 @@ class DPAsyncLLM:
         logger.info("Started %d data-parallel replicas", len(replicas))
         dp = cls(replicas)
         dp.coordinator = coordinator
+        dp.lockstep = lockstep
         return dp
 
     # -- AsyncLLM's interface --------------------------------------------------------------------
@@ -205,10 +238,15 @@ class DPAsyncLLM:
                 self.router.finish(request_id)
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        if self.lockstep is not None:  # all leave their lockstep together, none waits for one
+            for replica in self.replicas:
+                replica.request_stop()
         for replica in self.replicas:
             replica.shutdown(timeout)
         if self.coordinator is not None:
             self.coordinator.close()
+        if self.lockstep is not None:
+            self.lockstep.close()
 
     # -- internals -------------------------------------------------------------------------------
 

@@ -219,7 +219,8 @@ class EngineArgs:
     )
     enable_expert_parallel: bool = option(
         "Mixture-of-experts models: each rank of the tensor-parallel group holds whole experts "
-        "(dealt out contiguously) instead of a slice of every expert.",
+        "(dealt out contiguously) instead of a slice of every expert; with "
+        "--data-parallel-size, every replica's ranks share them (EP size = DP x TP).",
         default=ParallelConfig.enable_expert_parallel,
         negatable=False,
         panel=PARALLEL,
@@ -327,8 +328,12 @@ class EngineArgs:
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}",
                 "allow a positive token budget per step",
             )
-        self.create_parallel_config()
+        parallel = self.create_parallel_config()
         placement = self.data_parallel_placement()  # typed errors for the multi-node DP flags
+        if parallel.expert_parallel_across_dp:
+            from llmctl.engine.dp_lockstep import check_engine_args
+
+            check_engine_args(self, placement)
         if self.headless and self.node_rank == 0 and not placement.headless:
             raise ConfigError(
                 "--headless runs no API server, but node rank 0 serves it",
@@ -392,12 +397,17 @@ class EngineArgs:
         )
         quantization = self._quantization(source.gguf_file)
         check_moe_quantization(shape, quantization.method if quantization else None)
-        if self.enable_expert_parallel and self.tensor_parallel_size > 1:
+        ep_size = self.tensor_parallel_size * (
+            self.data_parallel_size if self.enable_expert_parallel else 1
+        )
+        if self.enable_expert_parallel and ep_size > 1:
             from llmctl.engine.distributed.partition import describe_expert_placement
 
+            across = f" (EP size {ep_size} = DP x TP)" if self.data_parallel_size > 1 else ""
             logger.info(
-                "Expert parallel: %s",
-                describe_expert_placement(shape.num_experts, self.tensor_parallel_size),
+                "Expert parallel%s: %s",
+                across,
+                describe_expert_placement(shape.num_experts, ep_size),
             )
         check_group_split(
             shape, self.tensor_parallel_size, quantization, self.enable_expert_parallel

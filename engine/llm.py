@@ -31,7 +31,9 @@ class LLM:
     seed (0), enable_prefix_caching (True), tensor_parallel_size, pipeline_parallel_size,
     distributed_executor_backend, pipeline_layer_partition, num_gpu_blocks_override, tokenizer
     (a directory; default: the model's), skip_tokenizer_init (False), data_parallel_size (1: N
-    replicas, each its own workers and KV cache, the batch routed among them as the server does).
+    replicas, each its own workers and KV cache, the batch routed among them as the server does;
+    with enable_expert_parallel on a mixture of experts, the replicas' MoE layers share the
+    experts over DP x TP ranks and the replicas step together: engine/dp_lockstep.py).
 
     skip_tokenizer_init=True loads no tokenizer, so a model directory needs no tokenizer files:
     prompts must then be token ids (a list of ints or {"prompt_token_ids": [...]}), outputs carry

@@ -83,7 +83,11 @@ class LLMEngine:
         )
         # The pipeline's batches in flight: one per stage unless max_concurrent_batches says.
         sc = engine_config.scheduler_config
-        self.batch_queue = BatchQueue(self.executor, sc.max_concurrent_batches)
+        self.batch_queue = BatchQueue(
+            self.executor,
+            sc.max_concurrent_batches,
+            lockstep=engine_config.parallel_config.expert_parallel_across_dp,
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._prompt_tokens = 0
         self._generation_tokens = 0

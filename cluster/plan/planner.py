@@ -49,6 +49,7 @@ from llmctl.cluster.inventory import Inventory
 from llmctl.cluster.plan.model_spec import ModelSpec
 from llmctl.engine.config import (
     DTYPE_BYTES,
+    ParallelConfig,
     SchedulerConfig,
     check_expert_parallel,
     check_moe_quantization,
@@ -187,6 +188,7 @@ class Plan:
     weight_format: str = ""  # what the weights are held in: "bfloat16", "int4", "Q4_1 GGUF"
     weight_format_detail: str = ""  # by role, when quantized
     data_parallel_size: int = 1  # replicas of this layout (the ranks above are one replica's)
+    num_experts: int = 0  # a mixture of experts' routed experts per MoE layer (0: dense)
 
     @property
     def weight_line(self) -> str:
@@ -219,6 +221,24 @@ class Plan:
             f"{self.max_concurrency:.2f}x for {self.max_model_len:,} tokens per request",
             f"In total ({n} replicas, {n * self.gpus_used} GPUs): {self.total_kv_cache_tokens:,} "
             f"KV tokens, maximum concurrency {self.total_max_concurrency:.2f}x",
+            *self.expert_parallel_lines(),
+        ]
+
+    def expert_parallel_lines(self) -> list[str]:
+        """Data-parallel attention with expert-parallel MoE layers: the EP size and where the
+        experts go (the weights above count each replica's ranks as if EP spanned TP only, an
+        upper bound)."""
+        if not (self.serve_args.get("enable_expert_parallel") and self.num_experts):
+            return []
+        from llmctl.engine.distributed.partition import describe_expert_placement
+
+        n, tp = self.data_parallel_size, self.tensor_parallel_size
+        ep = n * tp
+        placement = describe_expert_placement(self.num_experts, ep).replace(" rank ", " EP rank ")
+        return [
+            f"Expert parallel across the replicas: EP size = DP x TP = {n} x {tp} = {ep} "
+            f"({placement}; EP rank = dp_rank x {tp} + tp_rank); the replicas step together "
+            "and one that fails stops them all"
         ]
 
     @property
@@ -614,8 +634,8 @@ def make_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions | None
     per_node = gpus_per_node // plan.gpus_used
     nodes = _gpu_nodes(inventory)
     replicas = per_node * len(nodes)
-    if replicas < 2:
-        return plan
+    if replicas < 2 or _shared_experts_error(plan, replicas, len(nodes) > 1) is not None:
+        return plan  # (replicas sharing their experts only where they can)
     where = f"{plan.gpus_used} GPUs" if plan.gpus_used > 1 else "one GPU"
     if len(nodes) == 1:
         reason = (
@@ -645,7 +665,7 @@ def _across_nodes(plan: Plan, nodes: list, per_node: int, reason: str) -> Plan:
     from llmctl.engine.dp_placement import DEFAULT_RPC_PORT
 
     replicas = per_node * len(nodes)
-    plan = _with_replicas(plan, replicas, reason)
+    plan = _with_replicas(plan, replicas, reason, across_nodes=True)
     one = plan.commands["serve"]  # a layout of one node: no -i, each node starts its own
     base = {
         "data_parallel_size_local": per_node,
@@ -672,7 +692,9 @@ def _asked_replicas(spec: ModelSpec, inventory: Inventory, options: PlanOptions,
     nodes = _gpu_nodes(inventory)
     tp, pp = options.tensor_parallel_size or 1, options.pipeline_parallel_size or 1
     asked = tp * pp
-    if len(nodes) > 1 and (dp % len(nodes) == 0 or per_node < dp * asked):
+    # replicas that share their experts stay on one node when it holds them
+    shared = options.enable_expert_parallel and spec.num_experts and per_node >= dp * asked
+    if len(nodes) > 1 and not shared and (dp % len(nodes) == 0 or per_node < dp * asked):
         # spread over the nodes: N / nodes replicas each, none left idle
         return _asked_across_nodes(spec, inventory, options, dp, nodes, per_node)
     if per_node < dp * asked:
@@ -765,8 +787,41 @@ def _fits(plan_for, k: int) -> bool:
     return True
 
 
-def _with_replicas(plan: Plan, replicas: int, reason: str) -> Plan:
-    """The plan of one replica, served as `replicas` (the serve command with its flag)."""
+def _shared_experts_error(plan: Plan, replicas: int, across_nodes: bool) -> ConfigError | None:
+    """Why `replicas` of `plan` cannot run with --enable-expert-parallel (their MoE layers then
+    share the experts over DP x TP ranks: engine/dp_lockstep.py), or None when they can (or do
+    not share them)."""
+    from llmctl.engine.distributed.partition import expert_shards
+
+    if replicas < 2 or not (plan.serve_args.get("enable_expert_parallel") and plan.num_experts):
+        return None
+    try:
+        ParallelConfig(
+            tensor_parallel_size=plan.tensor_parallel_size,
+            pipeline_parallel_size=plan.pipeline_parallel_size,
+            enable_expert_parallel=True,
+            data_parallel_size=replicas,
+        )
+        expert_shards(plan.num_experts, replicas * plan.tensor_parallel_size)
+    except ConfigError as exc:
+        return exc
+    if across_nodes:
+        return ConfigError(
+            f"--enable-expert-parallel with --data-parallel-size {replicas} runs every replica "
+            "on one node (their MoE layers share the experts); replicas on several nodes are "
+            "not supported with it yet",
+            "use --data-parallel-size that fits one node, or drop --enable-expert-parallel to "
+            "run independent replicas across nodes",
+        )
+    return None
+
+
+def _with_replicas(plan: Plan, replicas: int, reason: str, across_nodes: bool = False) -> Plan:
+    """The plan of one replica, served as `replicas` (the serve command with its flag).
+    Raises ConfigError when the replicas cannot share their experts as asked."""
+    error = _shared_experts_error(plan, replicas, across_nodes)
+    if error is not None:
+        raise error
     serve = (
         plan.commands["serve"]
         + " "
@@ -1087,6 +1142,7 @@ def _finish(ctx: _Ctx, chosen: _Eval, reasons, rejected, alternatives) -> Plan:
         quantization=opts.quantization,
         weight_format=ctx.weights.label(),
         weight_format_detail=ctx.weights.detail(spec.shape) if ctx.weights.quantized else "",
+        num_experts=spec.shape.num_experts or 0,
     )
 
 

@@ -48,6 +48,18 @@ class GroupCoordinator:
         dist.all_reduce(tensor, group=self.device_group)
         return tensor
 
+    def all_gather(self, tensor):
+        """[n, ...] on every rank (the same n) -> [world_size * n, ...], in rank order."""
+        if self.world_size == 1:
+            return tensor
+        import torch
+        import torch.distributed as dist
+
+        tensor = tensor.contiguous()
+        pieces = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(pieces, tensor, group=self.device_group)
+        return torch.cat(pieces)
+
     def all_gather_object(self, obj) -> list:
         if self.world_size == 1:
             return [obj]
@@ -110,6 +122,7 @@ class GroupCoordinator:
 _TP: GroupCoordinator | None = None
 _PP: GroupCoordinator | None = None
 _EP: GroupCoordinator | None = None
+_DP: GroupCoordinator | None = None
 
 
 def get_tp_group() -> GroupCoordinator:
@@ -129,8 +142,16 @@ def get_pp_group() -> GroupCoordinator:
 def get_ep_group() -> GroupCoordinator | None:
     """The expert-parallel group (MoE layers hold whole experts per rank), or None when expert
     parallelism is off (each expert is split by tensor parallelism). Its ranks are the tensor-
-    parallel group's: EP size = TP size (x DP size, once data parallelism exists)."""
+    parallel group's (EP size = TP size), or with data-parallel replicas sharing one world
+    every rank of it (EP size = DP x TP)."""
     return _EP
+
+
+def get_dp_group() -> GroupCoordinator | None:
+    """The data-parallel group: this rank and the ranks at the same place of the other
+    replicas, when the replicas share one world (expert parallelism across data-parallel
+    replicas: MoE layers exchange tokens over it); None otherwise."""
+    return _DP
 
 
 def init_distributed_environment(
@@ -157,10 +178,17 @@ def init_distributed_environment(
 
 
 def initialize_model_parallel(
-    tensor_parallel_size: int, pipeline_parallel_size: int, enable_expert_parallel: bool = False
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    enable_expert_parallel: bool = False,
+    data_parallel_size: int = 1,
 ) -> None:
     """Create this rank's TP and PP groups from the rank mesh (ranks.reshape); with
     `enable_expert_parallel`, the EP group (the TP group's ranks and communicators).
+
+    `data_parallel_size` > 1: the world is that many replicas' (ranks.dp_worlds; expert
+    parallelism across data-parallel replicas): every replica's TP and PP groups, the DP groups
+    (ranks.dp_groups) and an EP group of the whole world.
 
     Every rank creates every group, in the same order, as torch.distributed requires.
     """
@@ -170,25 +198,30 @@ def initialize_model_parallel(
 
     rank = dist.get_rank()
     backend = dist.get_backend()
-    tp_group = pp_group = None
-    for group_ranks_list, kind in (
-        (ranks.tp_groups(pipeline_parallel_size, tensor_parallel_size), "tp"),
-        (ranks.pp_groups(pipeline_parallel_size, tensor_parallel_size), "pp"),
-    ):
+    dp, pp, tp = data_parallel_size, pipeline_parallel_size, tensor_parallel_size
+    worlds = ranks.dp_worlds(dp, pp, tp)
+    kinds = {
+        "tp": [row for world in worlds for row in world],
+        "pp": [[world[p][t] for p in range(pp)] for world in worlds for t in range(tp)],
+    }
+    if dp > 1:
+        kinds["dp"] = ranks.dp_groups(dp, pp, tp)
+        kinds["ep"] = [list(range(dp * pp * tp))] if enable_expert_parallel else []
+    mine: dict[str, GroupCoordinator] = {}
+    for kind, group_ranks_list in kinds.items():
         for group_ranks in group_ranks_list:
             device_group = dist.new_group(group_ranks, backend=backend)
             cpu_group = (
                 device_group if backend == "gloo" else dist.new_group(group_ranks, backend="gloo")
             )
             if rank in group_ranks:
-                coordinator = GroupCoordinator(group_ranks, rank, device_group, cpu_group)
-                if kind == "tp":
-                    tp_group = coordinator
-                else:
-                    pp_group = coordinator
-    set_groups(tp_group, pp_group)
+                mine[kind] = GroupCoordinator(group_ranks, rank, device_group, cpu_group)
+    tp_group = mine["tp"]
+    set_groups(tp_group, mine["pp"])
     _attach_shared_memory(tp_group)
-    set_ep_group(tp_group if enable_expert_parallel else None)
+    global _DP
+    _DP = mine.get("dp")
+    set_ep_group(mine.get("ep", tp_group) if enable_expert_parallel else None)
 
 
 def _attach_shared_memory(group: GroupCoordinator) -> None:
@@ -230,5 +263,5 @@ def set_ep_group(ep: GroupCoordinator | None) -> None:
 
 
 def reset_groups() -> None:
-    global _TP, _PP, _EP
-    _TP = _PP = _EP = None
+    global _TP, _PP, _EP, _DP
+    _TP = _PP = _EP = _DP = None

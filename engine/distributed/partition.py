@@ -94,8 +94,9 @@ def expert_shards(num_experts: int, ep_size: int) -> list[int]:
         raise ConfigError(
             f"expert parallelism over {ep_size} ranks exceeds the model's {num_experts} experts: "
             "some rank would hold none",
-            f"use tensor_parallel_size {num_experts} or less with --enable-expert-parallel, or "
-            "leave expert parallelism off",
+            f"use tensor_parallel_size {num_experts} or less with --enable-expert-parallel (with "
+            "data-parallel replicas: tensor_parallel_size x data_parallel_size), or leave expert "
+            "parallelism off",
         )
     return split_evenly(num_experts, ep_size)
 

@@ -42,6 +42,28 @@ def pp_groups(pp: int, tp: int) -> list[list[int]]:
     return [[grid[p][t] for p in range(pp)] for t in range(tp)]
 
 
+def dp_worlds(dp: int, pp: int, tp: int) -> list[list[list[int]]]:
+    """The ranks of one torch.distributed world shared by `dp` data-parallel replicas (expert
+    parallelism across replicas): replica d's mesh is reshape(pp, tp) shifted by d * pp * tp, so
+    a worker's global rank is dp_rank * pp * tp + its rank in the replica. dp=2 x tp=2:
+
+        dp_worlds(2, 1, 2) == [[[0, 1]],    # replica 0: TP group 0-1
+                               [[2, 3]]]    # replica 1: TP group 2-3
+
+    Every replica's TP and PP groups are these rows and columns; the data-parallel groups
+    (dp_groups) join the ranks at the same place of every replica; the expert-parallel group is
+    the whole world (EP size = DP x TP).
+    """
+    size = pp * tp
+    return [[[size * d + r for r in row] for row in reshape(pp, tp)] for d in range(dp)]
+
+
+def dp_groups(dp: int, pp: int, tp: int) -> list[list[int]]:
+    """[[0, 2], [1, 3]] for dp=2 x tp=2: the same (pp_rank, tp_rank) of every replica."""
+    worlds = dp_worlds(dp, pp, tp)
+    return [[worlds[d][p][t] for d in range(dp)] for p in range(pp) for t in range(tp)]
+
+
 def coord(rank: int, pp: int, tp: int) -> RankCoord:
     for p, row in enumerate(reshape(pp, tp)):
         if rank in row:

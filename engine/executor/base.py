@@ -210,6 +210,12 @@ class Executor(ABC):
         future = self.collective_rpc_async("execute_model", (scheduler_output,))
         return _OutputOf(future, self.output_rank)
 
+    def execute_dummy_batch(self) -> Future:
+        """Run a forward of one token of no request on every worker: a data-parallel replica
+        with nothing to run keeps step with the others (engine/dp_lockstep.py)."""
+        self.check_alive()
+        return self.collective_rpc_async("execute_dummy_batch")
+
     def check_alive(self) -> None:
         if self.abort_error is not None:
             raise self.abort_error

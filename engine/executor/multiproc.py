@@ -121,6 +121,11 @@ class MultiprocExecutor(Executor):
         tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
         local = ranks.node_ranks(0, pc.nnodes, pp, tp)  # this node's (node 0's) ranks
         init_method = f"tcp://127.0.0.1:{free_port()}"
+        if pc.expert_parallel_across_dp:  # the replicas' workers meet in one world
+            from llmctl.engine.dp_lockstep import register_executor
+
+            init_method = f"tcp://127.0.0.1:{pc.data_parallel_master_port}"
+            register_executor(pc.data_parallel_master_port, self)
         # Every local rank of every data-parallel replica gets its own share of the cores.
         threads = max(1, len(os.sched_getaffinity(0)) // (len(local) * pc.data_parallel_size))
         # Per rank: a local Popen, or a RemoteWorker on another node.

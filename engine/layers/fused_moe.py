@@ -15,9 +15,18 @@ How the ranks of the tensor-parallel group share the experts:
   whole experts, dealt out contiguously (8 experts on 3 ranks: 0-2, 3-5, 6-7). Tokens are
   replicated across the group, so dispatch is local: each rank computes its own experts'
   contribution for every token routed to them, a partial sum over the experts.
-Either way the partial sums are combined with one all-reduce over the group, as the MLP's
-row-parallel layer does (`reduce_results=False` leaves it to the caller, e.g. to add Qwen2-MoE's
-shared expert first).
+- expert parallel across data-parallel replicas (`--enable-expert-parallel` with
+  `--data-parallel-size N`, engine/dp_lockstep.py): the EP group is every rank of the N
+  replicas (EP size = DP x TP), and each replica runs its own tokens. Dispatch: an all-gather
+  over the DP group (this rank and the ranks with the same tp_rank in the other replicas) of
+  every replica's hidden states and router logits, padded to the largest count; each rank
+  computes its experts for every replica's tokens. Combine: an all-reduce over the DP group,
+  of which each rank keeps its own replica's rows. A replica's TP ranks hold its tokens alike
+  and different experts, so each gathers over its own DP group and their sums are disjoint:
+  the TP all-reduce below then completes the sum over all DP x TP ranks exactly.
+Either way the partial sums are combined with one all-reduce over the (tensor-parallel) group,
+as the MLP's row-parallel layer does (`reduce_results=False` leaves it to the caller, e.g. to
+add Qwen2-MoE's shared expert first).
 
 Built under a GGUF QuantizationConfig (a quantized GGUF file), the layer's `quant_method` is a
 quantization/moe_method.PackedMoEMethod: the same split, each expert's slices kept in their GGUF
@@ -33,8 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmctl.engine.distributed.parallel_state import get_ep_group, get_tp_group
+from llmctl.engine.distributed.parallel_state import get_dp_group, get_ep_group, get_tp_group
 from llmctl.engine.distributed.partition import column_shards, expert_shards, offsets
+from llmctl.engine.forward_context import num_tokens_across_dp
 from llmctl.engine.layers.linear import _copy_into, _cpu_prepack_enabled
 from llmctl.engine.layers.quantization.linear_method import current_quant_config
 from llmctl.engine.layers.quantization.moe_method import PackedMoEMethod, expert_matmul
@@ -153,8 +163,11 @@ class FusedMoE(nn.Module):
         tp, ep = get_tp_group(), get_ep_group()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.reduce_results = reduce_results
+        # Across data-parallel replicas: tokens are exchanged over the DP group, the partial
+        # sums reduced over the TP group.
+        self.dp_group = get_dp_group() if ep is not None else None
         if ep is not None:  # whole experts per rank
-            self.group = ep
+            self.group = ep if self.dp_group is None else tp
             sizes = expert_shards(num_experts, ep.world_size)
             self.first_expert = offsets(sizes)[ep.rank_in_group]
             self.num_local_experts = sizes[ep.rank_in_group]
@@ -231,18 +244,50 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         # hidden_states [num_tokens, hidden_size]; router_logits [num_tokens, num_experts]
+        if self.dp_group is not None:
+            out = self._forward_across_dp(hidden_states, router_logits)
+        else:
+            out = self._experts(hidden_states, router_logits)
+        if self.reduce_results:
+            out = self.group.all_reduce(out)
+        return out
+
+    def _experts(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """This rank's experts' partial sum for every token: [num_tokens, hidden_size]."""
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         w13, w2, linear = self.w13_weight, self.w2_weight, F.linear
         if self.quant_method is not None:
             w13, w2, linear = self.quant_method.w13, self.quant_method.w2, expert_matmul
         elif self._packed is not None:
             (w13, w2), linear = self._packed, _packed_linear
-        out = fused_experts(
+        return fused_experts(
             hidden_states, w13, w2, topk_weights, topk_ids, self.first_expert, linear
         )
-        if self.reduce_results:
-            out = self.group.all_reduce(out)
-        return out
+
+    def _forward_across_dp(
+        self, hidden_states: torch.Tensor, router_logits: torch.Tensor
+    ) -> torch.Tensor:
+        """Dispatch every replica's tokens to this rank's experts and combine the partial sums
+        of this replica's tokens (the module docstring says how)."""
+        dp = self.dp_group
+        num_tokens, hidden = hidden_states.shape
+        sizes = num_tokens_across_dp(num_tokens, dp, hidden_states.device)
+        largest = max(sizes)
+        # [largest, hidden_size + num_experts]: one all-gather for both
+        both = torch.cat([hidden_states, router_logits.to(hidden_states.dtype)], dim=1)
+        if num_tokens < largest:
+            both = torch.cat([both, both.new_zeros(largest - num_tokens, both.shape[1])])
+        gathered = dp.all_gather(both)  # [dp_size * largest, hidden_size + num_experts]
+        if any(size != largest for size in sizes):  # the padding rows go: no expert runs them
+            rows = torch.cat(
+                [torch.arange(r * largest, r * largest + n) for r, n in enumerate(sizes)]
+            ).to(gathered.device)
+            gathered = gathered.index_select(0, rows)
+        # [sum(sizes), hidden_size], every replica's tokens in DP rank order
+        out = self._experts(gathered[:, :hidden], gathered[:, hidden:])
+        out = dp.all_reduce(out.contiguous())
+        start = sum(sizes[: dp.rank_in_group])
+        return out[start : start + num_tokens]
 
     def extra_repr(self) -> str:
         last = self.first_expert + self.num_local_experts - 1

@@ -77,6 +77,7 @@ class ModelRunner:
         self.sampler = Sampler(make_generator(self.device, mc.seed))
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs = None  # CudaGraphRunner, once the KV cache exists (CUDA only)
+        self._scratch_kv: list[torch.Tensor] | None = None  # execute_dummy_batch's KV block
 
     # -- KV cache ------------------------------------------------------------------------------
 
@@ -367,6 +368,66 @@ class ModelRunner:
             self._stage("output_token_ids", output).view(shape),
         )
 
+    # -- a dummy batch (data-parallel replicas in lockstep) ---------------------------------------
+
+    @torch.inference_mode()
+    def execute_dummy_batch(self) -> None:
+        """One token of no request through the model: a data-parallel replica with nothing to
+        run this step runs it, so that its MoE layers meet the other replicas' in their
+        collectives (engine/dp_lockstep.py). Its key and value go to a scratch block, not the
+        KV cache; nothing is sampled."""
+        layers = self.attention_layers()
+        if self._scratch_kv is None:
+            self._scratch_kv = [
+                zeroed_kv_cache(
+                    (2, 1, self.block_size, layer.num_kv_heads, layer.head_dim),
+                    self.dtype,
+                    self.device,
+                )
+                for layer in layers
+            ]
+        bound = [layer.kv_cache for layer in layers]
+        self._begin_staging()
+        input_ids, positions, md, _ = self._prefill_only_inputs(np.ones(1, np.int64))
+        self._end_staging()
+        for layer, scratch in zip(layers, self._scratch_kv, strict=True):
+            layer.kv_cache = scratch
+        try:
+            with set_forward_context(md):
+                self.model(input_ids, positions, None)
+        finally:
+            for layer, cache in zip(layers, bound, strict=True):
+                layer.kv_cache = cache
+
+    def _prefill_only_inputs(self, lens: np.ndarray):
+        """(input_ids, positions, AttentionMetadata, ends) of prefills of `lens` tokens with no
+        context, token id 0, every key and value written to slot 0."""
+        num_tokens = int(lens.sum())
+        ends = np.cumsum(lens)
+        starts = ends - lens
+        positions = np.arange(num_tokens) - np.repeat(starts, lens)
+        md = AttentionMetadata(
+            slot_mapping=self._stage("slot_mapping", np.zeros(num_tokens, np.int64)),
+            num_decodes=0,
+            sliding_window=self.sliding_window,
+        )
+        width = int(-(-lens.max() // self.block_size))
+        md.prefill_block_tables = self._stage(
+            "prefill_block_tables", np.zeros(len(lens) * width, np.int64)
+        ).view(len(lens), width)
+        md.prefill_query_start_loc = self._stage(
+            "prefill_query_start_loc", np.concatenate(([0], ends))
+        )
+        md.prefill_seq_lens = self._stage("prefill_seq_lens", lens)
+        md.prefill_context_lens = self._stage("prefill_context_lens", np.zeros_like(lens))
+        md.max_prefill_query_len = int(lens.max())
+        md.prefills = [
+            PrefillChunk(int(s), int(n), int(n), 0, i)
+            for i, (s, n) in enumerate(zip(starts, lens, strict=True))
+        ]
+        input_ids = self._stage("input_ids", np.zeros(num_tokens, np.int64))
+        return input_ids, self._stage("positions", positions), md, ends
+
     # -- memory profiling --------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -382,30 +443,7 @@ class ModelRunner:
         lens = lens[lens > 0]
         self.initialize_kv_cache(1)
         try:
-            ends = np.cumsum(lens)
-            starts = ends - lens
-            positions = np.arange(num_tokens) - np.repeat(starts, lens)
-            md = AttentionMetadata(
-                slot_mapping=self._stage("slot_mapping", np.zeros(num_tokens, np.int64)),
-                num_decodes=0,
-                sliding_window=self.sliding_window,
-            )
-            width = int(-(-lens.max() // self.block_size))
-            md.prefill_block_tables = self._stage(
-                "prefill_block_tables", np.zeros(len(lens) * width, np.int64)
-            ).view(len(lens), width)
-            md.prefill_query_start_loc = self._stage(
-                "prefill_query_start_loc", np.concatenate(([0], ends))
-            )
-            md.prefill_seq_lens = self._stage("prefill_seq_lens", lens)
-            md.prefill_context_lens = self._stage("prefill_context_lens", np.zeros_like(lens))
-            md.max_prefill_query_len = int(lens.max())
-            md.prefills = [
-                PrefillChunk(int(s), int(n), int(n), 0, i)
-                for i, (s, n) in enumerate(zip(starts, lens, strict=True))
-            ]
-            input_ids = self._stage("input_ids", np.zeros(num_tokens, np.int64))
-            pos = self._stage("positions", positions)
+            input_ids, pos, md, ends = self._prefill_only_inputs(lens)
             intermediate = None
             if not self.model.shard.is_first:
                 intermediate = self.make_empty_intermediate_tensors(num_tokens)

@@ -52,15 +52,18 @@ class Worker:
             platform.tune_cpu_allocator()
         else:
             torch.cuda.set_device(self.local_rank)
-        if pc.world_size > 1:
+        if pc.world_size_across_dp > 1:  # data-parallel replicas may share one world
             parallel_state.init_distributed_environment(
-                world_size=pc.world_size,
-                rank=self.rank,
+                world_size=pc.world_size_across_dp,
+                rank=pc.global_rank_offset + self.rank,
                 init_method=self.distributed_init_method,
                 backend="nccl" if device == "cuda" else "gloo",
             )
             parallel_state.initialize_model_parallel(
-                pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.enable_expert_parallel
+                pc.tensor_parallel_size,
+                pc.pipeline_parallel_size,
+                pc.enable_expert_parallel,
+                pc.world_size_across_dp // pc.world_size,
             )
 
     def load_model(self, progress=None) -> None:
@@ -183,6 +186,10 @@ class Worker:
             )
             return ModelRunnerOutput()
         return output
+
+    def execute_dummy_batch(self) -> None:
+        """A forward of one token of no request (engine/dp_lockstep.py)."""
+        self.model_runner.execute_dummy_batch()
 
     def rank_info(self) -> dict:
         """Who this rank is and what it holds: for logs, `cluster status` and benchmarks."""

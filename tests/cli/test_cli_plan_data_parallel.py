@@ -121,3 +121,33 @@ def test_asked_replicas_spread_over_the_nodes_or_are_refused_by_name(invoke):
     many = invoke("plan", "Llama-3.1-8B", "--nodes", "2", "--gpus-per-node", "2", "-dp", "6")
     assert many.exit_code == 1
     assert "need 6 GPUs, but this inventory's 2 nodes have 4" in many.stderr
+
+
+def test_expert_parallel_replicas_print_ep_size_dp_x_tp(invoke):
+    args = ("plan", "Mixtral-8x7B", "-tp", "2", "-dp", "2", "--max-model-len", "8192")
+    result = invoke(*args, "--enable-expert-parallel", env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert "Expert parallel across the replicas: EP size = DP x TP = 2 x 2 = 4" in result.stdout
+    assert "experts 0-1 on EP rank 0, 2-3 on EP rank 1, 4-5 on EP rank 2, 6-7 on EP rank 3" in (
+        result.stdout
+    )
+    assert "--enable-expert-parallel --data-parallel-size 2" in result.stdout
+    plain = invoke(*args, env={"COLUMNS": "300"})
+    assert "Expert parallel across" not in plain.stdout  # independent replicas: no EP
+
+
+def test_expert_parallel_replicas_stay_on_one_node_or_are_refused_by_name(invoke):
+    two_nodes = ("--gpus-per-node", "8", "--nodes", "2", "--max-model-len", "8192")
+    one = invoke("plan", "Mixtral-8x7B", *two_nodes, "-tp", "4", "-dp", "2",
+                 "--enable-expert-parallel", "--json")  # fmt: skip
+    assert one.exit_code == 0, one.output
+    serve = json.loads(one.stdout)["commands"]["serve"]
+    assert serve.endswith("--enable-expert-parallel --data-parallel-size 2")  # no --headless
+    staged = invoke("plan", "Mixtral-8x7B", "-tp", "2", "-pp", "2", "-dp", "2",
+                    "--enable-expert-parallel")  # fmt: skip
+    assert staged.exit_code == 1
+    assert "does not support pipeline_parallel_size=2 yet" in staged.stderr
+    too_many = invoke("plan", "Mixtral-8x7B", *two_nodes, "-tp", "4", "-dp", "4",
+                      "--enable-expert-parallel")  # fmt: skip
+    assert too_many.exit_code == 1
+    assert "expert parallelism over 16 ranks exceeds the model's 8 experts" in too_many.stderr

@@ -122,3 +122,18 @@ def test_the_check_catches_a_host_index():
         cache.index_copy_(0, torch.tensor([1, 2]), torch.ones(2, 4, device=DEVICE))
     with DeviceCheckMode(), pytest.raises(HostTensorOnDeviceError, match="index_select"):
         cache.index_select(0, torch.tensor([1, 2]))
+
+
+def test_dummy_batch_on_device(tiny_models):
+    """A data-parallel replica's dummy forward (engine/dp_lockstep.py) on the device: no host
+    tensor, and the layers' KV caches bound again after it (its key and value go to a scratch
+    block; tests/engine/test_dp_expert_parallel.py checks no cached block changes)."""
+    # (a dense family: the check's fake device has no bincount, which MoE routing uses)
+    runner = _runner(tiny_models.path("mistral"))
+    with DeviceCheckMode():
+        runner.execute_dummy_batch()
+    layers = runner.attention_layers()
+    assert all(
+        layer.kv_cache is cache for layer, cache in zip(layers, runner.kv_caches, strict=True)
+    )
+    assert all(scratch.shape[1] == 1 for scratch in runner._scratch_kv)
