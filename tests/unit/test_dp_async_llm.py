@@ -223,6 +223,9 @@ def test_every_replica_restarting_is_a_retry_later_error():
     )
     [result] = run_all(dp, [[1, 2, 3]])
     assert isinstance(result, EngineRestartingError)
+    # The request may learn of replica 1's failure before its engine thread reports it: wait
+    # until both replicas' health says they restart.
+    wait_for(lambda: "replica 1: " in getattr(dp.health_error(), "message", ""))
     error = dp.health_error()
     assert isinstance(error, EngineRestartingError) and "retry" in error.hint
     assert "replica 0: " in error.message and "replica 1: " in error.message
