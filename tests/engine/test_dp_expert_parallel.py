@@ -155,7 +155,7 @@ def test_a_worker_dying_mid_stream_stops_every_replica(tiny_models):
         ),
         (
             {"distributed_executor_backend": "ray"},
-            "the ray backend cannot",  # data parallel itself runs on mp only
+            "runs on the mp backend, not 'ray'",  # plain data parallel runs on Ray too
             "--distributed-executor-backend mp",
         ),
         (
