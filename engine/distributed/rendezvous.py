@@ -417,7 +417,8 @@ def _bind_error(exc: OSError, pc, port: int, what: str) -> RendezvousError:
         )
     if exc.errno == errno.EADDRINUSE:
         return RendezvousError(
-            f"port {port} ({what}) is already in use on node 0 ({pc.master_addr}:{port})",
+            f"port {port} ({what}) is already in use on node 0 ({pc.master_addr}:{port}), "
+            f"which --master-port {pc.master_port} asks for",
             f"choose a free --master-port on every node (llmctl uses it and the port after it), "
             f"or stop what listens there (`ss -ltnp 'sport = :{port}'`)",
         )
