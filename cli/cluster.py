@@ -275,7 +275,7 @@ def _render(report, command: str) -> None:
         table.add_row(*cells)
     console.print(table)
     for note in report.notes:
-        console.print(note)
+        console.print(note, soft_wrap=True)  # a command in it stays one line
     if command == "up" and not report.dry_run:
         if mp:
             n = len(report.rows)
