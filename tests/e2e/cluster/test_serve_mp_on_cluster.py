@@ -273,3 +273,28 @@ def serving(head) -> bool:
         return health(head) == 200
     except httpx.HTTPError:
         return False
+
+
+def test_cluster_up_on_this_node_for_the_mp_backend(hosts):
+    """`cluster up --head/--worker --backend mp` without an inventory (run_cluster.sh's way):
+    this node's idle container with its env and no Ray, and the command to exec in it."""
+    head, worker = hosts
+    up = [LLMCTL, "cluster", "up", "--image", IMAGE, "--backend", "mp"]
+    try:
+        out = worker.run([*up, "--worker", "--ip", worker.ip, "--head-ip", head.ip],
+                         env={"COLUMNS": "200"})  # fmt: skip
+        assert "1 node ready for the mp backend (no Ray)" in out.stdout, out.stdout
+        assert (
+            "docker exec -d llmctl-mp-worker llmctl serve MODEL -tp T -pp P "
+            f"--distributed-executor-backend mp --nnodes N --node-rank R --master-addr {head.ip} "
+            "--headless" in out.stdout
+        ), out.stdout
+        env = worker.docker(["exec", "llmctl-mp-worker", "env"]).stdout
+        assert f"VLLM_HOST_IP={worker.ip}" in env and "GLOO_SOCKET_IFNAME=eth0" in env
+        again = worker.run([*up, "--worker", "--ip", worker.ip, "--head-ip", head.ip])
+        assert "mp backend (no Ray); nothing changed" in again.stdout, again.stdout
+    finally:
+        down = worker.run([LLMCTL, "cluster", "down"], check=False)
+        assert down.returncode == 0, down.stderr
+    gone = worker.docker(["container", "inspect", "llmctl-mp-worker"], check=False)
+    assert gone.returncode != 0
