@@ -106,14 +106,8 @@ def up(
             raise ConfigError(
                 "--head/--worker start this node only", "drop -i, or drop --head/--worker"
             )
-        if backend != "ray":
-            raise ConfigError(
-                "--head/--worker start this node's Ray container",
-                "for the mp backend use -i cluster.yaml --backend mp, or run `llmctl serve "
-                "--nnodes N --node-rank R ...` on each node",
-            )
         report = _up_local("head" if head else "worker", ip, head_ip, image, hf_home, num_gpus,
-                           env or [], dry_run)  # fmt: skip
+                           env or [], dry_run, backend)  # fmt: skip
     else:
         with _cluster(_need_inventory(inventory, "up")) as cluster:
             report = cluster.up(
@@ -123,7 +117,7 @@ def up(
     _render(report, "up")
 
 
-def _up_local(role, ip, head_ip, image, hf_home, num_gpus, env, dry_run):
+def _up_local(role, ip, head_ip, image, hf_home, num_gpus, env, dry_run, backend):
     import os
 
     from llmctl.cluster.launch.local_node import up_this_node
@@ -136,7 +130,7 @@ def _up_local(role, ip, head_ip, image, hf_home, num_gpus, env, dry_run):
         variables[name] = value
     return up_this_node(
         role, ip=ip or os.environ.get("VLLM_HOST_IP"), head_ip=head_ip, image=image,
-        hf_home=hf_home, gpus=num_gpus, env=variables, dry_run=dry_run,
+        hf_home=hf_home, gpus=num_gpus, env=variables, dry_run=dry_run, backend=backend,
     )  # fmt: skip
 
 
@@ -281,10 +275,11 @@ def _render(report, command: str) -> None:
         table.add_row(*cells)
     console.print(table)
     for note in report.notes:
-        console.print(note)
+        console.print(note, soft_wrap=True)  # a command in it stays one line
     if command == "up" and not report.dry_run:
         if mp:
-            summary = f"{len(report.rows)} nodes ready for the mp backend (no Ray)"
+            n = len(report.rows)
+            summary = f"{n} node{'s' if n != 1 else ''} ready for the mp backend (no Ray)"
         elif report.ray is not None:
             summary = f"{len(report.ray.active_nodes)} Ray nodes, {report.ray.gpus:g} GPUs"
         else:

@@ -153,7 +153,8 @@ def serve(
     if engine_args.headless:  # this node's ranks, driven by node 0's engine; no API here
         from llmctl.engine.executor.node_agent import run_headless
 
-        run_headless(engine_args.create_parallel_config())
+        restarts = engine_args.max_restarts if engine_args.restart_on_failure else 0
+        run_headless(engine_args.create_parallel_config(), max_restarts=restarts)
         return
     server_config = ServerConfig(
         host=host,

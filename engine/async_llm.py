@@ -295,6 +295,9 @@ class AsyncLLM:
         except BaseException as exc:  # a bug: report it to every caller, stop serving
             logger.exception("the engine thread failed")
             error = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
+            executor = getattr(self.engine, "executor", None)
+            if executor is not None:  # a failure, not a stop: the other nodes' agents are told
+                executor.abort(error)
         finally:
             if error is not None and self.lockstep is not None:
                 self.lockstep.fail(error, self.replica_index)  # the others stop too, now

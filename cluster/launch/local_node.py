@@ -1,5 +1,7 @@
 """`cluster up --head/--worker` and `cluster down` without an inventory: this node's container,
-over a LocalTransport, under a stable name (what run_cluster.sh does, but detached)."""
+over a LocalTransport, under a stable name (what run_cluster.sh does, but detached). On Ray it runs
+this node's Ray; on the mp backend (`--backend mp`) it idles with the node's env, as `cluster up -i
+--backend mp` leaves it, and the user execs this node's `llmctl serve --nnodes ...` in it."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from llmctl.cluster.errors import (
     NodeNetworkError,
 )
 from llmctl.cluster.launch import commands
+from llmctl.cluster.launch.commands import BACKENDS
 from llmctl.cluster.launch.invariants import own_address
 from llmctl.cluster.launch.launch_report import DONE, NodeRow, Report, describe
 from llmctl.cluster.launch.node_launch import (
@@ -24,6 +27,7 @@ from llmctl.cluster.launch.up_diff import Keep, node_action, removal
 from llmctl.cluster.launch.up_executor import (
     RAY_WAIT_S,
     carry_out_removal,
+    container_versions,
     start,
     wait_for_ray,
 )
@@ -39,9 +43,33 @@ def up_local(
     if not dry_run and not isinstance(action, Keep):
         start(transport, launch)
         report.rows[0].action = DONE[action.verb]
-    if not dry_run:
+    if dry_run:
+        return report
+    if launch.backend == "ray":
         wait_for_ray(transport, launch, wait_s)
+        return report
+    report.backend = launch.backend
+    report.rows[0].versions = container_versions(transport, launch, wait_s)
+    if not report.rows[0].versions.get("llmctl"):
+        raise ImageMissingError(
+            f"the image {launch.image} has no llmctl", "build it with llmctl image build --no-ray"
+        )
+    report.notes.append(mp_next_step(launch))
     return report
+
+
+def mp_next_step(launch: NodeLaunch) -> str:
+    """What to run in an mp container once every node's is up (vLLM's multi-node mp flags)."""
+    serve = "llmctl serve MODEL -tp T -pp P --distributed-executor-backend mp --nnodes N"
+    if launch.role == "head":
+        where = f"--node-rank 0 --master-addr {launch.ip} --host 0.0.0.0"
+    else:
+        where = f"--node-rank R --master-addr {launch.head_ip} --headless"
+    return (
+        f"start this node's part of the group (node 0 serves the API, the others run "
+        f"--headless; the same -tp, -pp, --nnodes everywhere): docker exec -d "
+        f"{launch.container} {serve} {where}"
+    )
 
 
 def up_this_node(
@@ -55,6 +83,7 @@ def up_this_node(
     env: dict[str, str] | None = None,
     dry_run: bool = False,
     transport: Transport | None = None,
+    backend: str = "ray",
 ) -> Report:
     """Probe this node, build its NodeLaunch, and bring its container up."""
     if not ip:
@@ -64,7 +93,7 @@ def up_this_node(
     if not image:
         raise ConfigError("no image given", "pass --image llmctl:latest (see llmctl image build)")
     transport = transport or LocalTransport()
-    probe = probe_node(transport, image, None, local_container_name(role))
+    probe = probe_node(transport, image, None, local_container_name(role, backend))
     if probe.docker is None:
         cause = docker_problem(probe.docker_error) if probe.docker_error else "no Docker"
         raise DockerUnavailableError(f"{cause} on this node", "install docker and start dockerd")
@@ -82,22 +111,26 @@ def up_this_node(
         own.ifname, probe.image_id, bool(probe.docker.nvidia), probe.home, probe.hostname
     )
     launch = local_launch(
-        role, ip, head_ip or ip, image, facts, hf_home=hf_home, gpus=gpus, env=env
-    )
+        role, ip, head_ip or ip, image, facts, hf_home=hf_home, gpus=gpus, env=env,
+        backend=backend,
+    )  # fmt: skip
     return up_local(transport, launch, dry_run=dry_run)
 
 
 def down_local(transport: Transport, *, dry_run: bool = False) -> Report:
-    """Remove this node's `cluster up --head/--worker` containers."""
+    """Remove this node's `cluster up --head/--worker` containers: one row per role, the Ray
+    container's, or the mp one's (a row each when both are there)."""
     report = Report("local", [], dry_run=dry_run)
     for role in ("head", "worker"):
-        name = local_container_name(role)
-        row = NodeRow(transport.name, role, "", container=name)
-        report.commands[transport.name] = report.commands.get(transport.name, []) + [
-            commands.docker_rm_argv(name)
-        ]
-        action = removal(transport.name, name, inspect_container(transport, name))
-        row.action = carry_out_removal(transport, action, dry_run)
-        report.changed |= row.action == "removed"
-        report.rows.append(row)
+        names = [local_container_name(role, backend) for backend in BACKENDS]
+        states = {name: inspect_container(transport, name) for name in names}
+        for name in [n for n in names if states[n] is not None] or names[:1]:
+            row = NodeRow(transport.name, role, "", container=name)
+            report.commands[transport.name] = report.commands.get(transport.name, []) + [
+                commands.docker_rm_argv(name)
+            ]
+            action = removal(transport.name, name, states[name])
+            row.action = carry_out_removal(transport, action, dry_run)
+            report.changed |= row.action == "removed"
+            report.rows.append(row)
     return report

@@ -238,9 +238,9 @@ def env_file_path(home: str, name: str, ip: str) -> str:
     return f"{home}/.llmctl/{name}-{ip}.env"
 
 
-def local_container_name(role: str) -> str:
-    """`cluster up --head/--worker`: one stable name per role on this node."""
-    return f"llmctl-ray-{role}"
+def local_container_name(role: str, backend: str = "ray") -> str:
+    """`cluster up --head/--worker`: one stable name per role and backend on this node."""
+    return f"llmctl-{backend}-{role}"
 
 
 def local_launch(
@@ -254,10 +254,20 @@ def local_launch(
     gpus: int | None = None,
     env: dict[str, str] | None = None,
     shm_size: str = DEFAULT_SHM_SIZE,
+    backend: str = "ray",
 ) -> NodeLaunch:
-    """This node's container for `cluster up --head/--worker` (the run_cluster.sh layout)."""
+    """This node's container for `cluster up --head/--worker` (the run_cluster.sh layout); on
+    the mp backend an idle one, as `cluster up -i --backend mp` starts, to exec `llmctl serve
+    --nnodes ...` in."""
     if role not in ("head", "worker"):
         raise ConfigError(f"unknown role {role!r}", "use --head or --worker")
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}", f"use one of: {', '.join(BACKENDS)}")
+    if backend != "ray" and gpus is not None:
+        raise ConfigError(
+            "--num-gpus declares GPUs to Ray; the mp backend has no Ray",
+            "drop --num-gpus (each node's `llmctl serve` uses the GPUs its container sees)",
+        )
     if gpus is not None and gpus < 0:
         raise ConfigError(f"--num-gpus {gpus}", "use 0 or more")
     variables: dict[str, str] = {"VLLM_HOST_IP": ip}
@@ -272,14 +282,15 @@ def local_launch(
         ip=ip,
         role=role,
         head_ip=head_ip,
-        container=local_container_name(role),
+        container=local_container_name(role, backend),
         image=image,
         image_id=facts.image_id,
         gpus=gpus,
         env=tuple(variables.items()),
-        env_file=env_file_path(facts.home, local_container_name(role), ip),
+        env_file=env_file_path(facts.home, local_container_name(role, backend), ip),
         mounts=((hf_home, HF_HOME_IN_CONTAINER, False),) if hf_home else (),
         shm_size=shm_size,
         nvidia=facts.nvidia_runtime,
         hostname=facts.hostname,
+        backend=backend,
     )

@@ -23,6 +23,8 @@ then multiprocessing Connection frames (4-byte length, pickle):
 
     control conn      node 0 -> agent  ("shutdown", reason | None)   the group ends
                       agent -> node 0  ("exited", rank, pid, returncode)
+                                       ("state", rank, pid, "T" | "t" | "Z" | None)  a worker
+                                        that cannot run (stopped, ...), or None: it runs again
     rank conns        multiproc.py's worker protocol (job, calls, results)
 
 Why one connection per remote rank, handed to its worker: node 0's executor keeps one code path
@@ -120,6 +122,8 @@ class RemoteNode:
     control: Connection
     rank_conns: dict[int, Connection] = field(default_factory=dict)
     exited: dict[int, tuple[int, int]] = field(default_factory=dict)  # rank -> (pid, code)
+    # rank -> (pid, /proc state letter) of its workers that cannot run, as the agent reports them
+    stopped: dict[int, tuple[int, str]] = field(default_factory=dict)
     lost: bool = False  # the agent's connection ended
 
     @property
@@ -130,7 +134,8 @@ class RemoteNode:
         return f"node {self.node_rank} (host {self.host}, agent pid {self.pid})"
 
     def read_events(self, timeout: float = 0.0) -> None:
-        """Take in what the agent reported: its workers' exits, or its connection's end."""
+        """Take in what the agent reported: its workers' exits and states, or its connection's
+        end."""
         while not self.lost:
             try:
                 if not self.control.poll(timeout):
@@ -142,6 +147,12 @@ class RemoteNode:
             if message[0] == "exited":
                 _, rank, pid, code = message
                 self.exited[rank] = (pid, code)
+            elif message[0] == "state":
+                _, rank, pid, state = message
+                if state is None:
+                    self.stopped.pop(rank, None)
+                else:
+                    self.stopped[rank] = (pid, state)
             timeout = 0.0
 
     def end(self, reason: str | None) -> None:
@@ -406,7 +417,8 @@ def _bind_error(exc: OSError, pc, port: int, what: str) -> RendezvousError:
         )
     if exc.errno == errno.EADDRINUSE:
         return RendezvousError(
-            f"port {port} ({what}) is already in use on node 0 ({pc.master_addr}:{port})",
+            f"port {port} ({what}) is already in use on node 0 ({pc.master_addr}:{port}), "
+            f"which --master-port {pc.master_port} asks for",
             f"choose a free --master-port on every node (llmctl uses it and the port after it), "
             f"or stop what listens there (`ss -ltnp 'sport = :{port}'`)",
         )

@@ -365,8 +365,21 @@ class MultiprocExecutor(Executor):
         )
 
     def stalled_ranks(self) -> StalledRanks:
-        pids = [(rank, process.pid) for rank, process in enumerate(self.processes)]
-        return StalledRanks(tuple(sorted(self._waiting_on)), stopped_processes(pids))
+        """Local ranks' states from /proc; another node's, as its agent reported them (a pid
+        there is no pid here)."""
+        local, remote = [], []
+        for rank, process in enumerate(self.processes):
+            if isinstance(process, RemoteWorker):
+                if (stopped := process.node.stopped.get(rank)) is not None:
+                    remote.append((rank, *stopped))
+            else:
+                local.append((rank, process.pid))
+        stopped = sorted(stopped_processes(local) + tuple(remote))
+        return StalledRanks(tuple(sorted(self._waiting_on)), tuple(stopped))
+
+    def abort(self, error: EngineDeadError) -> None:
+        self._stop_reason.append(error.message)  # told to the other nodes' agents: a failure
+        super().abort(error)
 
     def _kill_workers(self) -> None:
         for process in list(self.processes):

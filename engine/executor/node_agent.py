@@ -3,9 +3,16 @@
 It joins node 0 (engine/distributed/rendezvous.py: a control connection, then one connection per
 local rank), starts one worker process per local rank on that rank's connection (multiproc.py's
 worker: node 0 then drives it as it drives its own), and stays until node 0 ends the group. It
-reports each worker's exit to node 0; when node 0 ends the group, or its connection ends, or this
-process gets SIGTERM or Ctrl-C, it stops its workers. The workers die with it (PR_SET_PDEATHSIG),
-so even a killed agent leaves nothing running. The workers keep this node's environment.
+reports each worker's exit to node 0, and each worker that stops running or starts again (SIGSTOP,
+a debugger: /proc's state), so that node 0's /health can name a stalled rank on this node; when
+node 0 ends the group, or its connection ends, or this process gets SIGTERM or Ctrl-C, it stops its
+workers (SIGKILL ends a stopped one too). The workers die with it (PR_SET_PDEATHSIG), so even a
+killed agent leaves nothing running. The workers keep this node's environment.
+
+With --restart-on-failure (`run_headless(..., max_restarts=N)`), a group that ended in a failure
+(node 0 ended it naming one, or node 0's connection ended) is joined again, as node 0 restarts its
+engine: up to N times, each join within --rendezvous-timeout. A group node 0 ended normally
+(its server stopped), or SIGTERM or Ctrl-C here, ends the agent for good.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from multiprocessing.connection import Connection, wait
 from llmctl.engine.config import ParallelConfig
 from llmctl.engine.distributed import ranks, rendezvous
 from llmctl.engine.errors import EngineDeadError, RendezvousError, RendezvousTimeoutError
+from llmctl.engine.stall_monitor import process_state, stopped_processes
 
 logger = logging.getLogger("llmctl")
 
@@ -30,10 +38,29 @@ _POLL_S = 0.5
 _RETRY_S = 0.5
 
 
-def run_headless(parallel_config: ParallelConfig) -> None:
-    """Join node 0's group and run this node's ranks until it ends. Raises RendezvousError when
-    the group cannot be joined, EngineDeadError when it ended in a failure."""
-    NodeAgent(parallel_config).run()
+def run_headless(parallel_config: ParallelConfig, max_restarts: int = 0) -> None:
+    """Join node 0's group and run this node's ranks until it ends; after a group that ended in
+    a failure, join node 0's next one, up to `max_restarts` times. Raises RendezvousError when a
+    group cannot be joined, EngineDeadError when one ended in a failure and no restart is left."""
+    pc = parallel_config
+    restarts = 0
+    while True:
+        try:
+            NodeAgent(pc).run()
+            return
+        except EngineDeadError as exc:
+            if restarts >= max_restarts:
+                raise
+            restarts += 1
+            logger.warning(
+                "Node %d: the group ended in a failure (%s); joining node 0's next group "
+                "(restart %d of %d, up to %g s)",
+                pc.node_rank,
+                exc.message,
+                restarts,
+                max_restarts,
+                pc.rendezvous_timeout,
+            )
 
 
 class NodeAgent:
@@ -45,6 +72,7 @@ class NodeAgent:
         self.control: Connection | None = None
         self.processes: dict[int, subprocess.Popen] = {}
         self.pidfds: dict[int, int] = {}  # rank -> pidfd, while the worker runs
+        self.states: dict[int, str] = {}  # rank -> the /proc state last reported, if not running
 
     def run(self) -> None:
         pc = self.pc
@@ -130,6 +158,7 @@ class NodeAgent:
             for fd in ready:
                 if fd in by_fd:
                     self._report_exit(by_fd[fd])
+            self._report_states()
             if self.control in ready:
                 try:
                     message = self.control.recv()
@@ -155,6 +184,22 @@ class NodeAgent:
         )
         return False
 
+    def _report_states(self) -> None:
+        """Tell node 0 which workers cannot run (stopped, or exited and not reaped) and which
+        run again: node 0 reads a remote rank's state from these reports."""
+        live = [(rank, self.processes[rank].pid) for rank in self.pidfds]
+        now = {rank: state for rank, _, state in stopped_processes(live)}
+        for rank, pid in live:
+            if now.get(rank) != self.states.get(rank):
+                self._send(("state", rank, pid, now.get(rank)))
+        self.states = now
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self.control.send(message)
+        except OSError:
+            pass  # node 0 is gone: the control connection's end says so
+
     def _report_exit(self, rank: int) -> None:
         process = self.processes[rank]
         code = process.wait()
@@ -167,20 +212,20 @@ class NodeAgent:
             process.pid,
             code,
         )
-        try:
-            self.control.send(("exited", rank, process.pid, code))
-        except OSError:
-            pass
+        self._send(("exited", rank, process.pid, code))
 
     def _stop_workers(self, grace: float) -> None:
         """Workers stop on node 0's "shutdown" (or their connection's end) within `grace`;
-        past it they are terminated, then killed."""
+        past it they are terminated (and continued, should one be stopped: SIGTERM waits for
+        that), then killed."""
         deadline = time.monotonic() + grace
         for process in self.processes.values():
             try:
                 process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 process.terminate()
+                if process_state(process.pid) in ("T", "t"):
+                    process.send_signal(signal.SIGCONT)
         for process in self.processes.values():
             try:
                 process.wait(timeout=2.0)

@@ -132,3 +132,31 @@ def test_serve_on_an_mp_cluster_starts_every_nodes_part_of_the_group(invoke, mon
     refused = invoke("serve", "-i", str(path), "--backend", "ray", env={"COLUMNS": "200"})
     assert refused.exit_code == 1
     assert "the cluster's containers were started for the mp backend, not ray" in refused.output
+
+
+def test_serve_on_an_mp_cluster_supervises_every_node_and_assigns_their_ranks(
+    invoke, monkeypatch, tmp_path
+):
+    head = mp_node("n1", {"running": True, "health": 200, "pid": 7})
+    worker = mp_node("n2", {"running": True, "health": None, "pid": 9})
+    monkeypatch.setattr(launcher, "ssh_transports", lambda inventory: {"n1": head, "n2": worker})
+    path = tmp_path / "cluster.yaml"
+    path.write_text(INVENTORY)
+
+    result = invoke(
+        "serve", "-i", str(path), "/models/smol", "--port", "8011", "--restart-on-failure",
+        "--stall-timeout", "10", env={"COLUMNS": "200"},
+    )  # fmt: skip
+
+    assert result.exit_code == 0, result.output
+    for fake, rank in ((head, "0"), (worker, "1")):
+        [launch] = fake.ran(r"^docker exec --detach llmctl-demo ")
+        served = " ".join(launch[launch.index("llmctl") :])
+        assert f"--node-rank {rank}" in served  # a headless node rejoins after a failure too
+        assert "--stall-timeout 10.0 --restart-on-failure" in served
+    # Node ranks come from the inventory (which lists a node once): none can be given twice.
+    refused = invoke("serve", "-i", str(path), "/m", "--node-rank", "1", env={"COLUMNS": "200"})
+    assert refused.exit_code == 1
+    assert "--node-rank: with -i, every node's place in the group comes from the" in (
+        refused.output
+    )

@@ -14,7 +14,7 @@ from fake_transport import FakeTransport, docker_node
 from typer.testing import CliRunner
 
 from llmctl.cli.main import app
-from llmctl.cluster.errors import ClusterError, NodeNetworkError, RemoteCommandError
+from llmctl.cluster.errors import ClusterError, ConfigError, NodeNetworkError, RemoteCommandError
 from llmctl.cluster.inventory import parse_inventory
 from llmctl.cluster.launch import commands, launcher
 from llmctl.cluster.launch.launch_report import Report
@@ -226,6 +226,38 @@ def test_this_node_up_is_idempotent_too():
         up_this_node("worker", **dict(options, ip="10.0.0.50"))
     down = down_local(fake)
     assert [(r.role, r.action) for r in down.rows] == [("head", "absent"), ("worker", "removed")]
+    assert not fake.containers
+
+
+def test_this_node_up_on_the_mp_backend_is_an_idle_container_with_the_env():
+    fake = docker_node("localhost", "10.0.0.2")
+    fake.reply(r"^docker exec llmctl-mp-worker python3 -c ", VERSIONS)
+    options = dict(ip="10.0.0.2", head_ip="10.0.0.1", image="llmctl:latest", transport=fake)
+    report = up_this_node("worker", backend="mp", env={"NCCL_IB_HCA": "mlx5"}, **options)
+    assert [(r.container, r.action) for r in report.rows] == [("llmctl-mp-worker", "created")]
+    assert report.backend == "mp" and report.rows[0].versions["llmctl"] == "0.1.0"
+    (run,) = fake.ran(r"^docker run ")
+    assert run[-3:] == ["llmctl:latest", "sleep", "infinity"] and "llmctl.backend=mp" in run
+    assert fake.ran(r"ray (start|status|list)") == []
+    env = next(data for path, data in fake.files.items() if path.endswith(".env"))
+    assert b"VLLM_HOST_IP=10.0.0.2\n" in env and b"GLOO_SOCKET_IFNAME=eth0\n" in env
+    assert b"NCCL_IB_HCA=mlx5\n" in env
+    [note] = report.notes
+    assert "docker exec -d llmctl-mp-worker llmctl serve MODEL" in note
+    assert "--node-rank R --master-addr 10.0.0.1 --headless" in note
+    fake.calls.clear()
+    again = up_this_node("worker", backend="mp", env={"NCCL_IB_HCA": "mlx5"}, **options)
+    assert [r.action for r in again.rows] == ["unchanged"] and changes(fake) == []
+    with pytest.raises(ConfigError, match="--num-gpus declares GPUs to Ray"):
+        up_this_node("worker", backend="mp", gpus=1, **options)
+    fake.reply(r"^docker exec llmctl-ray-worker ray status$", "Active:\n 1 node_a\n")
+    up_this_node("worker", **options)  # a Ray container beside it: down removes both
+    down = down_local(fake)
+    assert [(r.role, r.container, r.action) for r in down.rows] == [
+        ("head", "llmctl-ray-head", "absent"),
+        ("worker", "llmctl-ray-worker", "removed"),
+        ("worker", "llmctl-mp-worker", "removed"),
+    ]
     assert not fake.containers
 
 

@@ -2,8 +2,10 @@
 cluster up --backend mp` (containers with the model and the env, nothing joined), then `llmctl
 serve -i --backend mp` runs `llmctl serve --nnodes 2 --node-rank R --master-addr HEAD` in each
 node's container (node 0 serves the API, node 1 is --headless) and the official openai client
-gets the offline engine's greedy answers. A worker that cannot reach node 0 is named by
-`serve -i`, with its rendezvous error.
+gets the offline engine's greedy answers. With --restart-on-failure, a SIGSTOPped rank on the
+worker host turns /health 503 naming it, fails the stream in flight, and the group restarts on
+both hosts (the stopped worker killed) with the same answers. A worker that cannot reach node 0,
+and a master port already in use on the head, are named by `serve -i`.
 
 Both tests serve the bundled GGUF file (the same path on every host), as the Ray tests do."""
 
@@ -13,6 +15,7 @@ import json
 import re
 import subprocess
 import threading
+import time
 
 import httpx
 import openai
@@ -36,6 +39,8 @@ from llmctl.engine.model_loader.default_model import default_model_path
 IMAGE = "llmctl:e2e-noray"
 PORT = 8011
 CONTAINER = "llmctl-srv"
+STALL_TIMEOUT = 10
+SUPERVISED = ["--restart-on-failure", "--stall-timeout", str(STALL_TIMEOUT)]
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +103,9 @@ def test_pipeline_stages_on_two_nodes_without_ray(
         text = llmctl(cli_env, "doctor", "nccl", "-i", str(inv), "--timeout", "60").stdout
         assert "gloo all-reduce, 2 rank(s)" in text and "correct" in text, text
 
-        out = llmctl(cli_env, "serve", "-i", str(inv), "--backend", "mp", "-pp", "2",
-                     "--port", str(PORT), *ENGINE)  # fmt: skip
+        serve = ["serve", "-i", str(inv), "--backend", "mp", "-pp", "2", "--port", str(PORT),
+                 *ENGINE, *SUPERVISED]  # fmt: skip
+        out = llmctl(cli_env, *serve)
         assert f"at http://{head.ip}:{PORT}/v1" in out.stdout, out.stdout + out.stderr
         assert greedy(head) == offline
         # Stage 0 on the head (node 0), stage 1 on the worker (node 1, headless).
@@ -111,9 +117,28 @@ def test_pipeline_stages_on_two_nodes_without_ray(
         assert re.search(r"Server: .* \(tp=1, pp=2, mp on 2 nodes\) at .*: healthy", status)
         row = next(line for line in status.splitlines() if worker.ip in line)
         assert "running (pid" in row, status
-        again = llmctl(cli_env, "serve", "-i", str(inv), "--backend", "mp", "-pp", "2",
-                       "--port", str(PORT), *ENGINE)  # fmt: skip
+        again = llmctl(cli_env, *serve)
         assert "serving" in again.stdout  # the same group, found healthy
+
+        # Rank 1 (stage 1, on the worker host) SIGSTOPped mid-stream: node 0's /health turns 503
+        # within the stall timeout naming it, the stream fails, and the group restarts.
+        pid = int(re.search(r"Node 1: worker processes \[(\d+)\]", on_worker).group(1))
+        outcome, stopped_at = stop_mid_stream(
+            head, lambda: worker.docker(["exec", CONTAINER, "sh", "-c", f"kill -STOP {pid}"])
+        )
+        wait_until(lambda: health(head) == 503, STALL_TIMEOUT + 20, "/health 503")
+        assert time.monotonic() - stopped_at < STALL_TIMEOUT + 10  # + the watchdog's period
+        message = httpx.get(f"http://{head.ip}:{PORT}/health", timeout=5).json()
+        assert f"worker rank 1 (pid {pid}) is stopped (SIGSTOP)" in str(message), message
+        wait_until(lambda: outcome, 60, "the stream in flight to end")
+        assert outcome[0][0] == "error", outcome
+        gone = ["exec", CONTAINER, "sh", "-c", f"test ! -e /proc/{pid}"]
+        wait_until(lambda: worker.docker(gone, check=False).returncode == 0, 30, "rank 1 gone")
+        wait_until(lambda: serving(head), 240, "the group to restart on both hosts")
+        assert greedy(head) == offline
+        assert "joining node 0's next group (restart 1 of 3" in server_log(cli_env, inv, worker.ip)
+        status = llmctl(cli_env, "cluster", "status", "-i", str(inv)).stdout
+        assert "healthy, 1 engine restarts" in status, status
 
         stopped = llmctl(cli_env, "serve", "-i", str(inv), "--stop").stdout
         assert "server stopped" in stopped
@@ -124,7 +149,9 @@ def test_pipeline_stages_on_two_nodes_without_ray(
         llmctl(cli_env, "cluster", "down", "-i", str(inv), check=False)
 
 
-def test_a_worker_that_cannot_reach_node_0_is_named(cli_env, testbed, hosts, model, tmp_path):
+def test_a_worker_that_cannot_reach_node_0_and_a_master_port_in_use_are_named(
+    cli_env, testbed, hosts, model, tmp_path
+):
     head, worker = hosts
     inv = mp_inventory(tmp_path / "srv.yaml", testbed, hosts, model, gpus=1)
     drop = ["OUTPUT", "-d", head.ip, "-p", "tcp", "--dport", "29502", "-j", "DROP"]
@@ -143,6 +170,25 @@ def test_a_worker_that_cannot_reach_node_0_is_named(cli_env, testbed, hosts, mod
         assert "running (pid" not in status, status
         with pytest.raises(openai.APIConnectionError):  # nothing listens any more
             client(head).models.list()
+        worker.run(["iptables", "-D", *drop])
+
+        # The master port taken on the head (by a listener that exits on its first connection).
+        listen = "import socket; s = socket.create_server(('', 29501)); s.accept()"
+        head.docker(["exec", "-d", CONTAINER, "python3", "-c", listen])
+        listening = ["exec", CONTAINER, "grep", "-q", ":733D 00000000:0000 0A", "/proc/net/tcp"]
+        wait_until(lambda: head.docker(listening, check=False).returncode == 0, 30, "listening")
+        out = llmctl(cli_env, "serve", "-i", str(inv), "--backend", "mp", "-pp", "2",
+                     "--port", str(PORT), "--rendezvous-timeout", "10", *ENGINE,
+                     check=False)  # fmt: skip
+        assert out.returncode == 1, out.stdout + out.stderr
+        in_use = "port 29501 (torch.distributed's rendezvous) is already in use on node 0"
+        assert f"the server on {head.ip} (node 0) exited: {in_use}" in out.stderr, out.stderr
+        assert "which --master-port 29501 asks for" in out.stderr, out.stderr
+        knock = f"import socket; socket.create_connection(('{head.ip}', 29501), 5).close()"
+        head.docker(["exec", CONTAINER, "python3", "-c", knock])  # the listener ends
+        llmctl(cli_env, "serve", "-i", str(inv), "--stop")
+        status = llmctl(cli_env, "cluster", "status", "-i", str(inv)).stdout
+        assert "running (pid" not in status, status
     finally:
         worker.run(["iptables", "-D", *drop], check=False)
         llmctl(cli_env, "cluster", "down", "-i", str(inv), check=False)
@@ -192,9 +238,63 @@ def test_tp2_inside_nodes_pp2_across_and_a_dying_worker(
         llmctl(cli_env, "cluster", "down", "-i", str(inv), check=False)
 
 
+def stop_mid_stream(head, stop) -> tuple[list, float]:
+    """Stream a long completion; call `stop()` once its first chunk arrived. Returns the
+    stream's outcome (filled when it ends: ("finished",) or ("error", message)) and when
+    `stop()` returned."""
+    outcome: list = []
+    stopped = threading.Event()
+    stopped_at: list[float] = []
+
+    def stream() -> None:
+        try:
+            for _ in client(head).completions.create(
+                model="smol", prompt="Count:", max_tokens=400, temperature=0, stream=True,
+                extra_body={"ignore_eos": True}, timeout=120,
+            ):  # fmt: skip
+                if not stopped.is_set():
+                    stop()
+                    stopped_at.append(time.monotonic())
+                    stopped.set()
+            outcome.append(("finished",))
+        except openai.APIError as exc:
+            outcome.append(("error", str(exc)))
+        finally:
+            stopped.set()
+
+    threading.Thread(target=stream, daemon=True).start()
+    assert stopped.wait(120) and stopped_at, outcome
+    return outcome, stopped_at[0]
+
+
 def serving(head) -> bool:
     """/health answers 200 (an engine that lost a node answers 503, or its server exits)."""
     try:
         return health(head) == 200
     except httpx.HTTPError:
         return False
+
+
+def test_cluster_up_on_this_node_for_the_mp_backend(hosts):
+    """`cluster up --head/--worker --backend mp` without an inventory (run_cluster.sh's way):
+    this node's idle container with its env and no Ray, and the command to exec in it."""
+    head, worker = hosts
+    up = [LLMCTL, "cluster", "up", "--image", IMAGE, "--backend", "mp"]
+    try:
+        out = worker.run([*up, "--worker", "--ip", worker.ip, "--head-ip", head.ip],
+                         env={"COLUMNS": "200"})  # fmt: skip
+        assert "1 node ready for the mp backend (no Ray)" in out.stdout, out.stdout
+        assert (
+            "docker exec -d llmctl-mp-worker llmctl serve MODEL -tp T -pp P "
+            f"--distributed-executor-backend mp --nnodes N --node-rank R --master-addr {head.ip} "
+            "--headless" in out.stdout
+        ), out.stdout
+        env = worker.docker(["exec", "llmctl-mp-worker", "env"]).stdout
+        assert f"VLLM_HOST_IP={worker.ip}" in env and "GLOO_SOCKET_IFNAME=eth0" in env
+        again = worker.run([*up, "--worker", "--ip", worker.ip, "--head-ip", head.ip])
+        assert "mp backend (no Ray); nothing changed" in again.stdout, again.stdout
+    finally:
+        down = worker.run([LLMCTL, "cluster", "down"], check=False)
+        assert down.returncode == 0, down.stderr
+    gone = worker.docker(["container", "inspect", "llmctl-mp-worker"], check=False)
+    assert gone.returncode != 0
