@@ -238,7 +238,7 @@ def _serve_on_cluster(
         _check_replicas_on(backend, dp)
         plan_options = PlanOptions(data_parallel_size=dp) if dp > 1 else None
         layout = choose_layout(
-            inv, model, tp, pp, lambda m, i: make_plan(load_model_spec(m), i, plan_options)
+            inv, model, tp, pp, lambda m, i: make_plan(load_model_spec(m), i, plan_options), dp
         )
         check_cluster_options(options)
         if backend == "mp":

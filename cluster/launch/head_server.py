@@ -76,10 +76,17 @@ class ServerState:
 
 
 def choose_layout(
-    inventory: Inventory, model: str, tp: int | None, pp: int | None, plan_fn: Callable
+    inventory: Inventory,
+    model: str,
+    tp: int | None,
+    pp: int | None,
+    plan_fn: Callable,
+    data_parallel_size: int = 1,
 ) -> Layout:
     """The user's -tp/-pp; else `llmctl plan`'s choice; else the seeds' rule for a cluster
-    (tp = GPUs per node, pp = nodes) when the inventory lacks what planning needs."""
+    (tp = GPUs per node, pp = nodes) when the inventory lacks what planning needs, for each of
+    `data_parallel_size` replicas (nodes / replicas stages, or GPUs per node / replicas per
+    node)."""
     if tp is not None or pp is not None:
         return Layout(tp or 1, pp or 1, "as given")
     try:
@@ -96,11 +103,22 @@ def choose_layout(
                 f"cannot choose a layout: {exc.message}",
                 "declare `gpus:` for every node, or pass -tp and -pp",
             ) from None
-        return Layout(
-            per_node,
-            len(inventory.nodes),
-            f"tp = GPUs per node, pp = nodes (llmctl plan could not decide: {exc.message})",
-        )
+        nodes, dp = len(inventory.nodes), data_parallel_size
+        why = f"llmctl plan could not decide: {exc.message}"
+        if nodes % dp == 0:
+            rule = "tp = GPUs per node, pp = nodes" + (f" / {dp} replicas" if dp > 1 else "")
+            return Layout(per_node, nodes // dp, f"{rule} ({why})")
+        if dp % nodes == 0 and per_node % (dp // nodes) == 0:
+            per_replica = per_node // (dp // nodes)
+            return Layout(
+                per_replica, 1, f"tp = GPUs per node / {dp // nodes} replicas per node ({why})"
+            )
+        raise ConfigError(
+            f"cannot share {nodes} nodes of {per_node} GPUs among {dp} data-parallel replicas "
+            f"({why})",
+            "pass -tp and -pp for one replica, or a --data-parallel-size that divides the "
+            "nodes or their GPUs",
+        ) from None
 
 
 def serve_argv(
@@ -219,8 +237,10 @@ class HeadServer:
         result = self.transport.run(
             commands.docker_exec_argv(self.container, ["tail", "-n", "20", LOG_FILE])
         )
-        lines = [line for line in result.stdout.splitlines() if line.strip()]
-        return lines[-1].strip() if lines else "(no output)"
+        lines = [line.strip() for line in result.stdout.splitlines() if line.strip()]
+        if len(lines) >= 2 and lines[-1].startswith("hint:"):  # a typed error: what, then how
+            return f"{lines[-2]} ({lines[-1]})"
+        return lines[-1] if lines else "(no output)"
 
     def stop(self) -> bool:
         """SIGTERM the server and wait for it to finish its requests; True if one ran."""

@@ -48,6 +48,25 @@ def test_layout_given_planned_or_by_the_seeds_rule():
     assert "pass -tp and -pp" in err.value.hint
 
 
+def test_replicas_share_the_seeds_layout_when_the_plan_cannot_decide():
+    """-dp N on 2 nodes of 2 GPUs: a replica per node (tp 2), or per GPU (tp 1); an N that
+    divides neither is refused naming the flags."""
+    inv = parse_inventory(INVENTORY)
+
+    def no_memory(model, inventory):
+        raise PlanError("no node declares gpu_memory_gib", "add it")
+
+    two = choose_layout(inv, "m", None, None, no_memory, data_parallel_size=2)
+    assert (two.tensor_parallel_size, two.pipeline_parallel_size) == (2, 1)
+    assert "pp = nodes / 2 replicas" in two.reason
+    four = choose_layout(inv, "m", None, None, no_memory, data_parallel_size=4)
+    assert (four.tensor_parallel_size, four.pipeline_parallel_size) == (1, 1)
+    assert "GPUs per node / 2 replicas per node" in four.reason
+    with pytest.raises(ConfigError, match="among 3 data-parallel replicas") as err:
+        choose_layout(inv, "m", None, None, no_memory, data_parallel_size=3)
+    assert "pass -tp and -pp" in err.value.hint
+
+
 def test_serve_argv_runs_on_ray_on_every_address():
     argv = serve_argv(
         "/models/smol", Layout(2, 2, ""), 8011,
