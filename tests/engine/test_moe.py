@@ -141,16 +141,23 @@ def test_expert_parallel_deals_uneven_experts_and_logs_them(tiny_models, expecte
     assert weights[2] < weights[0]  # two experts instead of three
 
 
-def test_ray_backend_with_expert_parallel(tiny_models, expected):
-    pytest.importorskip("ray")
-    path = tiny_models.path("qwen2-moe")
-    tokens = run(
-        path,
-        tensor_parallel_size=2,
-        enable_expert_parallel=True,
-        distributed_executor_backend="ray",
-    )
-    assert tokens == expected("qwen2-moe")
+RAY_CASES = [("qwen2-moe", "ep2"), ("mixtral", "tp2"), ("mixtral", "pp2"), ("mixtral", "tp2-pp2")]
+
+
+def test_layouts_on_ray_match_transformers(tiny_models, expected):
+    """tp=2, ep=2, pp=2 and tp=2 x pp=2 with Ray actors, on one Ray started here (the engines
+    join it rather than each starting and stopping their own)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, include_dashboard=False)
+    try:
+        for family, layout in RAY_CASES:
+            tokens = run(
+                tiny_models.path(family), distributed_executor_backend="ray", **LAYOUTS[layout]
+            )
+            assert tokens == expected(family), (family, layout)
+            assert ray.is_initialized()  # the engines left the Ray they found running
+    finally:
+        ray.shutdown()
 
 
 def test_expert_parallel_on_a_dense_model_is_refused_before_any_process(tiny_models):
