@@ -1,10 +1,11 @@
 """Quantized linear weights: GGUF blocks, round-to-nearest quantizers and the packed matmul.
 
 Each packed matmul is checked against x @ W^T in float64 on W dequantized by the reference
-(gguf.quants.dequantize for GGUF types), for decode (M=1), a few rows (M=5) and a batch (M=64,
-the tiled path), on odd shapes: N not a multiple of 8, K not a multiple of 256 where the format
-allows it. The C++ kernel is built for real (build_kernel raises if it cannot be), so these tests
-fail on a machine where the engine would silently fall back to plain torch.
+(gguf.quants.dequantize for GGUF types), for decode (M=1), a few rows (M=5), a batch (M=64,
+the tiled path) and a long prefill (M=LARGE_BATCH, W expanded in chunks), on odd shapes: N not
+a multiple of 8, K not a multiple of 256 where the format allows it. The C++ kernel is built
+for real (build_kernel raises if it cannot be), so these tests fail on a machine where the
+engine would silently fall back to plain torch.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ SHAPES = [
         [(13, 96), (203, 160)] if GGML_QUANT_SIZES[t][0] == 32 else [(13, 256), (203, 512)]
     )
 ]
-ROWS = [1, 5, 64]
+ROWS = [1, 5, 64, kernels.LARGE_BATCH]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -108,6 +109,18 @@ def test_rtn_packed_matmul_and_error_bound(kernel, bits, group_size, m):
     assert torch.equal(dequantized[0, :group_size], w[0, :group_size])
     assert packed.nbytes == gguf_quants.packed_nbytes(n, k, bits, group_size)
     assert_matmul_close(packed, dequantized, m, torch.float32)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K], ids=lambda v: v.name)
+def test_long_prefill_in_several_chunks(kernel, monkeypatch, qtype):
+    # 203 rows of W expanded 50 at a time: four whole chunks and a remainder, each GEMM written
+    # into its own columns of y
+    n, k = 203, 512
+    monkeypatch.setattr(kernels, "_CHUNK_BYTES", 50 * 4 * k)
+    raw = gguf_blocks(qtype, n, k, seed=3)
+    packed = gguf_quants.pack_gguf(raw, qtype, n, k)
+    reference = torch.from_numpy(quants.dequantize(raw, qtype))
+    assert_matmul_close(packed, reference, kernels.LARGE_BATCH + 3, torch.float32)
 
 
 @pytest.mark.parametrize("m", ROWS)
