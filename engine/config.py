@@ -347,18 +347,6 @@ def check_expert_parallel(shape: ModelShape) -> None:
         )
 
 
-def check_moe_quantization(shape: ModelShape, method: str | None) -> None:
-    """Refuse --quantization int8/int4 on a mixture of experts: FusedMoE quantizes no float
-    experts (a quantized GGUF file's experts, method "gguf", run packed)."""
-    if shape.num_experts and method is not None and method != "gguf":
-        raise ConfigError(
-            f"{shape.architecture}: the experts of a mixture-of-experts model are held in float; "
-            f"quantization ({method}) is not supported for them",
-            "drop --quantization, or serve a float checkpoint or a quantized GGUF file "
-            "(its experts run in their GGUF blocks)",
-        )
-
-
 def checkpoint_dtype(hf_config: Any) -> str | None:
     value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if value is None:

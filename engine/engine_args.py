@@ -30,7 +30,6 @@ from llmctl.engine.config import (
     ParallelConfig,
     SchedulerConfig,
     check_layout,
-    check_moe_quantization,
     checkpoint_dtype,
     normalize_dtype,
     parse_layer_partition,
@@ -396,7 +395,6 @@ class EngineArgs:
             self.enable_expert_parallel,
         )
         quantization = self._quantization(source.gguf_file)
-        check_moe_quantization(shape, quantization.method if quantization else None)
         ep_size = self.tensor_parallel_size * (
             self.data_parallel_size if self.enable_expert_parallel else 1
         )

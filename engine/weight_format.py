@@ -25,8 +25,10 @@ from llmctl.engine.layers.quantization.quant_config import QUANTIZATION_METHODS,
 from llmctl.engine.model_shape import ModelShape
 
 # The roles of the matrices `--quantization` quantizes (weight-only: the decoder layers' linears;
-# the embedding, the LM head, norms and biases stay in the model's dtype, as in vLLM).
+# the embedding, the LM head, norms and biases stay in the model's dtype, as in vLLM; so do a
+# mixture of experts' routers, "router" and "shared_expert_gate").
 LINEAR_ROLES = ("q", "k", "v", "qkv", "o", "gate", "up", "down")
+SHARED_EXPERT_ROLES = ("shared_gate", "shared_up", "shared_down")  # Qwen2-MoE's shared expert
 # Scales and zeros of `--quantization`'s groups are float32 (engine/layers/quantization/kernels.py:
 # the packed-weight contract); a kernel storing them in bfloat16 changes this one number.
 QUANTIZATION_SCALE_BYTES = 4
@@ -131,7 +133,8 @@ class WeightFormats:
         if quantization is None:
             return cls(dense)
         fmt = quantization_format(quantization)
-        return cls(dense, tuple(((None, role), fmt) for role in LINEAR_ROLES), quantization)
+        roles = LINEAR_ROLES + SHARED_EXPERT_ROLES
+        return cls(dense, tuple(((None, role), fmt) for role in roles), quantization)
 
     @property
     def quantized(self) -> bool:
@@ -303,6 +306,9 @@ _GGUF_LAYER_ROLES = {
     "ffn_gate_exps": "gate",
     "ffn_up_exps": "up",
     "ffn_down_exps": "down",
+    "ffn_gate_shexp": "shared_gate",
+    "ffn_up_shexp": "shared_up",
+    "ffn_down_shexp": "shared_down",
 }
 _GGUF_MODEL_ROLES = {
     "token_embd": "embedding",

@@ -52,7 +52,6 @@ from llmctl.engine.config import (
     ParallelConfig,
     SchedulerConfig,
     check_expert_parallel,
-    check_moe_quantization,
     normalize_dtype,
     resolve_max_num_batched_tokens,
 )
@@ -60,6 +59,7 @@ from llmctl.engine.distributed import ranks as rank_mesh
 from llmctl.engine.distributed.partition import layer_partition, valid_tp_sizes
 from llmctl.engine.engine_args import engine_args_to_argv, engine_default
 from llmctl.engine.errors import ConfigError
+from llmctl.engine.layers.quantization.quant_config import check_whole_groups
 from llmctl.engine.memory_profile import (
     CUDA_CONTEXT_BYTES,
     DEFAULT_CPU_KV_CACHE_SPACE_GIB,
@@ -359,6 +359,8 @@ def _resolve(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> _Ct
         weights = spec.weight_formats.with_dense(dense)
     else:
         weights = WeightFormats.for_quantization(dense, options.quantization)
+        if options.quantization is not None:
+            check_whole_groups(spec.shape, options.quantization)
     max_len = options.max_model_len or spec.max_position_embeddings
     if max_len > spec.max_position_embeddings:
         raise ConfigError(
@@ -380,7 +382,6 @@ def _resolve(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> _Ct
         gpu_gib = 0.0
     if options.enable_expert_parallel:
         check_expert_parallel(spec.shape)
-    check_moe_quantization(spec.shape, options.quantization)
     num_tokens = resolve_max_num_batched_tokens(
         options.max_num_batched_tokens, options.max_num_seqs
     )
@@ -846,8 +847,8 @@ def _replica_plan(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -
     try:
         return _choose(spec, inventory, options)
     except PlanError as too_big:
-        if options.device == "cpu" or spec.prequantized or spec.num_experts:
-            raise  # (the engine quantizes no MoE experts)
+        if options.device == "cpu" or spec.prequantized:
+            raise
         schemes = list(QUANTIZATION_SCHEMES)  # the largest first
         smaller = schemes[schemes.index(options.quantization) + 1 :] if options.quantization else []
         for scheme in smaller if options.quantization else schemes:

@@ -28,9 +28,10 @@ Either way the partial sums are combined with one all-reduce over the (tensor-pa
 as the MLP's row-parallel layer does (`reduce_results=False` leaves it to the caller, e.g. to
 add Qwen2-MoE's shared expert first).
 
-Built under a GGUF QuantizationConfig (a quantized GGUF file), the layer's `quant_method` is a
-quantization/moe_method.PackedMoEMethod: the same split, each expert's slices kept in their GGUF
-blocks and multiplied by the quantized matmul kernel; the stacked float tensors stay empty.
+Built under a QuantizationConfig (a quantized GGUF file, or --quantization int8/int4 on a float
+checkpoint), the layer's `quant_method` is a quantization/moe_method.PackedMoEMethod: the same
+split, each expert's slices kept in their GGUF blocks (or quantized round-to-nearest as they are
+read) and multiplied by the quantized matmul kernel; the stacked float tensors stay empty.
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ class FusedMoE(nn.Module):
         self.hidden_size = hidden_size
         quant = current_quant_config()
         self.quant_method: PackedMoEMethod | None = None
-        if quant is not None and quant.method == "gguf":
+        if quant is not None:
             self.quant_method = PackedMoEMethod(quant, self.num_local_experts)
             # placeholders that carry the weight loader; the packed experts are not parameters
             self.w13_weight = nn.Parameter(torch.empty(0), requires_grad=False)

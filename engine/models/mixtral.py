@@ -7,6 +7,7 @@ from torch import nn
 
 from llmctl.engine.layers.fused_moe import FusedMoE
 from llmctl.engine.layers.linear import ReplicatedLinear
+from llmctl.engine.layers.quantization.linear_method import router_quant_config
 from llmctl.engine.model_shape import ModelShape
 from llmctl.engine.models.llama import LlamaForCausalLM
 
@@ -16,7 +17,8 @@ class MixtralSparseMoeBlock(nn.Module):
 
     def __init__(self, shape: ModelShape, renormalize: bool = True):
         super().__init__()
-        self.gate = ReplicatedLinear(shape.hidden_size, shape.num_experts, bias=False)
+        with router_quant_config():
+            self.gate = ReplicatedLinear(shape.hidden_size, shape.num_experts, bias=False)
         self.experts = FusedMoE(
             num_experts=shape.num_experts,
             top_k=shape.num_experts_per_tok,

@@ -18,6 +18,7 @@ from torch import nn
 from llmctl.engine.distributed.parallel_state import get_tp_group
 from llmctl.engine.layers.fused_moe import FusedMoE
 from llmctl.engine.layers.linear import ReplicatedLinear
+from llmctl.engine.layers.quantization.linear_method import router_quant_config
 from llmctl.engine.model_shape import ModelShape
 from llmctl.engine.models.llama import LlamaForCausalLM, LlamaMLP
 
@@ -26,7 +27,8 @@ class QwenMoeSparseMoeBlock(nn.Module):
     def __init__(self, config: Any, shape: ModelShape):
         super().__init__()
         hidden = shape.hidden_size
-        self.gate = ReplicatedLinear(hidden, shape.num_experts, bias=False)
+        with router_quant_config():
+            self.gate = ReplicatedLinear(hidden, shape.num_experts, bias=False)
         self.experts = FusedMoE(
             num_experts=shape.num_experts,
             top_k=shape.num_experts_per_tok,
@@ -40,7 +42,8 @@ class QwenMoeSparseMoeBlock(nn.Module):
             self.shared_expert = LlamaMLP(
                 hidden, shape.shared_expert_intermediate_size, bias=False, reduce_results=False
             )
-            self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False)
+            with router_quant_config():
+                self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # [num_tokens, hidden_size], a partial sum on each rank until the all-reduce

@@ -175,13 +175,6 @@ def test_expert_parallel_on_a_dense_model_is_refused_before_any_process(tiny_mod
     assert child_pids() == before
 
 
-def test_quantizing_experts_is_refused(tiny_models):
-    with pytest.raises(ConfigError) as err:
-        LLM(str(tiny_models.path("mixtral")), use_tqdm_on_load=False, quantization="int8")
-    assert "experts" in err.value.message
-    assert "--quantization" in err.value.hint
-
-
 def test_a_moe_gguf_file_is_refused_naming_the_fix(tmp_path, monkeypatch):
     import gguf
     import numpy as np

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from llmctl.cluster.errors import PlanError
 from llmctl.cluster.inventory import inventory_from_flags
 from llmctl.cluster.plan.catalog import CATALOG
 from llmctl.cluster.plan.planner import PlanOptions, make_plan
@@ -140,12 +139,23 @@ def test_a_mixtral_gguf_is_planned_as_mixtral():
     assert shape.total_params() == CATALOG["Mixtral-8x7B"].total_params()
 
 
-def test_plan_never_quantizes_experts():
+def test_plan_quantizes_experts_when_float_does_not_fit():
+    # Mixtral-8x7B is ~87 GiB in bfloat16: one 80 GiB GPU holds its int8 weights, experts
+    # included (the routers stay float), and the serve command says so.
     spec, one_gpu = CATALOG["Mixtral-8x7B"], inventory_from_flags(1, 1, 80)
-    with pytest.raises(PlanError) as err:  # too big in bfloat16: no int8/int4 fallback
-        make_plan(spec, one_gpu, PlanOptions())
-    assert "does not fit" in err.value.message and "--quantization" not in err.value.hint
-    with pytest.raises(ConfigError) as err:
-        make_plan(spec, one_gpu, PlanOptions(quantization="int4"))
-    assert "held in float" in err.value.message
-    assert "drop --quantization" in err.value.hint
+    plan = make_plan(spec, one_gpu, PlanOptions())
+    assert (plan.tensor_parallel_size, plan.quantization) == (1, "int8")
+    assert plan.commands["serve"].endswith("--quantization int8")
+    params = spec.shape.total_params()
+    # a byte per weight and a float32 scale per group of 32; embedding and LM head bfloat16
+    assert params * 1.1 < plan.per_gpu_weight_gib * 2**30 < params * 1.15
+    int4 = make_plan(spec, one_gpu, PlanOptions(quantization="int4"))
+    # half a byte per weight and a float32 scale and zero per group of 32
+    assert params * 0.7 < int4.per_gpu_weight_gib * 2**30 < params * 0.78
+    # Expert parallel: whole experts per rank, each rank holding its experts' int4 groups.
+    ep = make_plan(
+        spec,
+        inventory_from_flags(1, 2, 24),
+        PlanOptions(quantization="int4", enable_expert_parallel=True),
+    )
+    assert ep.tensor_parallel_size == 2 and ep.per_gpu_weight_gib < 0.55 * int4.per_gpu_weight_gib

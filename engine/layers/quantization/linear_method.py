@@ -40,6 +40,17 @@ def current_quant_config() -> QuantizationConfig | None:
     return _current
 
 
+@contextlib.contextmanager
+def router_quant_config() -> Iterator[None]:
+    """Around a mixture of experts' router (and Qwen2-MoE's shared-expert gate): under
+    --quantization int8/int4 they stay float, as vLLM builds its gates without a quant_config
+    (a few thousand weights whose rounding would change which experts a token meets); a GGUF
+    file's router keeps the file's own type."""
+    config = _current if _current is not None and _current.method == "gguf" else None
+    with set_quant_config(config):
+        yield
+
+
 def quantize_rtn(w: torch.Tensor, bits: int, group_size: int):
     """Round-to-nearest per-group quantization of float rows [N, K] -> (q, scales, zeros).
 

@@ -1,7 +1,9 @@
-"""PackedMoEMethod (vLLM's FusedMoE `quant_method`): a mixture of experts kept in its GGUF blocks.
+"""PackedMoEMethod (vLLM's FusedMoE `quant_method`): a mixture of experts kept packed.
 
-A FusedMoE built under a GGUF QuantizationConfig holds no stacked float tensors. Each expert this
-rank holds keeps, packed as the dense layers' weights (kernels.PackedLinearWeight):
+A FusedMoE built under a QuantizationConfig holds no stacked float tensors: a GGUF file's
+experts keep their blocks; a float checkpoint's, under --quantization int8/int4, are quantized
+round-to-nearest (per group along the input features) as each rank reads its slice. Each expert
+this rank holds keeps, packed as the dense layers' weights (kernels.PackedLinearWeight):
 - w13[e]: its gate rows then its up rows, [2 * I_local, H] (this rank's feature slice under
   tensor parallelism; the whole expert under expert parallelism), one packed weight, or one per
   format when gate and up differ (a Q4_K_M file mixes Q4_K and Q6_K);

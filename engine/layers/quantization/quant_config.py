@@ -95,14 +95,14 @@ def resolve_quantization(
 
 def _row_split_sizes(shape: ModelShape, tp: int, expert_parallel: bool = False) -> list[list[int]]:
     """The per-rank input features of the row-parallel layers (o_proj, down_proj) at tp; for a
-    mixture of experts, its experts' down matrices instead of down_proj (split like it unless
-    expert parallel; a quantized MoE is a GGUF file, every layer of which is MoE) and its shared
-    expert's."""
+    mixture of experts, its experts' down matrices (split like down_proj unless expert parallel),
+    its shared expert's, and down_proj's where some layers keep a dense MLP (Qwen MoE's
+    mlp_only_layers)."""
     from llmctl.engine.distributed.partition import column_shards, head_shards
 
     heads = head_shards(shape.num_attention_heads, shape.num_kv_heads, tp)
     sizes = [[h.num_q_heads * shape.head_dim for h in heads]]
-    if not shape.num_experts:
+    if not all(shape.is_moe_layer(layer) for layer in range(shape.num_layers)):
         sizes.append(column_shards(shape.intermediate_size, tp, "MLP features"))
     elif not expert_parallel:
         sizes.append(column_shards(shape.expert_intermediate_size, tp, "expert MLP features"))
@@ -133,10 +133,28 @@ def valid_group_tp_sizes(
     ]
 
 
+def check_whole_groups(shape: ModelShape, method: str, group_size: int = RTN_GROUP_SIZE) -> None:
+    """Refuse --quantization int8/int4 on a model some of whose linear layers do not take whole
+    groups of input features (a GGUF file's blocks are whole by construction)."""
+    if method == "gguf":
+        return
+    widths = {shape.hidden_size} | {s for split in _row_split_sizes(shape, 1) for s in split}
+    odd = sorted(w for w in widths if w % group_size)
+    if odd:
+        raise ConfigError(
+            f"--quantization {method} quantizes groups of {group_size} input features, but "
+            f"{shape.architecture} has layers of {odd[0]} input features",
+            "run this model in float (leave out --quantization)",
+        )
+
+
 def check_group_split(
     shape: ModelShape, tp: int, quant: QuantizationConfig | None, expert_parallel: bool = False
 ) -> None:
-    """Refuse a tensor-parallel size whose row-parallel split cuts a quantization group."""
+    """Refuse a tensor-parallel size whose row-parallel split cuts a quantization group (and
+    --quantization on a model whose layers are not whole groups at all)."""
+    if quant is not None:
+        check_whole_groups(shape, quant.method, quant.group_size)
     if quant is None or tp == 1 or _splits_on_groups(shape, tp, quant.group_size, expert_parallel):
         return
     valid = valid_group_tp_sizes(shape, quant.group_size, expert_parallel)
