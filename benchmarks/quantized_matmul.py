@@ -6,6 +6,9 @@ For M=1 (decode) and M=64 (a batch), on the linear shapes of SmolLM2-135M and on
 float32 F.linear on the oneDNN-prepacked weight (what engine/layers/linear.py runs on the CPU),
 our int4 and int8 kernels (kernels.pack_groups), and PyTorch's aten int4pack matmul with bf16
 activations (its fast path). Prints the best-of-N time in ms and the weight bytes read per second.
+For a long prefill (M=--prefill-rows, 8192 by default: one step of the GGUF benchmark's W3), on
+SmolLM2-135M's layer shapes: int4 as the engine runs it (W expanded in large chunks, one GEMM
+each) against the tiled path it replaced at that size (1 MiB tiles, one thread each).
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--group-size", type=int, default=32)
     parser.add_argument("--no-aten", action="store_true", help="skip aten's int4pack matmul")
+    parser.add_argument("--prefill-rows", type=int, default=8192, help="M of the prefill case")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    from llmctl.engine.layers.quantization import kernels
     from llmctl.engine.layers.quantization.kernels import kernel_available, pack_groups
 
     print(
@@ -42,7 +47,7 @@ def main() -> None:
         f"C++ kernel: {kernel_available()}"
     )
     g = args.group_size
-    header = f"{'N x K':>12} {'M':>3} | {'kind':<14} {'ms':>8} {'GB/s':>7} {'vs f32':>7}"
+    header = f"{'N x K':>12} {'M':>4} | {'kind':<14} {'ms':>8} {'GB/s':>7} {'vs f32':>7}"
     print(header)
     print("-" * len(header))
     torch.manual_seed(0)
@@ -57,7 +62,8 @@ def main() -> None:
             qi = torch.randint(0, 16, (n, k), dtype=torch.int32)
             aten = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qi, 2)
             sz = torch.stack([s.T, torch.zeros_like(s).T], -1).contiguous().bfloat16()
-        for m in (1, 64):
+        prefill = [args.prefill_rows] if n * k <= 1536 * 576 else []  # the model's layers only
+        for m in (1, 64, *prefill):
             x = torch.randn(m, k)
             xb = x.bfloat16()
             runs = {
@@ -70,7 +76,17 @@ def main() -> None:
                 "int4 ours": (lambda x=x, w=q4: w.matmul(x), q4.nbytes),
                 "int8 ours": (lambda x=x, w=q8: w.matmul(x), q8.nbytes),
             }
-            if aten is not None:
+            if m >= kernels.LARGE_BATCH:
+
+                def tiled(x=x, w=q4):
+                    chunked_from, kernels.LARGE_BATCH = kernels.LARGE_BATCH, 1 << 62
+                    try:
+                        return w.matmul(x)
+                    finally:
+                        kernels.LARGE_BATCH = chunked_from
+
+                runs["int4 tiled"] = (tiled, q4.nbytes)
+            if aten is not None and m < kernels.LARGE_BATCH:
                 runs["int4 aten bf16"] = (
                     lambda x=xb, w=aten, sz=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(
                         x, w, g, sz
@@ -82,7 +98,7 @@ def main() -> None:
                 ms = best_ms(fn)
                 base = base or ms
                 print(
-                    f"{n:>5} x {k:<5} {m:>3} | {kind:<14} {ms:8.3f} {nbytes / ms / 1e6:7.1f} "
+                    f"{n:>5} x {k:<5} {m:>4} | {kind:<14} {ms:8.3f} {nbytes / ms / 1e6:7.1f} "
                     f"{base / ms:6.2f}x"
                 )
 

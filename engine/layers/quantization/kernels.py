@@ -18,8 +18,8 @@ AVX-512 / AVX2 / scalar paths picked for the CPU that builds it):
 - M >= LARGE_BATCH (a long prompt, or many): W is expanded in chunks of up to 16 MiB (the whole
   weight for most layers of a small model) by all threads, then one GEMM per chunk runs on all
   of them: at these M the expansion is cheap next to the GEMM, and one large GEMM runs faster
-  than many tile-sized ones and needs no transposed copy of the output (0.69x the tiled path's
-  time for the bundled model's layers at M = 8192, benchmarks/quantized_matmul.py).
+  than many tile-sized ones and needs no transposed copy of the output (0.6-0.7x the tiled
+  path's time on the bundled model's layer shapes at M = 8192: benchmarks/quantized_matmul.py).
 PyTorch's `aten._weight_int4pack_mm_for_cpu` was measured against these (benchmarks/
 quantized_matmul.py) and is not used: slower at M=1 and M=64 on the shapes that matter, it needs N
 a multiple of 16, its fast path rounds activations to bf16 and its float32 path is scalar.
