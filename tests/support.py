@@ -100,6 +100,14 @@ def tiny_configs() -> dict:
     }
 
 
+def mixtral_with_experts_of(features: int):
+    """The tiny Mixtral config with experts of `features` features (64: whole groups or blocks
+    of 32 on each of two tensor-parallel ranks)."""
+    config = tiny_configs()["mixtral"]
+    config.intermediate_size = features
+    return config
+
+
 _MOE_COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=64,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from support import random_prompts, tiny_configs, token_ids
+from support import mixtral_with_experts_of, random_prompts, tiny_configs, token_ids
 
 from llmctl.engine import LLM, SamplingParams
 from llmctl.engine.errors import ConfigError, UnsupportedQuantizationError
@@ -58,9 +58,7 @@ def config_of(family: str):
     "mixtral-256": Mixtral of hidden size 256 and 4 experts of 256 features (whole K-quant
     blocks of 256)."""
     if family == "mixtral-64":
-        config = tiny_configs()["mixtral"]
-        config.intermediate_size = 64
-        return config
+        return mixtral_with_experts_of(64)
     if family == "mixtral-256":
         config = tiny_configs()["mixtral"]
         config.hidden_size = config.intermediate_size = 256

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import random_prompts, tiny_configs
+from support import mixtral_with_experts_of, random_prompts, tiny_configs
 from test_quantized import GREEDY_32, TINY, assert_same_greedy, generate
 
 from llmctl.engine import LLM
@@ -27,9 +27,7 @@ def config_of(family: str):
     parallelism gives each rank whole groups of 32 of the down matrices; "qwen2-moe-64":
     Qwen2-MoE with a shared expert of 64 features (the tests' own has 48, not whole groups)."""
     if family == "mixtral-64":
-        config = tiny_configs()["mixtral"]
-        config.intermediate_size = 64
-        return config
+        return mixtral_with_experts_of(64)
     if family == "qwen2-moe-64":
         config = tiny_configs()["qwen2-moe"]
         config.shared_expert_intermediate_size = 64
