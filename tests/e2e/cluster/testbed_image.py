@@ -1,9 +1,11 @@
 """The llmctl image on the test bed: built by `llmctl image build --debootstrap` on the root Docker
 daemon, saved once to a tar (cached per image id), and loaded into each host's daemon.
 
-Run as a script, it does all three for the hosts whose daemon sockets it is given, then prints
-one JSON line and waits for its stdin to close (so that it stays one live child of the test
-session until the session has read the result):
+Run as a script, it does all three for the hosts whose daemon sockets it is given, then the same
+for the image without Ray (`--no-ray`, TAG-noray) on the first two hosts, the ones the mp-backend
+tests serve on (their fixture then finds it up to date instead of building it in the foreground:
+about 95 s of the cluster tier). It prints one JSON line and waits for its stdin to close (so that
+it stays one live child of the test session until the session has read the result):
 
     python testbed_image.py TAG ROOT SOCKET... < pipe > result
 """
@@ -23,10 +25,14 @@ from testbed_os import TestbedError, run
 LLMCTL = Path(sys.executable).parent / "llmctl"
 
 
-def build(tag: str) -> str:
-    """`llmctl image build --debootstrap` (skipped by llmctl when the sources have not changed:
-    the root daemon keeps the image between runs); returns what it printed."""
-    argv = [str(LLMCTL), "image", "build", "--debootstrap", "--tag", tag]
+NO_RAY_SUFFIX = "-noray"  # the tag of the image without Ray: TAG-noray
+NO_RAY_HOSTS = 2  # the hosts the mp-backend tests serve on
+
+
+def build(tag: str, flags: Sequence[str] = ()) -> str:
+    """`llmctl image build --debootstrap [flags]` (skipped by llmctl when the sources have not
+    changed: the root daemon keeps the image between runs); returns what it printed."""
+    argv = [str(LLMCTL), "image", "build", "--debootstrap", *flags, "--tag", tag]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
     if result.returncode != 0:
         raise TestbedError(f"llmctl image build failed:\n{result.stdout}\n{result.stderr}")
@@ -98,9 +104,12 @@ def load(root: Path, tag: str, docker_hosts: Sequence[str], log: Callable[[str],
 def main(tag: str, root: str, docker_hosts: list[str]) -> None:
     lines: list[str] = []
     try:
-        t0 = time.monotonic()
-        lines.append(f"testbed: {build(tag)} ({time.monotonic() - t0:.1f} s)")
-        load(Path(root), tag, docker_hosts, lines.append)
+        images = [(tag, (), docker_hosts)]
+        images.append((tag + NO_RAY_SUFFIX, ("--no-ray",), docker_hosts[:NO_RAY_HOSTS]))
+        for name, flags, hosts in images:
+            t0 = time.monotonic()
+            lines.append(f"testbed: {build(name, flags)} ({time.monotonic() - t0:.1f} s)")
+            load(Path(root), name, hosts, lines.append)
         result = {"ok": True, "log": lines}
     except Exception as e:  # noqa: BLE001 - reported to the test session
         result = {"ok": False, "log": lines, "error": f"{type(e).__name__}: {e}"}

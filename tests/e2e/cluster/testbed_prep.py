@@ -4,7 +4,8 @@ Building the llmctl image (debootstrap, the wheels, `docker build`) and loading 
 Docker daemons took 7 to 8 minutes before the first cluster test on a fresh 2-core machine
 (about 400 CPU-seconds, most of them the Docker daemons', plus waits on the disk and the
 network). So when collection ends with cluster tests selected, the hosts start and a helper
-process (testbed_image.py) builds, saves and loads the image, all at the lowest CPU priority
+process (testbed_image.py) builds, saves and loads the image (and the one without Ray the
+mp-backend tests serve), all at the lowest CPU priority
 (threads, sessions and Docker's containers: see set_priority): they take what the other tiers
 leave idle. The cluster tests run last (conftest.py); their first fixture waits for the helper
 and then gives the hosts' daemons normal priority again.
