@@ -45,10 +45,22 @@ def test_cpu_build_is_offline_and_cuda_takes_dependencies_from_pypi(tmp_path):
     assert "--no-deps" in cuda and "torch==2.13.0" not in cuda
     argv = docker_build_argv(ImageBuild("t", debootstrap=True), tmp_path, "abc")
     assert argv[:4] == ["docker", "build", "--network", "host"]
-    assert "BASE_IMAGE=llmctl-base:bookworm" in argv
+    assert f"BASE_IMAGE={DEBOOTSTRAP_BASE}" in argv
     assert "PIP_INSTALL_ARGS=--no-index" in argv
     assert "llmctl.source-hash=abc" in argv
-    assert "PIP_INSTALL_ARGS=" in docker_build_argv(ImageBuild("t", target="cuda"), tmp_path, "a")
+    cuda_argv = docker_build_argv(ImageBuild("t", target="cuda"), tmp_path, "a")
+    assert "PIP_INSTALL_ARGS=" in cuda_argv
+
+
+def test_cpu_image_compiles_the_cpu_kernels_and_cuda_does_not(tmp_path):
+    # The engine in a cpu container without them ran plain torch: ~10x slower decode.
+    assert "CPU_KERNELS=1" in docker_build_argv(ImageBuild("t"), tmp_path, "a")
+    assert "CPU_KERNELS=" in docker_build_argv(ImageBuild("t", target="cuda"), tmp_path, "a")
+    # The offline base carries the compiler; the Dockerfile installs it on the slim one.
+    assert "g++" in image.debootstrap_argv(tmp_path, "http://mirror")[2].split("=")[1].split(",")
+    dockerfile = (source_root() / "templates" / "Dockerfile").read_text()
+    for module in ("paged_attention_cpu --build", "quantization.kernels", "fused_decode"):
+        assert f"python -m llmctl.engine.layers.{module}" in dockerfile
 
 
 def test_llmctl_wheel_goes_to_its_own_layer(tmp_path):

@@ -36,11 +36,17 @@ from test_serve_on_cluster import (
 from llmctl.engine import LLM, SamplingParams
 from llmctl.engine.model_loader.default_model import default_model_path
 
-IMAGE = "llmctl:e2e-noray"
+IMAGE = "llmctl:e2e" + testbed_image.NO_RAY_SUFFIX
 PORT = 8011
 CONTAINER = "llmctl-srv"
 STALL_TIMEOUT = 10
 SUPERVISED = ["--restart-on-failure", "--stall-timeout", str(STALL_TIMEOUT)]
+KERNELS_CHECK = (
+    "from llmctl.engine.layers import fused_decode, paged_attention_cpu;"
+    "from llmctl.engine.layers.quantization import kernels;"
+    "print(paged_attention_cpu.kernel_available(), kernels.kernel_available(),"
+    " fused_decode.kernel_available())"
+)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +64,8 @@ def offline(model) -> list[str]:
 @pytest.fixture(scope="module")
 def hosts(testbed, llmctl_image):
     """Two hosts with the image without Ray: built by `llmctl image build --no-ray` on the root
-    daemon (skipped when up to date), loaded on each host's daemon."""
+    daemon and loaded on each host's daemon, by the bed's preparation in the background
+    (testbed_image.py); here both steps find it up to date, or do it when they do not."""
     argv = [LLMCTL, "image", "build", "--debootstrap", "--no-ray", "--tag", IMAGE]
     built = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
     assert built.returncode == 0, built.stdout + built.stderr
@@ -92,6 +99,11 @@ def test_pipeline_stages_on_two_nodes_without_ray(
         assert no_ray.returncode == 1 and "No module named 'ray'" in no_ray.stderr
         env = llmctl(cli_env, "cluster", "exec", worker.ip, "-i", str(inv), "--", "env").stdout
         assert f"VLLM_HOST_IP={worker.ip}" in env and "GLOO_SOCKET_IFNAME=eth0" in env
+        # The image's CPU kernels, built with it for this CPU: the engine in the container runs
+        # them (without them it fell back to plain torch, ~10x slower decode).
+        kernels = llmctl(cli_env, "cluster", "exec", worker.ip, "-i", str(inv), "--",
+                         "python3", "-c", KERNELS_CHECK).stdout  # fmt: skip
+        assert kernels.split() == ["True", "True", "True"], kernels
         # The doctor without Ray: each container's facts, the all-reduce over the rendezvous.
         doctor = llmctl(cli_env, "doctor", "-i", str(inv), "--timeout", "60", "--json")
         payload = json.loads(doctor.stdout)
@@ -112,6 +124,7 @@ def test_pipeline_stages_on_two_nodes_without_ray(
         on_head, on_worker = server_log(cli_env, inv, "head"), server_log(cli_env, inv, worker.ip)
         assert "Started 2 worker processes (tp=1, pp=2, 2 nodes)" in on_head, on_head
         assert f"Node 1 joined node 0 at {head.ip}:" in on_worker, on_worker
+        assert not re.search(r"CPU [\w ]+ unavailable", on_head + on_worker)  # no kernel fell back
 
         status = llmctl(cli_env, "cluster", "status", "-i", str(inv)).stdout
         assert re.search(r"Server: .* \(tp=1, pp=2, mp on 2 nodes\) at .*: healthy", status)
