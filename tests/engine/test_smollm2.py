@@ -141,3 +141,17 @@ def test_a_rank_on_another_node_reads_the_gguf_there(tmp_path, monkeypatch):
     )
     monkeypatch.setenv("LLMCTL_CACHE_DIR", str(tmp_path / "this-node"))
     assert local_gguf_path(elsewhere) == gguf
+
+
+def test_the_bundled_gguf_runs_float32_activations_on_a_bfloat16_cpu(monkeypatch):
+    """dtype "auto" picks bfloat16 on a CPU with native bfloat16, but the GGUF's quantized
+    weights run in kernels that take float32 activations: the engine keeps float32 for them (and
+    bfloat16 when the file is dequantized to float)."""
+    from llmctl.engine import platform
+    from llmctl.engine.engine_args import EngineArgs
+
+    monkeypatch.setattr(platform, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    gguf = str(default_model_path())
+    assert EngineArgs(model=gguf).create_engine_config().model_config.dtype == "float32"
+    dequantized = EngineArgs(model=gguf, gguf_dequantize=True).create_engine_config()
+    assert dequantized.model_config.dtype == "bfloat16"
