@@ -24,8 +24,13 @@
 // Larger M (prefill) goes through `tiled_group_mm`: tiles of W expanded to float32 and multiplied
 // with torch's GEMM, the dequantization amortised over the M rows.
 //
-// Built with -march=native: the AVX-512 or AVX2 path is chosen at compile time on the machine that
-// runs it (the build cache key hashes the CPU's flags), with a scalar path for anything else.
+// Built with -march=native on the machine that runs it (the build cache key hashes the CPU's
+// flags): the 256-bit AVX2 path wherever the CPU has AVX2 and FMA, AVX-512 CPUs included (the
+// compiler may still use EVEX encodings and 32 registers), with a scalar path for anything else.
+// 512-bit versions of these loops (with and without a block of 4 rows a pass at M = 1) were
+// 5-19% slower at M = 1 and M = 4 on this project's AVX-512 machine (AMD EPYC Zen 4, where
+// 512-bit operations are split in two), so they were removed; one path also gives a row the same
+// bits on an AVX2 node and an AVX-512 node.
 
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -38,10 +43,7 @@
 #include <cstdint>
 #include <optional>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define LLMCTL_Q_AVX512 1
-#include <immintrin.h>
-#elif defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)
 #define LLMCTL_Q_AVX2 1
 #include <immintrin.h>
 #endif
@@ -64,7 +66,7 @@ inline float ld(const c10::Half* p, int64_t i) {
 
 constexpr int kMaxRows = 4;  // activation rows handled per pass over a weight row
 
-#if defined(LLMCTL_Q_AVX2) || defined(LLMCTL_Q_AVX512)
+#if defined(LLMCTL_Q_AVX2)
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -161,31 +163,7 @@ template <int R, typename S>
 void row_int8(const int8_t* q, const S* scales, const float* x, int64_t ldx, int64_t K,
               int64_t g, float* out) {
   const int64_t G = K / g;
-#if defined(LLMCTL_Q_AVX512)
-  if (g % 32 == 0) {
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t gi = 0; gi < G; ++gi) {
-      __m512 pa[R], pb[R];
-      for (int r = 0; r < R; ++r) pa[r] = pb[r] = _mm512_setzero_ps();
-      for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
-        __m512 w0 = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
-        __m512 w1 = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16))));
-        for (int r = 0; r < R; ++r) {
-          pa[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * ldx + k), pa[r]);
-          pb[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * ldx + k + 16), pb[r]);
-        }
-      }
-      const __m512 s = _mm512_set1_ps(ld(scales, gi));
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(pa[r], pb[r]), s, acc[r]);
-    }
-    for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
-    return;
-  }
-#endif
-#if defined(LLMCTL_Q_AVX2) || defined(LLMCTL_Q_AVX512)
+#if defined(LLMCTL_Q_AVX2)
   if (g % 16 == 0) {  // the order of rows_int8_m1's: one chain per row and group
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -222,28 +200,7 @@ template <int R, typename S>
 void row_int4(const uint8_t* qp, const S* scales, const float* x, int64_t ldx, int64_t K,
               int64_t g, float* out) {
   const int64_t G = K / g;
-#if defined(LLMCTL_Q_AVX512)
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  for (int64_t gi = 0; gi < G; ++gi) {
-    __m512 pa[R], pb[R];
-    for (int r = 0; r < R; ++r) pa[r] = pb[r] = _mm512_setzero_ps();
-    for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
-      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + k / 2));
-      __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)));
-      __m512 hi =
-          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
-      for (int r = 0; r < R; ++r) {
-        pa[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + r * ldx + k), pa[r]);
-        pb[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + r * ldx + k + 16), pb[r]);
-      }
-    }
-    const __m512 s = _mm512_set1_ps(ld(scales, gi));
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(pa[r], pb[r]), s, acc[r]);
-  }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
-#elif defined(LLMCTL_Q_AVX2)
+#if defined(LLMCTL_Q_AVX2)
   // The order of rows_int4_m1's (one chain per row and group), so that a row's sum has the same
   // bits whether its sequence is decoded alone or in a batch.
   __m256 acc[R];
@@ -287,7 +244,7 @@ void row_int4(const uint8_t* qp, const S* scales, const float* x, int64_t ldx, i
 inline float dot(const c10::Half* a, const float* b, int64_t n) {
   int64_t i = 0;
   float total = 0.f;
-#if (defined(LLMCTL_Q_AVX2) || defined(LLMCTL_Q_AVX512)) && defined(__F16C__)
+#if defined(LLMCTL_Q_AVX2) && defined(__F16C__)
   __m256 acc = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) {
     __m256 av = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i)));
@@ -301,7 +258,7 @@ inline float dot(const c10::Half* a, const float* b, int64_t n) {
 inline float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   float total = 0.f;
-#if defined(LLMCTL_Q_AVX2) || defined(LLMCTL_Q_AVX512)
+#if defined(LLMCTL_Q_AVX2)
   __m256 acc = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
   total = hsum(acc);
@@ -479,7 +436,7 @@ void dequantize_into(const at::Tensor& q, const S* sp, const S* zp, int64_t bits
       } else {
         const uint8_t* qr = q.data_ptr<uint8_t>() + n * (K / 2);
         int64_t k = k0;
-#if defined(LLMCTL_Q_AVX2) || defined(LLMCTL_Q_AVX512)
+#if defined(LLMCTL_Q_AVX2)
         const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
         const __m128i mask = _mm_set1_epi8(0x0F);
         for (; k < k1; k += 32) {
