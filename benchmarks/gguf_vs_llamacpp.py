@@ -20,6 +20,12 @@ LLM(model=that_dir), transformers with generate().
     python benchmarks/gguf_vs_llamacpp.py --setup     # once: pip install llama-cpp-python
     python benchmarks/gguf_vs_llamacpp.py             # everything (bundled SmolLM2 Q4_1)
     python benchmarks/gguf_vs_llamacpp.py --gguf model.gguf --workloads W1 --threads 2 --no-float
+
+--interleave N: for llmctl vs llama.cpp, both engines stay up (one process each) and take turns,
+N rounds per workload, the order swapped every round; the table gives each engine's median and
+the ratio is the median of the rounds' ratios. On a VM whose speed drifts by 10-30% from one
+minute to the next (this project's build machine), sequential runs compare different machines;
+alternating rounds compare the engines under the same conditions.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -170,6 +177,17 @@ def child(args) -> dict:
     result = {"start_s": time.time() - spawned, "first": first[0]}
     if args.start_only:
         return result
+    if args.serve:  # one line per workload name on stdin: run it once, answer with its time
+        print(json.dumps(result), flush=True)
+        for line in sys.stdin:
+            name = line.strip()
+            prompts, out_len = spec["prompts"][name], WORKLOADS[name][2]
+            start = time.perf_counter()
+            outputs = runner.generate(prompts, out_len)
+            took = time.perf_counter() - start
+            reply = {"seconds": took, "first_ids": outputs[0], "rss_mb": _peak_rss_mb()}
+            print(json.dumps(reply), flush=True)
+        return {"rss_mb": _peak_rss_mb()}
     for name in spec["workloads"]:
         prompts, out_len = spec["prompts"][name], WORKLOADS[name][2]
         times = []
@@ -200,6 +218,69 @@ def run_child(engine: str, threads: str, spec_path: Path, env_extra=None, start_
         sys.stderr.write(done.stderr[-4000:])
         raise SystemExit(f"{engine} (threads {threads}) failed")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+class ServingChild:
+    """One engine kept up by `--child E --serve`: run(workload) -> seconds, first ids, RSS."""
+
+    def __init__(self, engine: str, threads: str, spec_path: Path) -> None:
+        cmd = [sys.executable, __file__, "--child", engine, "--threads", threads, "--serve"]
+        cmd += ["--spec", str(spec_path)]
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        if threads != "default":
+            env["OMP_NUM_THREADS"] = threads
+        env["BENCH_SPAWNED_AT"] = repr(time.time())
+        self.engine = engine
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        self.start = self._reply()
+
+    def _reply(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"{self.engine} exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def run(self, workload: str) -> dict:
+        self.proc.stdin.write(workload + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def interleaved(engines: tuple[str, str], threads: str, spec_path: Path, workloads, rounds: int):
+    """Rows as run_child gives them, from `rounds` alternating runs per workload: each engine's
+    median tok/s, and "ratio": the median of the rounds' ratios (engines[0] / engines[1])."""
+    children = [ServingChild(e, threads, spec_path) for e in engines]
+    rows = {e: {"start_s": c.start["start_s"]} for e, c in zip(engines, children, strict=True)}
+    try:
+        for name in workloads:
+            batch, prompt_len, out_len = WORKLOADS[name]
+            tokens = batch * prompt_len if name == "W3" else batch * out_len
+            rates: dict[str, list[float]] = {e: [] for e in engines}
+            for i in range(rounds):
+                for child in children if i % 2 == 0 else children[::-1]:
+                    reply = child.run(name)
+                    rates[child.engine].append(tokens / reply["seconds"])
+                    rows[child.engine][name] = {"first_ids": reply["first_ids"]}
+                    if name == "W1":
+                        rows[child.engine]["rss_w1_mb"] = reply["rss_mb"]
+                a, b = (rates[e][-1] for e in engines)
+                print(f"    {name} round {i + 1}: {engines[0]} {a:.1f}, {engines[1]} {b:.1f} "
+                      f"tok/s ({a / b:.2f}x)", file=sys.stderr, flush=True)  # fmt: skip
+            ratios = [a / b for a, b in zip(rates[engines[0]], rates[engines[1]], strict=True)]
+            for e in engines:
+                rows[e][name]["tok_s"] = statistics.median(rates[e])
+            rows[engines[0]][name]["ratio"] = statistics.median(ratios)
+    finally:
+        for child in children:
+            child.close()
+    return rows
 
 
 def make_prompts(vocab: int, seed: int = 0) -> dict[str, list[list[int]]]:
@@ -268,7 +349,9 @@ def print_table(title: str, rows: dict, pairs: list[tuple[str, str]], workloads)
             a, b = rows.get((ours, threads)), rows.get((theirs, threads))
             if not a or not b:
                 continue
-            ratios = [f"{w} {a[w]['tok_s'] / b[w]['tok_s']:.2f}x" for w in workloads]
+            ratios = [
+                f"{w} {a[w].get('ratio', a[w]['tok_s'] / b[w]['tok_s']):.2f}x" for w in workloads
+            ]
             ratios.append(f"warm start {a['start_s'] / b['start_s']:.1f}x as long")
             if "rss_w1_mb" in a:
                 ratios.append(f"RSS {a['rss_w1_mb'] / b['rss_w1_mb']:.1f}x")
@@ -294,6 +377,11 @@ def main() -> None:
     parser.add_argument("--no-cold", action="store_true", help="skip the cold start-up runs")
     parser.add_argument("--no-float", action="store_true", help="skip llmctl float vs transformers")
     parser.add_argument("--no-llamacpp", action="store_true", help="skip llmctl vs llama.cpp")
+    parser.add_argument(
+        "--interleave", type=int, default=0, metavar="N",
+        help="llmctl vs llama.cpp: both engines up, N alternating rounds per workload",
+    )  # fmt: skip
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=["llmctl", "llamacpp", "transformers"], help="internal")
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--start-only", action="store_true", help=argparse.SUPPRESS)
@@ -329,7 +417,14 @@ def main() -> None:
         for title, model, rival in sections:
             rival = rival or "transformers"
             path, rows = spec(model), {}
-            for engine in ("llmctl", rival):
+            for t in threads if args.interleave and rival == "llamacpp" else []:
+                print(
+                    f"  llmctl and {rival} in turns, threads {t} ...", file=sys.stderr, flush=True
+                )
+                pair = ("llmctl", rival)
+                for engine, row in interleaved(pair, t, path, workloads, args.interleave).items():
+                    rows[(engine, t)] = row
+            for engine in ("llmctl", rival) if not rows else ():
                 for t in threads:
                     print(f"  running {engine}, threads {t} ...", file=sys.stderr, flush=True)
                     rows[(engine, t)] = r = run_child(engine, t, path)
