@@ -71,12 +71,15 @@ def test_chat_uses_the_gguf_chat_template(smol, hf_smol, hf_greedy):
         assert "<|im_end|>" not in completion.text
 
 
-def test_default_dtype_on_this_cpu_still_answers():
-    """dtype="auto" (bfloat16 where the CPU has it) gives a sensible answer."""
+@pytest.mark.parametrize("dequantize", [False, True], ids=["gguf", "dequantized"])
+def test_default_dtype_on_this_cpu_still_answers(dequantize):
+    """dtype="auto": float32 for the GGUF's quantized weights (the kernels' activations), and for
+    the weights dequantized to float bfloat16 where the CPU has it; either gives a sensible
+    answer."""
     from llmctl.engine.platform import cpu_has_native_bf16
 
-    llm = LLM(use_tqdm_on_load=False, kv_cache_space_gib=0.5)
-    expected = "bfloat16" if cpu_has_native_bf16() else "float32"
+    llm = LLM(use_tqdm_on_load=False, kv_cache_space_gib=0.5, gguf_dequantize=dequantize)
+    expected = "bfloat16" if dequantize and cpu_has_native_bf16() else "float32"
     assert llm.llm_engine.config.model_config.dtype == expected
     out = llm.chat(
         [{"role": "user", "content": "What is the capital of France?"}],
