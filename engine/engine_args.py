@@ -101,7 +101,12 @@ class EngineArgs:
         commands=(SERVE,),
     )
     dtype: str = option(
-        "auto, float32, bfloat16 or float16.", default="auto", show_default=True, commands=PLANNER
+        "auto, float32, bfloat16 or float16 (auto: bfloat16 on a CPU with native bfloat16, "
+        "float32 on other CPUs and for quantized weights; on CUDA the checkpoint's, float16 for "
+        "float32 checkpoints).",
+        default="auto",
+        show_default=True,
+        commands=PLANNER,
     )
     max_model_len: int | None = option(
         "Longest prompt + completion, in tokens.",
