@@ -12,7 +12,7 @@ float rounding (reduction order in the norms, FMA contraction).
 its modules): CPU float32, a decode-only step of at most SMALL_BATCH tokens, tensor parallel
 size 1, the torch attention backend with the C++ kernels built, every layer's MLP SiLU-gated.
 LLMCTL_FUSED_DECODE=0 turns it off. The extension is compiled with the other CPU kernels at
-set-up (`python -m llmctl.engine.layers.fused_decode`), else on first use.
+set-up (`python -m llmctl.engine.layers.cpu_kernels`), else on first use.
 """
 
 from __future__ import annotations
@@ -230,9 +230,3 @@ def _namespace() -> str | None:
 
 def kernel_available() -> bool:
     return _namespace() is not None
-
-
-if __name__ == "__main__":
-    # `python -m llmctl.engine.layers.fused_decode`: compile now (what `make setup` runs).
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    raise SystemExit(0 if kernel_available() else 1)

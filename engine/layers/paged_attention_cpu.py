@@ -11,7 +11,7 @@ window the query (position seq_len - 1) sees keys at positions > seq_len - 1 - w
 The kernel (paged_attention_cpu.cpp) reads each K and V row once, for all the query heads that
 share it, straight from the paged cache; gather + scaled_dot_product_attention first copies
 every sequence's blocks. It is compiled with -march=native once: at set-up (`make setup` runs
-`python -m llmctl.engine.layers.paged_attention_cpu --build`), else on first use (10-20 s, with
+`python -m llmctl.engine.layers.cpu_kernels`), else on first use (10-20 s, with
 a spinner on a terminal), into $LLMCTL_CACHE_DIR/torch_extensions, else $TORCH_EXTENSIONS_DIR,
 else torch's default extensions directory, under a name that hashes the source, the flags, torch,
 Python and the CPU's features, so a cache directory shared by different machines never serves a
@@ -157,8 +157,8 @@ def _build_spec(march: str, extra_cflags: tuple[str, ...]) -> tuple[str, list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m llmctl.engine.layers.paged_attention_cpu --build`: compile the kernel now (what
-    `make setup` runs), so the first engine start does not wait for the compiler."""
+    """`python -m llmctl.engine.layers.paged_attention_cpu --build`: compile this kernel now
+    (`make setup` builds all of them: llmctl.engine.layers.cpu_kernels) and say where."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])

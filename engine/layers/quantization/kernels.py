@@ -288,10 +288,3 @@ def build_kernel(march: str = "native", extra_cflags: tuple[str, ...] = ()) -> A
         return getattr(torch.ops, name)
     compile_extension(_SOURCE, _PREFIX, "CPU quantized matmul kernel", march, extra_cflags)
     return getattr(torch.ops, name)
-
-
-if __name__ == "__main__":
-    # `python -m llmctl.engine.layers.quantization.kernels`: compile the kernels now (what
-    # `make setup` runs), so the first quantized model does not wait for the compiler.
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    raise SystemExit(0 if kernel_available() else 1)

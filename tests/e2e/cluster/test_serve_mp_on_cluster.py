@@ -34,6 +34,7 @@ from test_serve_on_cluster import (
 )
 
 from llmctl.engine import LLM, SamplingParams
+from llmctl.engine.layers.cpu_kernels import KERNELS
 from llmctl.engine.model_loader.default_model import default_model_path
 
 IMAGE = "llmctl:e2e" + testbed_image.NO_RAY_SUFFIX
@@ -41,12 +42,6 @@ PORT = 8011
 CONTAINER = "llmctl-srv"
 STALL_TIMEOUT = 10
 SUPERVISED = ["--restart-on-failure", "--stall-timeout", str(STALL_TIMEOUT)]
-KERNELS_CHECK = (
-    "from llmctl.engine.layers import fused_decode, paged_attention_cpu;"
-    "from llmctl.engine.layers.quantization import kernels;"
-    "print(paged_attention_cpu.kernel_available(), kernels.kernel_available(),"
-    " fused_decode.kernel_available())"
-)
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +97,8 @@ def test_pipeline_stages_on_two_nodes_without_ray(
         # The image's CPU kernels, built with it for this CPU: the engine in the container runs
         # them (without them it fell back to plain torch, ~10x slower decode).
         kernels = llmctl(cli_env, "cluster", "exec", worker.ip, "-i", str(inv), "--",
-                         "python3", "-c", KERNELS_CHECK).stdout  # fmt: skip
-        assert kernels.split() == ["True", "True", "True"], kernels
+                         "python3", "-m", "llmctl.engine.layers.cpu_kernels").stdout  # fmt: skip
+        assert re.findall(r"CPU ([\w ]+) kernel: ready", kernels) == list(KERNELS), kernels
         # The doctor without Ray: each container's facts, the all-reduce over the rendezvous.
         doctor = llmctl(cli_env, "doctor", "-i", str(inv), "--timeout", "60", "--json")
         payload = json.loads(doctor.stdout)
