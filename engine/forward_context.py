@@ -14,17 +14,27 @@ from typing import Any
 
 _ATTN_METADATA: Any = None
 _DP_NUM_TOKENS: list[int] | None = None
+_PASS_MEMO: dict | None = None
 
 
 @contextmanager
 def set_forward_context(attn_metadata: Any) -> Iterator[None]:
-    global _ATTN_METADATA, _DP_NUM_TOKENS
-    previous = _ATTN_METADATA, _DP_NUM_TOKENS
-    _ATTN_METADATA, _DP_NUM_TOKENS = attn_metadata, None
+    global _ATTN_METADATA, _DP_NUM_TOKENS, _PASS_MEMO
+    previous = _ATTN_METADATA, _DP_NUM_TOKENS, _PASS_MEMO
+    _ATTN_METADATA, _DP_NUM_TOKENS, _PASS_MEMO = attn_metadata, None, {}
     try:
         yield
     finally:
-        _ATTN_METADATA, _DP_NUM_TOKENS = previous
+        _ATTN_METADATA, _DP_NUM_TOKENS, _PASS_MEMO = previous
+
+
+def pass_memo() -> dict:
+    """Values computed once per forward pass and shared by its layers (the rotary cos/sin rows
+    of the step's positions). A new dict each time set_forward_context() is entered, so nothing
+    outlives its pass: a CUDA graph captured in its own context records the computation
+    instead of reading a tensor an earlier eager pass made (and later freed). Outside a context,
+    a throwaway dict: nothing is shared."""
+    return _PASS_MEMO if _PASS_MEMO is not None else {}
 
 
 def get_attn_metadata() -> Any:

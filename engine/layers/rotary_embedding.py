@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from llmctl.engine.errors import UnsupportedArchitectureError
+from llmctl.engine.forward_context import pass_memo
 
 _SUPPORTED = ("default", "linear", "llama3")
 
@@ -62,17 +63,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
-        self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
-
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        # One instance serves every layer of a model, and a step's layers share one positions
-        # tensor: look the rows up once per step, not once per layer.
-        last = self._last
-        if last is not None and last[0] is positions and last[1] == dtype:
-            return last[2], last[3]
+        # One instance serves every layer of a model, and a pass's layers share one positions
+        # tensor: look the rows up once per forward pass, not once per layer. The memo is the
+        # pass's own (a module attribute would outlive it: a CUDA graph captured after an eager
+        # warm-up on the same inputs then replays that warm-up's freed cos/sin tensors).
+        memo = pass_memo()
+        key = ("rotary", id(self), id(positions), dtype)
+        hit = memo.get(key)
+        if hit is not None and hit[0] is positions:
+            return hit[1], hit[2]
         cos = self.cos_cache.index_select(0, positions).unsqueeze(1).to(dtype)
         sin = self.sin_cache.index_select(0, positions).unsqueeze(1).to(dtype)
-        self._last = (positions, dtype, cos, sin)
+        memo[key] = (positions, cos, sin)
         return cos, sin
 
     def forward(
