@@ -16,6 +16,8 @@ is not linked with support for cuda devices", so no real step runs through it.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -33,9 +35,11 @@ class DeviceCheckMode(TorchDispatchMode):
         super().__init__()
         self.host_to_device = 0
         self.device_to_host = 0
+        self.calls: Counter[str] = Counter()  # op name ("llmctl::group_quantized_mm") -> calls
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.calls[func.name().split(".")[0]] += 1
         if func.overloadpacket in (aten._to_copy, aten.to):
             source = args[0]
             target = kwargs.get("device") or next(

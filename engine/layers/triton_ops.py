@@ -1,4 +1,5 @@
-"""The Triton attention kernels as torch custom ops (llmctl::*).
+"""The Triton kernels as torch custom ops (llmctl::*): paged attention, and the packed
+group-quantized matmul (engine/layers/quantization/triton_group_mm.py).
 
 As ops, the kernels are single nodes to the dispatcher: CUDA graphs capture them like any kernel,
 and on tensors without data (meta, fake) their fake implementations give the output's shape, so a
@@ -94,3 +95,22 @@ def _(
     sliding_window,
 ):
     return torch.empty_like(q)
+
+
+@torch.library.custom_op("llmctl::group_quantized_mm", mutates_args=())
+def group_quantized_mm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:
+    from llmctl.engine.layers.quantization.triton_group_mm import group_mm
+
+    return group_mm(x, qweight, scales, zeros, bits, group_size)
+
+
+@group_quantized_mm.register_fake
+def _(x, qweight, scales, zeros, bits, group_size):
+    return x.new_empty(x.shape[0], qweight.shape[0])

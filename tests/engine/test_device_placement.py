@@ -11,6 +11,7 @@ import pytest
 import torch
 from device_check import DEVICE, DeviceCheckMode, HostTensorOnDeviceError
 from support import FAMILIES
+from test_quantized import write_tiny_gguf
 
 from llmctl.engine.config import DeviceConfig
 from llmctl.engine.distributed.partition import pipeline_shard
@@ -106,6 +107,25 @@ def test_step_on_device_has_no_host_tensor(tiny_models, family, backend, monkeyp
         assert set(output.logprobs) == {"fancy"}
         assert len(output.logprobs["fancy"].top_token_ids) == 3
         assert mode.host_to_device > 0
+
+
+def test_quantized_gguf_step_on_device(tmp_path, monkeypatch):
+    """A GGUF model's blocks stay packed on the device: its linear layers run the Triton
+    group-quantized matmul (the custom op llmctl::group_quantized_mm), its embedding expands
+    only the looked-up rows, and no host tensor meets a device one."""
+    monkeypatch.setenv("LLMCTL_ATTENTION_BACKEND", "triton")
+    monkeypatch.setenv("LLMCTL_CACHE_DIR", str(tmp_path / "cache"))
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    runner = _runner(tmp_path / "tiny.gguf", skip_tokenizer_init=True)
+    assert runner.config.model_config.quantization.method == "gguf"
+    with DeviceCheckMode() as mode:
+        for step in _steps(runner.vocab_size):
+            before = mode.device_to_host
+            runner.execute_model(step)
+            assert mode.device_to_host - before == 1, "sampled ids: one copy per step"
+    # per step, 2 layers x 5 packed matmuls (qkv in two parts: attn_v is Q8_0, q and k Q4_1;
+    # o, gate_up, down) and the LM head, tied to the Q8_0 token embedding
+    assert mode.calls["llmctl::group_quantized_mm"] == 3 * (2 * 5 + 1)
 
 
 def test_profile_run_on_device(tiny_models):

@@ -18,7 +18,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from llmctl.engine.errors import ModelLoadError
-from llmctl.engine.layers.quantization import gguf_quants, kernels
+from llmctl.engine.layers import triton_ops
+from llmctl.engine.layers.quantization import gguf_quants, kernels, triton_group_mm
 from llmctl.engine.layers.quantization.rtn import quantize_rtn
 
 T = GGMLQuantizationType
@@ -59,16 +60,22 @@ def kernel():
     return kernels.build_kernel()
 
 
-def assert_matmul_close(packed, w_ref: torch.Tensor, m: int, dtype: torch.dtype) -> None:
+def assert_matmul_close(
+    packed, w_ref: torch.Tensor, m: int, dtype: torch.dtype, matmul=None, device="cpu"
+) -> torch.Tensor:
+    """`matmul(packed, x)` (default: packed.matmul) with x on `device`, against float64 on the
+    reference W; returns the output as computed (on `device`)."""
     x = torch.randn(m, w_ref.shape[1], generator=torch.Generator().manual_seed(m)).to(dtype)
     expected = x.double() @ w_ref.double().T
-    out = packed.matmul(x)
+    result = (matmul or type(packed).matmul)(packed, x.to(device))
+    out = result.cpu()
     assert out.dtype == dtype and out.shape == (m, w_ref.shape[0])
     # float32 accumulation over K terms; bf16 adds the output's own rounding (2^-8 relative)
     magnitude = (x.double().abs() @ w_ref.double().abs().T).max().item()
     tolerance = 1e-5 * magnitude if dtype == torch.float32 else 1e-2 * magnitude
     err = (out.double() - expected).abs().max().item()
     assert err <= tolerance, f"max abs error {err} > {tolerance}"
+    return result
 
 
 @pytest.mark.parametrize("qtype, n, k", SHAPES, ids=lambda v: getattr(v, "name", str(v)))
@@ -210,3 +217,55 @@ def test_build_in_background_then_matmul():
     thread = kernels.build_in_background()
     thread.join(timeout=300)
     assert not thread.is_alive() and kernels.kernel_available()
+
+
+# -- the GPU kernels (triton_group_mm.py): natively on a GPU, else in Triton's interpreter -----
+# M <= FUSED_MAX_ROWS runs the fused kernel; M = 100 the dequantize kernel and a GEMM.
+
+
+def triton_matmul(packed, x: torch.Tensor) -> torch.Tensor:
+    """The custom op the engine calls on the GPU, on `packed`'s tensors."""
+    z = packed.zeros
+    return triton_ops.group_quantized_mm(
+        x, packed.qweight, packed.scales, z, packed.bits, packed.group_size
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 5, 40, 100])
+@pytest.mark.parametrize("qtype, n, k", SHAPES, ids=lambda v: getattr(v, "name", str(v)))
+def test_triton_group_mm_matches_reference(device, qtype, n, k, m, dtype):
+    raw = gguf_blocks(qtype, n, k)
+    packed = gguf_quants.pack_gguf(raw, qtype, n, k).to(device)
+    reference = torch.from_numpy(quants.dequantize(raw, qtype))
+    out = assert_matmul_close(packed, reference, m, dtype, triton_matmul, device)
+    if device.type == "cuda":  # what a layer on the GPU runs: this op, same bits
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device, dtype)
+        assert torch.equal(packed.matmul(x), out)
+
+
+@pytest.mark.parametrize("m", [1, 20])
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K], ids=lambda v: v.name)
+def test_triton_group_mm_splits_long_rows_over_programs(device, monkeypatch, qtype, m):
+    # K = 2304: 18 steps of 128, split over 4 programs (640 columns each) when the (M, N) tiles
+    # alone are few
+    monkeypatch.setattr(triton_group_mm, "_multiprocessors", lambda device: 8)
+    n, k = 45, 2304
+    raw = gguf_blocks(qtype, n, k)
+    packed = gguf_quants.pack_gguf(raw, qtype, n, k).to(device)
+    reference = torch.from_numpy(quants.dequantize(raw, qtype))
+    out = assert_matmul_close(packed, reference, m, torch.float32, triton_matmul, device)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device)
+    assert torch.equal(triton_matmul(packed, x), out)  # a fixed order of partial sums
+    monkeypatch.setattr(triton_group_mm, "_multiprocessors", lambda device: 10_000)
+    whole = triton_matmul(packed, x)  # no split: another summation order, same result
+    assert torch.allclose(whole, out, rtol=1e-5, atol=1e-5 * out.abs().max().item())
+
+
+@pytest.mark.parametrize("bits, group_size", [(4, 128), (8, 16)])
+def test_triton_group_mm_other_group_sizes(device, bits, group_size):
+    n, k = 77, 384
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(2))
+    packed = kernels.pack_groups(*quantize_rtn(w, bits, group_size), bits, group_size)
+    reference = packed.dequantize()
+    assert_matmul_close(packed.to(device), reference, 7, torch.float32, triton_matmul, device)

@@ -27,6 +27,10 @@ a multiple of 16, its fast path rounds activations to bf16 and its float32 path 
 
 Without a C++ compiler (or if the build fails) the same math runs in plain torch: every matmul
 dequantizes tiles and calls F.linear (correct, slower at decode); one warning says why.
+
+On a GPU the matmul is one Triton kernel (triton_group_mm.py, as the custom op
+llmctl::group_quantized_mm, so CUDA graphs capture it): tiles of W are expanded in registers,
+activations keep their dtype (bfloat16 on the GPU by default) and accumulate in float32.
 """
 
 from __future__ import annotations
@@ -85,6 +89,18 @@ class PackedLinearWeight:
                 return op.int8_group_mm(x, self.qweight, self.scales, self.group_size)
             return op.int4_group_mm(x, self.qweight, self.scales, self.zeros, self.group_size)
         lead = x.shape[:-1]
+        if not x.is_cpu and _triton_available():  # the GPU: one Triton kernel, x's dtype
+            from llmctl.engine.layers import triton_ops  # noqa: F401  (registers llmctl::*)
+
+            y = torch.ops.llmctl.group_quantized_mm(
+                x.reshape(-1, self.in_features),
+                self.qweight,
+                self.scales,
+                self.zeros,
+                self.bits,
+                self.group_size,
+            )
+            return y.reshape(*lead, self.out_features)
         x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
         op = _kernel() if x2.device.type == "cpu" else None
         if op is not None and x2.shape[0] <= SMALL_BATCH:
@@ -231,6 +247,12 @@ def pack_groups(
         nibbles = q.to(torch.uint8).reshape(n, k // 32, 2, 16)
         qweight = (nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
     return PackedLinearWeight(n, k, bits, group_size, qweight, scales, zeros)
+
+
+def _triton_available() -> bool:
+    from llmctl.engine.layers.attention import triton_available
+
+    return triton_available()
 
 
 def kernel_available() -> bool:
