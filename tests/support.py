@@ -128,6 +128,26 @@ def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
+MAX_GAP = 1e-3  # the reference's logit gap below which a greedy choice may differ
+
+
+def assert_same_greedy(native, reference) -> None:
+    """Same tokens, or a first difference where the reference (run with logprobs=5) barely
+    preferred its token: its logit gap there below MAX_GAP (printed)."""
+    for got, want in zip(native, reference, strict=True):
+        got, want = got.outputs[0], want.outputs[0]
+        if got.token_ids == want.token_ids:
+            continue
+        pairs = enumerate(zip(got.token_ids, want.token_ids, strict=True))
+        pos = next(i for i, (a, b) in pairs if a != b)
+        ref = want.logprobs[pos]
+        chosen, other = want.token_ids[pos], got.token_ids[pos]
+        assert other in ref, f"position {pos}: token {other} is not in the reference's top 5"
+        gap = ref[chosen].logprob - ref[other].logprob
+        print(f"first differing position {pos}: logit gap {gap:.2e}")
+        assert gap < MAX_GAP, f"position {pos}: logit gap {gap:.2e} >= {MAX_GAP}"
+
+
 def token_ids(outputs) -> list[list[int]]:
     """The first completion's token ids of each RequestOutput."""
     return [o.outputs[0].token_ids for o in outputs]

@@ -9,8 +9,8 @@ under LLMCTL_FUSED_DECODE=0, that it did not): a silently skipped fast path woul
 from __future__ import annotations
 
 import pytest
-from support import random_prompts
-from test_quantized import assert_same_greedy, tiny_prompts, write_tiny_gguf
+from support import assert_same_greedy, random_prompts
+from test_quantized import tiny_prompts, write_tiny_gguf
 
 from llmctl.engine import LLM, SamplingParams
 from llmctl.engine.layers.fused_decode import DecodeStack, kernel_available

@@ -16,14 +16,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from support import mixtral_with_experts_of, random_prompts, tiny_configs, token_ids
+from support import (
+    assert_same_greedy,
+    mixtral_with_experts_of,
+    random_prompts,
+    tiny_configs,
+    token_ids,
+)
 
 from llmctl.engine import LLM, SamplingParams
 from llmctl.engine.errors import ConfigError, UnsupportedQuantizationError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 GREEDY_LOGPROBS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
-MAX_GAP = 1e-3
 GGUF_ARCH = {"mixtral": "llama", "qwen2-moe": "qwen2moe", "qwen3-moe": "qwen3moe"}
 # Hugging Face module name -> GGUF tensor name, per layer
 LAYER_NAMES = {
@@ -230,22 +235,6 @@ def test_a_moe_gguf_splits_over_expert_parallel_ranks(models):
     prompts = random_prompts([7, 13], seed=4)
     split = dict(tensor_parallel_size=2, enable_expert_parallel=True)
     assert generate(gguf_file, prompts, **split) == generate(directory, prompts)
-
-
-def assert_same_greedy(native, reference) -> None:
-    """Same tokens, or a first difference where the reference barely preferred its token."""
-    for got, want in zip(native, reference, strict=True):
-        got, want = got.outputs[0], want.outputs[0]
-        if got.token_ids == want.token_ids:
-            continue
-        pairs = enumerate(zip(got.token_ids, want.token_ids, strict=True))
-        pos = next(i for i, (a, b) in pairs if a != b)
-        ref = want.logprobs[pos]
-        chosen, other = want.token_ids[pos], got.token_ids[pos]
-        assert other in ref, f"position {pos}: token {other} is not in the reference's top 5"
-        gap = ref[chosen].logprob - ref[other].logprob
-        print(f"first differing position {pos}: logit gap {gap:.2e}")
-        assert gap < MAX_GAP, f"position {pos}: logit gap {gap:.2e} >= {MAX_GAP}"
 
 
 def generate_outputs(path, prompts, **kwargs) -> list:

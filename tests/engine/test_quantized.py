@@ -10,30 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from support import random_prompts
+from support import assert_same_greedy, random_prompts
 
 from llmctl.engine import LLM, SamplingParams
 from llmctl.engine.errors import ConfigError, UnsupportedQuantizationError
 
-MAX_GAP = 1e-3
 GREEDY_32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
 TINY = dict(use_tqdm_on_load=False, dtype="float32", kv_cache_space_gib=0.02, max_model_len=128)
-
-
-def assert_same_greedy(native, reference) -> None:
-    """Same tokens, or a first difference where the reference barely preferred its token."""
-    for got, want in zip(native, reference, strict=True):
-        got, want = got.outputs[0], want.outputs[0]
-        if got.token_ids == want.token_ids:
-            continue
-        pairs = enumerate(zip(got.token_ids, want.token_ids, strict=True))
-        pos = next(i for i, (a, b) in pairs if a != b)
-        ref = want.logprobs[pos]
-        chosen, other = want.token_ids[pos], got.token_ids[pos]
-        assert other in ref, f"position {pos}: token {other} is not in the reference's top 5"
-        gap = ref[chosen].logprob - ref[other].logprob
-        print(f"first differing position {pos}: logit gap {gap:.2e}")
-        assert gap < MAX_GAP, f"position {pos}: logit gap {gap:.2e} >= {MAX_GAP}"
 
 
 def generate(llm: LLM, prompts) -> list:
