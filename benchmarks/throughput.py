@@ -169,10 +169,10 @@ def run_child(
 
 
 def compare(args) -> None:
-    results = {(engine, dtype): run_child(engine, dtype, args) for engine, dtype in RUNS}
     print(f"\n{args.batch} x {args.prompt_len}-token prompts -> {args.output_len} tokens each")
-    rate = {}
-    for (engine, dtype), r in results.items():
+    results, rate = {}, {}
+    for engine, dtype in RUNS:  # each line as its run ends
+        r = results[(engine, dtype)] = run_child(engine, dtype, args)
         rate[(engine, dtype)] = r["tokens"] / r["seconds"]
         label = f"{engine} ({'default, ' if dtype == 'auto' else ''}{r['dtype']})"
         line = f"  {label:34s} {r['seconds']:8.2f} s  {rate[(engine, dtype)]:8.1f} output tok/s"
@@ -181,7 +181,7 @@ def compare(args) -> None:
                 f"  (inputs {r['prepare_ms_per_step']:.3f} ms of {r['ms_per_step']:.1f} ms"
                 " per step)"
             )
-        print(line)
+        print(line, flush=True)
     ours, theirs = results[("llmctl", "auto")], results[("transformers", "auto")]
 
     def ratio(a: tuple[str, str], b: tuple[str, str]) -> str:
