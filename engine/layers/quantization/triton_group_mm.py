@@ -36,16 +36,19 @@ FUSED_MAX_ROWS = 64  # rows of x up to which the fused kernel runs; above, dequa
 @triton.jit
 def group_mm_kernel(
     x_ptr,  # [M, K] float, row stride stride_xm, unit column stride
-    q_ptr,  # bits 4: uint8 [N, K // 2]; bits 8: int8 [N, K]
-    s_ptr,  # [N, K // GROUP] float16 / float32
-    z_ptr,  # [N, K // GROUP] like s_ptr (unused without HAS_ZEROS)
+    q_ptr,  # bits 4: uint8 [N, K // 2]; bits 8: int8 [N, K]; row stride stride_qn
+    s_ptr,  # [N, K // GROUP] float16 / float32, row stride stride_sn
+    z_ptr,  # like s_ptr (unused without HAS_ZEROS)
     y_ptr,  # [SPLIT_K, M, N]: float32 partial sums, or x's dtype when SPLIT_K is 1
     M,
     N,
     K,
     stride_xm,
+    stride_qn,
+    stride_sn,
     k_per_split,  # a multiple of BLOCK_K
     GROUP: tl.constexpr,
+    SUB: tl.constexpr,  # min(GROUP, BLOCK_K): columns of a tile sharing one scale
     BITS: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -61,33 +64,43 @@ def group_mm_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rm < M
     n_ok = rn < N
-    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
-    rn64 = rn.to(tl.int64)
-    groups = K // GROUP
+    x_rows = x_ptr + rm.to(tl.int64) * stride_xm  # [BLOCK_M] row starts
+    q_rows = q_ptr + rn.to(tl.int64)[:, None] * stride_qn
+    s_rows = s_ptr + rn.to(tl.int64)[:, None] * stride_sn
+    z_rows = z_ptr + rn.to(tl.int64)[:, None] * stride_sn
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(K, k_begin + k_per_split)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
+        k0 = tl.multiple_of(k0, BLOCK_K)
         if BITS == 4:
-            b = tl.arange(0, BLOCK_K // 2)  # byte column of the tile
-            k_lo = k0 + (b // 16) * 32 + (b % 16)  # the element its low nibble holds
-            ok = k_lo < k_end  # K is a multiple of 32: a chunk is in or out whole
-            w_ok = n_ok[:, None] & ok[None, :]
-            packed = tl.load(
-                q_ptr + rn64[:, None] * (K // 2) + (k0 // 2 + b)[None, :], mask=w_ok, other=0
-            )
-            # GROUP is a multiple of 32: both nibbles of a byte share a group
-            g = rn64[:, None] * groups + (k_lo // GROUP)[None, :]
-            s = tl.load(s_ptr + g, mask=w_ok, other=0.0).to(tl.float32)
+            CHUNKS: tl.constexpr = BLOCK_K // 32
+            HALF: tl.constexpr = BLOCK_K // 2
+            # the tile's bytes as they lie: byte j of chunk c holds elements 32c + j and + 16
+            cols = k0 // 2 + tl.arange(0, HALF)
+            w_ok = n_ok[:, None] & (cols < k_end // 2)[None, :]
+            packed = tl.load(q_rows + cols[None, :], mask=w_ok, other=0)
+            # one scale (and zero) a chunk, spread over its 16 bytes in registers
+            chunk = k0 + 32 * tl.arange(0, CHUNKS)
+            c_ok = chunk < k_end
+            g_ok = n_ok[:, None] & c_ok[None, :]
+            g = (chunk // GROUP)[None, :]
+            s = tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32)
+            s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, CHUNKS, 16)), (BLOCK_N, HALF))
             lo = (packed & 0xF).to(tl.float32) * s
             hi = (packed >> 4).to(tl.float32) * s
             if HAS_ZEROS:
-                z = tl.load(z_ptr + g, mask=w_ok, other=0.0).to(tl.float32)
+                z = tl.load(z_rows + g, mask=g_ok, other=0.0).to(tl.float32)
+                z = tl.reshape(
+                    tl.broadcast_to(z[:, :, None], (BLOCK_N, CHUNKS, 16)), (BLOCK_N, HALF)
+                )
                 lo += z
                 hi += z
-            x_ok = m_ok[:, None] & ok[None, :]
-            x_lo = tl.load(x_rows + k_lo[None, :], mask=x_ok, other=0.0)
-            x_hi = tl.load(x_rows + (k_lo + 16)[None, :], mask=x_ok, other=0.0)
+            # x's first and second 16 of each chunk, against the low and the high nibbles
+            x_at = x_rows[:, None, None] + chunk[None, :, None] + tl.arange(0, 16)[None, None, :]
+            x_ok = m_ok[:, None, None] & c_ok[None, :, None]
+            x_lo = tl.reshape(tl.load(x_at, mask=x_ok, other=0.0), (BLOCK_M, HALF))
+            x_hi = tl.reshape(tl.load(x_at + 16, mask=x_ok, other=0.0), (BLOCK_M, HALF))
             if UPCAST:
                 acc += tl.dot(x_lo.to(tl.float32), tl.trans(lo), input_precision=DOT_PRECISION)
                 acc += tl.dot(x_hi.to(tl.float32), tl.trans(hi), input_precision=DOT_PRECISION)
@@ -95,13 +108,19 @@ def group_mm_kernel(
                 acc += tl.dot(x_lo, tl.trans(lo.to(x_lo.dtype)), input_precision=DOT_PRECISION)
                 acc += tl.dot(x_hi, tl.trans(hi.to(x_hi.dtype)), input_precision=DOT_PRECISION)
         else:
+            SUBS: tl.constexpr = BLOCK_K // SUB
             k = k0 + tl.arange(0, BLOCK_K)
-            ok = k < k_end
-            w_ok = n_ok[:, None] & ok[None, :]
-            q = tl.load(q_ptr + rn64[:, None] * K + k[None, :], mask=w_ok, other=0)
-            g = rn64[:, None] * groups + (k // GROUP)[None, :]
-            w = q.to(tl.float32) * tl.load(s_ptr + g, mask=w_ok, other=0.0).to(tl.float32)
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & ok[None, :], other=0.0)
+            k_ok = k < k_end
+            q = tl.load(q_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+            sub = k0 + SUB * tl.arange(0, SUBS)
+            s = tl.load(
+                s_rows + (sub // GROUP)[None, :],
+                mask=n_ok[:, None] & (sub < k_end)[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, SUBS, SUB)), (BLOCK_N, BLOCK_K))
+            w = q.to(tl.float32) * s
+            x = tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             if UPCAST:
                 acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision=DOT_PRECISION)
             else:
@@ -118,43 +137,73 @@ def dequantize_kernel(
     w_ptr,  # [N, K] out, the activations' dtype
     N,
     K,
+    stride_qn,
+    stride_sn,
     GROUP: tl.constexpr,
+    SUB: tl.constexpr,
     BITS: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k0 = tl.program_id(1) * BLOCK_K
+    k0 = tl.multiple_of(tl.program_id(1) * BLOCK_K, BLOCK_K)
     n_ok = rn < N
-    rn64 = rn.to(tl.int64)
-    groups = K // GROUP
-    w_rows = w_ptr + rn64[:, None] * K
+    q_rows = q_ptr + rn.to(tl.int64)[:, None] * stride_qn
+    s_rows = s_ptr + rn.to(tl.int64)[:, None] * stride_sn
+    z_rows = z_ptr + rn.to(tl.int64)[:, None] * stride_sn
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    out_ty = w_ptr.dtype.element_ty
     if BITS == 4:
-        b = tl.arange(0, BLOCK_K // 2)
-        k_lo = k0 + (b // 16) * 32 + (b % 16)
-        ok = n_ok[:, None] & (k_lo < K)[None, :]
+        CHUNKS: tl.constexpr = BLOCK_K // 32
+        HALF: tl.constexpr = BLOCK_K // 2
+        cols = k0 // 2 + tl.arange(0, HALF)
         packed = tl.load(
-            q_ptr + rn64[:, None] * (K // 2) + (k0 // 2 + b)[None, :], mask=ok, other=0
+            q_rows + cols[None, :], mask=n_ok[:, None] & (cols < K // 2)[None, :], other=0
         )
-        g = rn64[:, None] * groups + (k_lo // GROUP)[None, :]
-        s = tl.load(s_ptr + g, mask=ok, other=0.0).to(tl.float32)
-        lo = (packed & 0xF).to(tl.float32) * s
-        hi = (packed >> 4).to(tl.float32) * s
+        chunk = k0 + 32 * tl.arange(0, CHUNKS)
+        g_ok = n_ok[:, None] & (chunk < K)[None, :]
+        g = (chunk // GROUP)[None, :]
+        s = tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32)
+        s = tl.broadcast_to(s[:, :, None], (BLOCK_N, CHUNKS, 16))
+        lo = (tl.reshape(packed, (BLOCK_N, CHUNKS, 16)) & 0xF).to(tl.float32) * s
+        hi = (tl.reshape(packed, (BLOCK_N, CHUNKS, 16)) >> 4).to(tl.float32) * s
         if HAS_ZEROS:
-            z = tl.load(z_ptr + g, mask=ok, other=0.0).to(tl.float32)
+            z = tl.load(z_rows + g, mask=g_ok, other=0.0).to(tl.float32)
+            z = tl.broadcast_to(z[:, :, None], (BLOCK_N, CHUNKS, 16))
             lo += z
             hi += z
-        out_ty = w_ptr.dtype.element_ty
-        tl.store(w_rows + k_lo[None, :], lo.to(out_ty), mask=ok)
-        tl.store(w_rows + (k_lo + 16)[None, :], hi.to(out_ty), mask=ok)
+        at = w_rows[:, :, None] + chunk[None, :, None] + tl.arange(0, 16)[None, None, :]
+        ok = g_ok[:, :, None]
+        tl.store(at, lo.to(out_ty), mask=ok)
+        tl.store(at + 16, hi.to(out_ty), mask=ok)
     else:
+        SUBS: tl.constexpr = BLOCK_K // SUB
         k = k0 + tl.arange(0, BLOCK_K)
         ok = n_ok[:, None] & (k < K)[None, :]
-        q = tl.load(q_ptr + rn64[:, None] * K + k[None, :], mask=ok, other=0)
-        g = rn64[:, None] * groups + (k // GROUP)[None, :]
-        w = q.to(tl.float32) * tl.load(s_ptr + g, mask=ok, other=0.0).to(tl.float32)
-        tl.store(w_rows + k[None, :], w.to(w_ptr.dtype.element_ty), mask=ok)
+        q = tl.load(q_rows + k[None, :], mask=ok, other=0)
+        sub = k0 + SUB * tl.arange(0, SUBS)
+        s = tl.load(
+            s_rows + (sub // GROUP)[None, :], mask=n_ok[:, None] & (sub < K)[None, :], other=0.0
+        ).to(tl.float32)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, SUBS, SUB)), (BLOCK_N, BLOCK_K))
+        tl.store(w_rows + k[None, :], (q.to(tl.float32) * s).to(out_ty), mask=ok)
+
+
+def fused_tiles(m: int, k: int, dtype: torch.dtype) -> dict:
+    """The fused kernel's tile sizes and launch options for x of [m, k] in `dtype`. float32
+    tiles take two pipeline stages instead of three, and K steps of 64 at 64 rows, so that every
+    tile fits the 99 KiB of shared memory a block may have on sm_86/sm_89 GPUs
+    (tests/kernels/test_triton_compile.py compiles each for sm_90 and checks)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    wide = dtype == torch.float32 and block_m == 64
+    return dict(
+        BLOCK_M=block_m,
+        BLOCK_N=64,
+        BLOCK_K=128 if k >= 128 and not wide else 64 if k >= 64 else 32,
+        num_warps=4,
+        num_stages=2 if dtype == torch.float32 else 3,
+    )
 
 
 def group_mm(
@@ -165,7 +214,8 @@ def group_mm(
     bits: int,
     group_size: int,
 ) -> torch.Tensor:
-    """x: [M, K] float -> [M, N] in x's dtype; the PackedLinearWeight's tensors on x's device."""
+    """x: [M, K] float -> [M, N] in x's dtype; the PackedLinearWeight's tensors on x's device
+    (contiguous, as pack_groups makes them)."""
     m, k = x.shape
     n = qweight.shape[0]
     if x.stride(1) != 1:
@@ -175,13 +225,12 @@ def group_mm(
         return torch.mm(x, w.t())
     if m == 0 or n == 0:
         return x.new_empty(m, n)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64
-    block_k = 128 if k >= 128 else 64 if k >= 64 else 32
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    tiles = fused_tiles(m, k, x.dtype)
+    block_m, block_n, block_k = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
+    grid_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     k_blocks = triton.cdiv(k, block_k)
     # Enough programs for about two waves over the multiprocessors, each still a few K steps.
-    split = max(1, min(2 * _multiprocessors(x.device) // tiles, k_blocks // 4))
+    split = max(1, min(2 * _multiprocessors(x.device) // grid_mn, k_blocks // 4))
     k_per_split = triton.cdiv(k_blocks, split) * block_k
     split = triton.cdiv(k, k_per_split)
     partial = torch.empty(
@@ -197,16 +246,16 @@ def group_mm(
         n,
         k,
         x.stride(0),
+        qweight.stride(0),
+        scales.stride(0),
         k_per_split,
         GROUP=group_size,
+        SUB=min(group_size, block_k),
         BITS=bits,
         HAS_ZEROS=zeros is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
         UPCAST=x.device.type == "cpu" and x.dtype != torch.float32,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4,
+        **tiles,
     )
     return partial[0] if split == 1 else partial.sum(0).to(x.dtype)
 
@@ -231,7 +280,10 @@ def dequantize(
         w,
         n,
         k,
+        qweight.stride(0),
+        scales.stride(0),
         GROUP=group_size,
+        SUB=min(group_size, block_k),
         BITS=bits,
         HAS_ZEROS=zeros is not None,
         BLOCK_N=block_n,
