@@ -224,11 +224,14 @@ def group_mm(
     group_size: int,
 ) -> torch.Tensor:
     """x: [M, K] float -> [M, N] in x's dtype; the PackedLinearWeight's tensors on x's device
-    (contiguous, as pack_groups makes them)."""
+    (contiguous, as pack_groups makes them: the kernels take one row stride for the scales and
+    the zeros, and unit column strides)."""
     m, k = x.shape
     n = qweight.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
+    qweight, scales = qweight.contiguous(), scales.contiguous()
+    zeros = None if zeros is None else zeros.contiguous()
     if m > FUSED_MAX_ROWS:
         w = dequantize(qweight, scales, zeros, bits, group_size, k, x.dtype)
         return torch.mm(x, w.t())
@@ -280,6 +283,8 @@ def dequantize(
 ) -> torch.Tensor:
     """W [N, K] in `dtype` (one pass over the packed bytes)."""
     n = qweight.shape[0]
+    qweight, scales = qweight.contiguous(), scales.contiguous()
+    zeros = None if zeros is None else zeros.contiguous()
     w = torch.empty(n, k, dtype=dtype, device=qweight.device)
     block_n, block_k = 32, 128 if k >= 128 else 32
     dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
