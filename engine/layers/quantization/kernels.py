@@ -28,9 +28,10 @@ a multiple of 16, its fast path rounds activations to bf16 and its float32 path 
 Without a C++ compiler (or if the build fails) the same math runs in plain torch: every matmul
 dequantizes tiles and calls F.linear (correct, slower at decode); one warning says why.
 
-On a GPU the matmul is one Triton kernel (triton_group_mm.py, as the custom op
-llmctl::group_quantized_mm, so CUDA graphs capture it): tiles of W are expanded in registers,
-activations keep their dtype (bfloat16 on the GPU by default) and accumulate in float32.
+On a GPU the matmul is the custom op llmctl::group_quantized_mm (triton_group_mm.py; CUDA graphs
+capture it): up to 64 rows of x, one Triton kernel expands tiles of W in registers; above, W is
+expanded once into a temporary and multiplied by cuBLAS. Activations keep their dtype (bfloat16
+on the GPU by default) and accumulate in float32.
 """
 
 from __future__ import annotations
