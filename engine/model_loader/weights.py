@@ -230,24 +230,63 @@ def _open_safetensors(file: Path, safe_open):
         ) from exc
 
 
+# safetensors' dtype names -> torch dtype names
+_SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
+
+
 def _iterate_safetensors(file: Path) -> Iterator[tuple[str, CheckpointTensor]]:
-    from safetensors import safe_open
+    """The file's tensors, read from one private memory map of it: a reader copies out the slice
+    asked for, and once the consumer moves on to the next tensor this one's pages leave the
+    resident set (safetensors' own reader keeps every page it touched mapped until the file is
+    closed: the whole checkpoint on top of the model's weights at the loading peak)."""
+    import mmap
 
-    with _open_safetensors(file, safe_open) as f:
-        for name in f.keys():
-            handle = f.get_slice(name)
-            shape = tuple(handle.get_shape())
+    import numpy as np
+    import torch
 
-            def reader(index, handle=handle, name=name):
-                try:
-                    return handle[index]
-                except Exception as exc:
-                    raise ModelLoadError(
-                        f"cannot read tensor {name} from {file}: {exc}",
-                        "the file is corrupt or truncated; copy it again",
-                    ) from exc
+    from llmctl.engine.model_loader.gguf_file import drop_mapped_pages
 
-            yield name, CheckpointTensor(name, shape, reader)
+    def corrupt(detail: str) -> ModelLoadError:
+        return ModelLoadError(
+            f"cannot read {file}: {detail}", "the file is corrupt or truncated; copy it again"
+        )
+
+    with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise corrupt(f"{size} bytes, shorter than a safetensors header")
+        header_len = int.from_bytes(f.read(8), "little")
+        if header_len > size - 8:
+            raise corrupt(f"the header claims {header_len} bytes of {size - 8}")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise corrupt(f"its header is not JSON ({exc})") from exc
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # writable: no torch warning
+    data_start = 8 + header_len
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = getattr(torch, _SAFETENSORS_DTYPES[info["dtype"]])
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise corrupt(f"tensor {name}: bad header entry {info!r}") from exc
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if end - begin != itemsize * int(np.prod(shape)) or data_start + end > size:
+            raise corrupt(f"tensor {name} lies outside the file or has the wrong size")
+        raw = np.frombuffer(mapped, dtype=np.uint8, count=end - begin, offset=data_start + begin)
+
+        def reader(index, raw=raw, dtype=dtype, shape=shape):
+            return torch.from_numpy(raw).view(dtype).reshape(shape)[index].clone()
+
+        yield name, CheckpointTensor(name, shape, reader)
+        drop_mapped_pages(raw)  # the consumer holds its copy (a later read faults them back in)
 
 
 def _iterate_pt(file: Path) -> Iterator[tuple[str, CheckpointTensor]]:
