@@ -19,8 +19,8 @@ Q6_K) and --quantization int4/int8 run on it. Two paths, by the number of rows M
 Both kernels load a scale (and zero) once per 32-element chunk (per SUB columns for 8 bits) and
 spread it in registers, and address the weight bytes, x and the expanded W as rows of 16-element
 runs, so that tiles move as 16-byte copies (tests/kernels/test_triton_compile.py checks the
-compiled sm_90 code for it). The first version, which gathered a scale and a zero per weight, ran
-at 0.15-0.45x cuBLAS bfloat16 at decode on an H100 (README, "On a GPU"); this one is not yet
+compiled sm_90 code for it). The previous version, which gathered a scale and a zero per weight,
+ran at 0.15-0.45x cuBLAS bfloat16 at decode on an H100 (README, "On a GPU"); this one is not yet
 measured there.
 
 Activations keep their dtype (bfloat16 on the GPU by default; float32 dots run in IEEE float32,
@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-# Rows of x up to which the fused kernel runs; above, dequantize + cuBLAS (on the H100, the first
-# version's fused kernel took 0.9-5x the time of dequantize + cuBLAS at M = 256).
+# Rows of x up to which the fused kernel runs; above, dequantize + cuBLAS (on the H100, the
+# previous version's fused kernel took 0.9-5x the time of dequantize + cuBLAS at M = 256).
 FUSED_MAX_ROWS = 64
 
 
