@@ -277,8 +277,7 @@ def _iterate_safetensors(file: Path) -> Iterator[tuple[str, CheckpointTensor]]:
             begin, end = (int(o) for o in info["data_offsets"])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise corrupt(f"tensor {name}: bad header entry {info!r}") from exc
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if end - begin != itemsize * int(np.prod(shape)) or data_start + end > size:
+        if end - begin != dtype.itemsize * int(np.prod(shape)) or data_start + end > size:
             raise corrupt(f"tensor {name} lies outside the file or has the wrong size")
         raw = np.frombuffer(mapped, dtype=np.uint8, count=end - begin, offset=data_start + begin)
 

@@ -43,6 +43,56 @@ FUSED_MAX_ROWS = 64
 
 
 @triton.jit
+def expand_int4(
+    q_rows, s_rows, z_rows, k0, k_end, n_ok,
+    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Columns [k0, k0 + BLOCK_K) of 4-bit rows as float32 (lo, hi), [BLOCK_N, BLOCK_K // 2]
+    each, in the bytes' order: lo[:, 16c + j] is W's column k0 + 32c + j, hi's is 16 further on;
+    and the chunks' first columns (k0 + 32c) with their mask (< k_end)."""
+    CHUNKS: tl.constexpr = BLOCK_K // 32
+    HALF: tl.constexpr = BLOCK_K // 2
+    cols = k0 // 2 + tl.arange(0, HALF)
+    packed = tl.load(
+        q_rows + cols[None, :], mask=n_ok[:, None] & (cols < k_end // 2)[None, :], other=0
+    )
+    # one scale (and zero) a chunk, spread over its 16 bytes in registers
+    chunk = k0 + 32 * tl.arange(0, CHUNKS)
+    c_ok = chunk < k_end
+    g_ok = n_ok[:, None] & c_ok[None, :]
+    g = (chunk // GROUP)[None, :]
+    s = tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, CHUNKS, 16)), (BLOCK_N, HALF))
+    lo = (packed & 0xF).to(tl.float32) * s
+    hi = (packed >> 4).to(tl.float32) * s
+    if HAS_ZEROS:
+        z = tl.load(z_rows + g, mask=g_ok, other=0.0).to(tl.float32)
+        z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, CHUNKS, 16)), (BLOCK_N, HALF))
+        lo += z
+        hi += z
+    return lo, hi, chunk, c_ok
+
+
+@triton.jit
+def expand_int8(
+    q_rows, s_rows, k0, k_end, n_ok,
+    GROUP: tl.constexpr, SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Columns [k0, k0 + BLOCK_K) of 8-bit rows as float32 [BLOCK_N, BLOCK_K] (one scale per SUB
+    columns, spread in registers), those columns and their mask (< k_end)."""
+    SUBS: tl.constexpr = BLOCK_K // SUB
+    k = k0 + tl.arange(0, BLOCK_K)
+    k_ok = k < k_end
+    q = tl.load(q_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+    sub = k0 + SUB * tl.arange(0, SUBS)
+    s = tl.load(
+        s_rows + (sub // GROUP)[None, :], mask=n_ok[:, None] & (sub < k_end)[None, :], other=0.0
+    ).to(tl.float32)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, SUBS, SUB)), (BLOCK_N, BLOCK_K))
+    return q.to(tl.float32) * s, k, k_ok
+
+
+@triton.jit
 def group_mm_kernel(
     x_ptr,  # [M, K] float, row stride stride_xm, unit column stride
     q_ptr,  # bits 4: uint8 [N, K // 2]; bits 8: int8 [N, K]; row stride stride_qn
@@ -83,28 +133,10 @@ def group_mm_kernel(
     for k0 in range(k_begin, k_end, BLOCK_K):
         k0 = tl.multiple_of(k0, BLOCK_K)
         if BITS == 4:
-            CHUNKS: tl.constexpr = BLOCK_K // 32
             HALF: tl.constexpr = BLOCK_K // 2
-            # the tile's bytes as they lie: byte j of chunk c holds elements 32c + j and + 16
-            cols = k0 // 2 + tl.arange(0, HALF)
-            w_ok = n_ok[:, None] & (cols < k_end // 2)[None, :]
-            packed = tl.load(q_rows + cols[None, :], mask=w_ok, other=0)
-            # one scale (and zero) a chunk, spread over its 16 bytes in registers
-            chunk = k0 + 32 * tl.arange(0, CHUNKS)
-            c_ok = chunk < k_end
-            g_ok = n_ok[:, None] & c_ok[None, :]
-            g = (chunk // GROUP)[None, :]
-            s = tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32)
-            s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, CHUNKS, 16)), (BLOCK_N, HALF))
-            lo = (packed & 0xF).to(tl.float32) * s
-            hi = (packed >> 4).to(tl.float32) * s
-            if HAS_ZEROS:
-                z = tl.load(z_rows + g, mask=g_ok, other=0.0).to(tl.float32)
-                z = tl.reshape(
-                    tl.broadcast_to(z[:, :, None], (BLOCK_N, CHUNKS, 16)), (BLOCK_N, HALF)
-                )
-                lo += z
-                hi += z
+            lo, hi, chunk, c_ok = expand_int4(
+                q_rows, s_rows, z_rows, k0, k_end, n_ok, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K
+            )
             # x's first and second 16 of each chunk, against the low and the high nibbles
             x_at = x_rows[:, None, None] + chunk[None, :, None] + tl.arange(0, 16)[None, None, :]
             x_ok = m_ok[:, None, None] & c_ok[None, :, None]
@@ -117,18 +149,7 @@ def group_mm_kernel(
                 acc += tl.dot(x_lo, tl.trans(lo.to(x_lo.dtype)), input_precision=DOT_PRECISION)
                 acc += tl.dot(x_hi, tl.trans(hi.to(x_hi.dtype)), input_precision=DOT_PRECISION)
         else:
-            SUBS: tl.constexpr = BLOCK_K // SUB
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < k_end
-            q = tl.load(q_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-            sub = k0 + SUB * tl.arange(0, SUBS)
-            s = tl.load(
-                s_rows + (sub // GROUP)[None, :],
-                mask=n_ok[:, None] & (sub < k_end)[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, SUBS, SUB)), (BLOCK_N, BLOCK_K))
-            w = q.to(tl.float32) * s
+            w, k, k_ok = expand_int8(q_rows, s_rows, k0, k_end, n_ok, GROUP, SUB, BLOCK_N, BLOCK_K)
             x = tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             if UPCAST:
                 acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision=DOT_PRECISION)
@@ -165,38 +186,16 @@ def dequantize_kernel(
     out_ty = w_ptr.dtype.element_ty
     if BITS == 4:
         CHUNKS: tl.constexpr = BLOCK_K // 32
-        HALF: tl.constexpr = BLOCK_K // 2
-        cols = k0 // 2 + tl.arange(0, HALF)
-        packed = tl.load(
-            q_rows + cols[None, :], mask=n_ok[:, None] & (cols < K // 2)[None, :], other=0
+        lo, hi, chunk, c_ok = expand_int4(
+            q_rows, s_rows, z_rows, k0, K, n_ok, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K
         )
-        chunk = k0 + 32 * tl.arange(0, CHUNKS)
-        g_ok = n_ok[:, None] & (chunk < K)[None, :]
-        g = (chunk // GROUP)[None, :]
-        s = tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32)
-        s = tl.broadcast_to(s[:, :, None], (BLOCK_N, CHUNKS, 16))
-        lo = (tl.reshape(packed, (BLOCK_N, CHUNKS, 16)) & 0xF).to(tl.float32) * s
-        hi = (tl.reshape(packed, (BLOCK_N, CHUNKS, 16)) >> 4).to(tl.float32) * s
-        if HAS_ZEROS:
-            z = tl.load(z_rows + g, mask=g_ok, other=0.0).to(tl.float32)
-            z = tl.broadcast_to(z[:, :, None], (BLOCK_N, CHUNKS, 16))
-            lo += z
-            hi += z
         at = w_rows[:, :, None] + chunk[None, :, None] + tl.arange(0, 16)[None, None, :]
-        ok = g_ok[:, :, None]
-        tl.store(at, lo.to(out_ty), mask=ok)
-        tl.store(at + 16, hi.to(out_ty), mask=ok)
+        ok = n_ok[:, None, None] & c_ok[None, :, None]
+        tl.store(at, tl.reshape(lo, (BLOCK_N, CHUNKS, 16)).to(out_ty), mask=ok)
+        tl.store(at + 16, tl.reshape(hi, (BLOCK_N, CHUNKS, 16)).to(out_ty), mask=ok)
     else:
-        SUBS: tl.constexpr = BLOCK_K // SUB
-        k = k0 + tl.arange(0, BLOCK_K)
-        ok = n_ok[:, None] & (k < K)[None, :]
-        q = tl.load(q_rows + k[None, :], mask=ok, other=0)
-        sub = k0 + SUB * tl.arange(0, SUBS)
-        s = tl.load(
-            s_rows + (sub // GROUP)[None, :], mask=n_ok[:, None] & (sub < K)[None, :], other=0.0
-        ).to(tl.float32)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, SUBS, SUB)), (BLOCK_N, BLOCK_K))
-        tl.store(w_rows + k[None, :], (q.to(tl.float32) * s).to(out_ty), mask=ok)
+        w, k, k_ok = expand_int8(q_rows, s_rows, k0, K, n_ok, GROUP, SUB, BLOCK_N, BLOCK_K)
+        tl.store(w_rows + k[None, :], w.to(out_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
 def fused_tiles(m: int, k: int, dtype: torch.dtype) -> dict:
