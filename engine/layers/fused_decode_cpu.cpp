@@ -143,11 +143,14 @@ class DecodeStack : public torch::CustomClassHolder {
 
   // hidden: [M, H] float32; residual: [M, H] or None at the model's first layer; positions,
   // slot_mapping: [M] int64; block_tables [M, width], seq_lens [M]: the decode attention's.
-  // Returns (the last MLP's output, the residual), as LlamaModel's layer loop leaves them.
+  // Returns (the last MLP's output, the residual), as LlamaModel's layer loop leaves them; with
+  // final_norm (the model's last stage) the first is rmsnorm(residual + that output) * final_norm,
+  // the model's output, and the residual includes it.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, std::optional<at::Tensor> residual,
                                              at::Tensor positions, at::Tensor slot_mapping,
                                              at::Tensor block_tables, at::Tensor seq_lens,
-                                             std::optional<int64_t> sliding_window) {
+                                             std::optional<int64_t> sliding_window,
+                                             std::optional<at::Tensor> final_norm) {
     TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat,
                 "hidden must be float32 [num_tokens, hidden_size]");
     const int64_t M = hidden.size(0), H = hidden.size(1);
@@ -221,6 +224,14 @@ class DecodeStack : public torch::CustomClassHolder {
       at::Tensor act = at::silu(gu.narrow(1, 0, I));
       act.mul_(gu.narrow(1, I, I));
       h = linear(act, L.down);
+    }
+    if (final_norm.has_value()) {
+      TORCH_CHECK(final_norm->scalar_type() == at::kFloat && final_norm->is_contiguous() &&
+                      final_norm->numel() == H,
+                  "final_norm must be a contiguous float32 [hidden_size] tensor");
+      at::Tensor out = at::empty({M, H}, hidden.options());
+      add_and_norm(h, res, out, *final_norm, have_residual);
+      return std::make_tuple(out, res);
     }
     return std::make_tuple(h, res);
   }

@@ -167,7 +167,11 @@ class LlamaModel(nn.Module):
         layers = self.stage_layers()
         fused = self.fused_decode(layers, hidden_states)
         if fused is not None:  # a small decode step on the CPU: all layers in one C++ call
-            hidden_states, residual = fused(hidden_states, residual, positions)
+            # The last stage's final RMSNorm in the same call (a plain RMSNorm only).
+            final = self.norm.weight if self.shard.is_last and type(self.norm) is RMSNorm else None
+            hidden_states, residual = fused(hidden_states, residual, positions, final)
+            if final is not None:
+                return hidden_states
         else:
             for layer in layers:
                 hidden_states, residual = layer(positions, hidden_states, residual)

@@ -80,6 +80,6 @@ def test_positions_and_slots_outside_the_tables_are_refused(tiny_models, monkeyp
         tables, lens = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
         one = torch.zeros(1, dtype=torch.long)
         with pytest.raises(RuntimeError, match="outside the rotary table"):
-            stack.forward(hidden, None, one + 10**6, one, tables, lens, None)
+            stack.forward(hidden, None, one + 10**6, one, tables, lens, None, None)
         with pytest.raises(RuntimeError, match="outside the KV cache"):
-            stack.forward(hidden, None, one, one + 10**9, tables, lens, None)
+            stack.forward(hidden, None, one, one + 10**9, tables, lens, None, None)

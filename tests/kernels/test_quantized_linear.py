@@ -149,6 +149,13 @@ def test_embedding_rows(kernel, qtype):
     reference = torch.from_numpy(quants.dequantize(raw, qtype))
     ids = torch.tensor([[3, 0, 39], [3, 17, 5]])
     assert torch.equal(packed.embedding(ids), reference[ids])
+    # One id (a decode step's token) takes the kernel's one-row call; any shape of it.
+    assert kernels._kernel() is not None
+    for one in (torch.tensor([39]), torch.tensor(17), torch.tensor([[0]])):
+        assert torch.equal(packed.embedding(one), reference[one])
+    for bad in (40, -1):
+        with pytest.raises(IndexError, match="outside the 40 embedding rows"):
+            packed.embedding(torch.tensor([bad]))
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K])
