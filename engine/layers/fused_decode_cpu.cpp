@@ -109,9 +109,21 @@ void rmsnorm_rows(const float* x, const float* w, float* out, int64_t rows, int6
     const float* xr = x + r * x_stride;
     float* o = out + r * out_stride;
     float ss = 0.f;
-    for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
+    int64_t i = 0;
+#if defined(LLMCTL_FD_AVX2)
+    // 8 partial sums of squares (one chain of n adds was ~1 us a norm at n = 576)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(xr + i);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    for (float lane : lanes) ss += lane;
+#endif
+    for (; i < n; ++i) ss += xr[i] * xr[i];
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-    for (int64_t i = 0; i < n; ++i) o[i] = w[i] * (xr[i] * inv);
+    for (i = 0; i < n; ++i) o[i] = w[i] * (xr[i] * inv);
   }
 }
 
