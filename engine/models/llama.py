@@ -153,6 +153,18 @@ class LlamaModel(nn.Module):
             )
         return DecodeStack.for_step(self, layers, hidden_states) if dense else None
 
+    def fused_final_norm(self, layers) -> torch.Tensor | None:
+        """The last stage's final RMSNorm weight when the C++ stack can apply it in the same
+        call (a plain float32 RMSNorm with the layers' epsilon), else None."""
+        norm = self.norm if self.shard.is_last else None
+        if (
+            type(norm) is RMSNorm
+            and norm.weight.dtype == torch.float32
+            and norm.variance_epsilon == layers[0].input_layernorm.variance_epsilon
+        ):
+            return norm.weight
+        return None
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -167,8 +179,7 @@ class LlamaModel(nn.Module):
         layers = self.stage_layers()
         fused = self.fused_decode(layers, hidden_states)
         if fused is not None:  # a small decode step on the CPU: all layers in one C++ call
-            # The last stage's final RMSNorm in the same call (a plain RMSNorm only).
-            final = self.norm.weight if self.shard.is_last and type(self.norm) is RMSNorm else None
+            final = self.fused_final_norm(layers)
             hidden_states, residual = fused(hidden_states, residual, positions, final)
             if final is not None:
                 return hidden_states
