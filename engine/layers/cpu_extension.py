@@ -6,6 +6,11 @@ features), so several builds load side by side in one process and a changed mach
 Builders of one directory serialise on an flock, which the kernel releases if a builder dies.
 A LLMCTL_CACHE_DIR with no build of a name yet loads the one `make setup` left in torch's
 extensions directory, if any, instead of compiling again (a fresh cache is a first start).
+
+The kernels build for -march=native unless LLMCTL_CPU_MARCH names another target (gcc's -march
+values, e.g. `znver3` or `x86-64-v3`): a build for an older CPU than the one it runs on, to measure
+what that CPU's code path does here (a Zen 4 running the code a Zen 3 gets, say). A value the
+compiler refuses leaves the kernel unbuilt, and its warning quotes the compiler.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import shutil
 import sys
 from collections.abc import Iterator
@@ -32,6 +38,13 @@ def build_spec(
     """(extension name, cflags, ldflags); the name hashes everything the binary depends on."""
     from llmctl.engine.platform import cpu_flags
 
+    if march == "native":
+        march = os.environ.get("LLMCTL_CPU_MARCH", "").strip() or "native"
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", march):
+            raise ValueError(
+                f"LLMCTL_CPU_MARCH={march!r} is not a -march value: use one word such as "
+                "znver3 or x86-64-v3, or unset it to build for this CPU"
+            )
     cflags = ["-O3", f"-march={march}", "-fopenmp", *extra_cflags]
     ldflags = ["-fopenmp"]  # resolves to the libgomp torch already loaded (same soname)
     key = hashlib.sha256(source.read_bytes())
