@@ -3,7 +3,8 @@
 Single-stream decode of a small model is bound by per-op overhead, not by the matmuls: SmolLM2's
 30 layers make ~1200 torch ops and ~500 module calls a token. `DecodeStack` runs the same layers
 (RMSNorm with the residual add, QKV, RoPE, the KV-cache write, paged decode attention, O,
-SiLU-gated MLP) in one call, with the same kernels for the heavy parts: the
+SiLU-gated MLP; on the model's last stage its final RMSNorm too) in one call, with the same
+kernels for the heavy parts: the
 packed quantized matmuls (quantization/kernels.py), the paged decode attention kernel
 (paged_attention_cpu.py) and torch's GEMM for float weights. Results match the module path up to
 float rounding (reduction order in the norms, FMA contraction).
