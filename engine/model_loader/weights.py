@@ -212,22 +212,34 @@ def count_weights(directory: str | os.PathLike) -> int:
     kind, files = weight_files(directory)
     if kind != "safetensors":
         return 0
-    from safetensors import safe_open
-
     total = 0
     for file in files:
-        with _open_safetensors(file, safe_open) as f:
-            total += len(f.keys())
+        with open(file, "rb") as f:
+            header = _read_safetensors_header(file, f)[0]
+        total += sum(name != "__metadata__" for name in header)
     return total
 
 
-def _open_safetensors(file: Path, safe_open):
+def _corrupt(file: Path, detail: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"cannot read {file}: {detail}", "the file is corrupt or truncated; copy it again"
+    )
+
+
+def _read_safetensors_header(file: Path, f) -> tuple[dict, int, int]:
+    """(header, data_start, file size) of the safetensors file `file`, open as `f` at offset 0.
+    Raises ModelLoadError for a short file or a broken header."""
+    size = os.fstat(f.fileno()).st_size
+    if size < 8:
+        raise _corrupt(file, f"{size} bytes, shorter than a safetensors header")
+    header_len = int.from_bytes(f.read(8), "little")
+    if header_len > size - 8:
+        raise _corrupt(file, f"the header claims {header_len} bytes of {size - 8}")
     try:
-        return safe_open(str(file), framework="pt")
-    except Exception as exc:  # safetensors raises SafetensorError for truncated/corrupt files
-        raise ModelLoadError(
-            f"cannot read {file}: {exc}", "the file is corrupt or truncated; copy it again"
-        ) from exc
+        header = json.loads(f.read(header_len))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _corrupt(file, f"its header is not JSON ({exc})") from exc
+    return header, 8 + header_len, size
 
 
 # safetensors' dtype names -> torch dtype names
@@ -250,24 +262,9 @@ def _iterate_safetensors(file: Path) -> Iterator[tuple[str, CheckpointTensor]]:
 
     from llmctl.engine.model_loader.gguf_file import drop_mapped_pages
 
-    def corrupt(detail: str) -> ModelLoadError:
-        return ModelLoadError(
-            f"cannot read {file}: {detail}", "the file is corrupt or truncated; copy it again"
-        )
-
     with open(file, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < 8:
-            raise corrupt(f"{size} bytes, shorter than a safetensors header")
-        header_len = int.from_bytes(f.read(8), "little")
-        if header_len > size - 8:
-            raise corrupt(f"the header claims {header_len} bytes of {size - 8}")
-        try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise corrupt(f"its header is not JSON ({exc})") from exc
+        header, data_start, size = _read_safetensors_header(file, f)
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # writable: no torch warning
-    data_start = 8 + header_len
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -276,9 +273,9 @@ def _iterate_safetensors(file: Path) -> Iterator[tuple[str, CheckpointTensor]]:
             shape = tuple(int(d) for d in info["shape"])
             begin, end = (int(o) for o in info["data_offsets"])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise corrupt(f"tensor {name}: bad header entry {info!r}") from exc
+            raise _corrupt(file, f"tensor {name}: bad header entry {info!r}") from exc
         if end - begin != dtype.itemsize * int(np.prod(shape)) or data_start + end > size:
-            raise corrupt(f"tensor {name} lies outside the file or has the wrong size")
+            raise _corrupt(file, f"tensor {name} lies outside the file or has the wrong size")
         raw = np.frombuffer(mapped, dtype=np.uint8, count=end - begin, offset=data_start + begin)
 
         def reader(index, raw=raw, dtype=dtype, shape=shape):
