@@ -127,14 +127,11 @@ class PackedLinearWeight:
         """Rows `ids` (any shape of int64) of W in float32: [*ids.shape, K], a token embedding
         lookup that expands only the rows asked for."""
         flat = ids.reshape(-1)
-        op = _loaded_op
-        if flat.numel() == 1 and op is not None and self.qweight.is_cpu:  # a decode step's token
+        if flat.numel() == 1 and self.qweight.is_cpu:  # a decode step's token: its row in place
             n = int(flat[0])
             if not 0 <= n < self.out_features:
                 raise IndexError(f"token id {n} is outside the {self.out_features} embedding rows")
-            q, s, z = self.qweight, self.scales, self.zeros
-            row = op.dequantize_rows(q, s, z, self.bits, self.group_size, n, n + 1)
-            return row.reshape(*ids.shape, self.in_features)
+            return self.dequantize(n, n + 1).reshape(*ids.shape, self.in_features)
         rows = PackedLinearWeight(
             flat.numel(),
             self.in_features,
