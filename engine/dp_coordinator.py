@@ -20,7 +20,8 @@ then multiprocessing Connection frames (4-byte length, pickle), one replica per 
                    ("accepted", request_id)      the engine took the request
                    ("output", request_id, RequestOutput)
                    ("error", request_id, error)  refused (InvalidRequestError) or failed
-                   ("report", report)            every REPORT_INTERVAL_S: stats and health
+                   ("report", report)            every REPORT_INTERVAL_S: stats and health,
+                                                 and before each request's last output
     head -> node   ("add", request_id, prompt, SamplingParams)
                    ("abort", request_id)
                    ("shutdown", reason | None)   stop the replica; the node closes the connection

@@ -9,7 +9,9 @@ refused before any model loads; then the replicas' engines are built at once (as
 its own, each an AsyncLLM with its engine thread and mp workers, the cores shared out among this
 node's replicas) and each says "ready". From then on the head drives them: each "add" becomes a
 task that streams the replica's outputs back, an "abort" cancels it (closing the stream aborts
-the request), and every REPORT_INTERVAL_S the replica's stats and health go to the head.
+the request), and every REPORT_INTERVAL_S the replica's stats and health go to the head. A
+request's last output follows a report too: a client that got its answer and reads the head's
+/metrics finds the request's tokens counted there, as a local replica's are.
 
 The node runs until the head ends every replica ("shutdown"); when the head's connection ends
 without it (the head stopped or died) the node stops its replicas and raises EngineDeadError;
@@ -109,9 +111,15 @@ class ReplicaServer:
     """One replica on its connection to the head."""
 
     def __init__(
-        self, rank: int, replica: AsyncLLM, conn: Connection, placement: DPPlacement
+        self,
+        rank: int,
+        replica: AsyncLLM,
+        conn: Connection,
+        placement: DPPlacement,
+        report_interval: float = REPORT_INTERVAL_S,
     ) -> None:
         self.rank = rank
+        self.report_interval = report_interval
         self.replica = replica
         self.conn = conn
         self.placement = placement
@@ -126,7 +134,7 @@ class ReplicaServer:
             target=self._read, args=(loop, inbox), name=f"llmctl-dp{self.rank}-conn", daemon=True
         ).start()
         self._send(("ready", self._report()))
-        reporter = asyncio.create_task(self._report_every(REPORT_INTERVAL_S))
+        reporter = asyncio.create_task(self._report_every(self.report_interval))
         try:
             while True:
                 message = await inbox.get()
@@ -171,6 +179,8 @@ class ReplicaServer:
             )
             async with contextlib.aclosing(stream):  # closing it early aborts the request
                 async for output in stream:
+                    if output.finished:  # the head's stats count the request before it ends
+                        self._send(("report", self._report()))
                     self._send(("output", request_id, output))
         except asyncio.CancelledError:
             pass  # the head aborted it

@@ -4,7 +4,7 @@ replica that never joins is named after --rendezvous-timeout, as is one that joi
 engine is never built, and a node that fails or leaves before its engine is built fails the head's
 start by name. While the head serves, a lost remote replica's rank is taken again by its node
 started again, handed over once its engine is built (or dropped, named, when it never is). No
-model loads: the head's config is read from a tiny checkpoint."""
+model loads, but for one test: a real replica server on the tiny model, reporting to the head."""
 
 from __future__ import annotations
 
@@ -238,3 +238,47 @@ def test_a_rejoining_node_whose_engine_is_never_built_is_dropped(head, serving):
     assert coordinator.take_rejoined() == {}
     nodes[2].close()
     nodes[2] = join(head, 2, pid=4247)  # the rank is free again
+
+
+def test_a_remote_replicas_stats_count_a_request_by_the_time_it_ends(head, tiny_models):
+    """A real node-side ReplicaServer (tiny model) whose periodic reports never come: the head's
+    view of its stats (what /metrics shows) counts a request once its last output arrived."""
+    import asyncio
+    import threading
+
+    from llmctl.engine.async_llm import AsyncLLM
+    from llmctl.engine.dp_replica_server import ReplicaServer
+    from llmctl.engine.sampling_params import SamplingParams
+
+    placement, _, coordinator = head
+    node_args = EngineArgs(
+        model=str(tiny_models.path("llama")),
+        served_model_name="tiny",
+        dtype="float32",
+        kv_cache_space_gib=0.02,
+        distributed_executor_backend="uni",
+    )
+    engine = AsyncLLM.from_engine_args(node_args)
+    server = ReplicaServer(1, engine, join(head, 1), placement, report_interval=3600)
+    node = threading.Thread(target=asyncio.run, args=(server.serve(),), daemon=True)
+    node.start()
+    scripted = join(head, 2)
+    scripted.send(("ready", {}))
+    replicas = {r.rank: r for r in coordinator.wait_for_replicas()}
+    try:
+        assert replicas[1].get_stats().prompt_tokens == 0  # its "ready" report
+
+        async def run() -> list:
+            params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+            return [o async for o in replicas[1].generate([5, 6, 7, 8], params, "r0")]
+
+        outputs = asyncio.run(run())
+        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 5
+        stats = replicas[1].get_stats()
+        assert (stats.prompt_tokens, stats.generation_tokens) == (4, 5)
+    finally:
+        replicas[1].shutdown(timeout=30)
+        node.join(30)
+        scripted.close()
+        replicas[2].shutdown(timeout=5)
+    assert not node.is_alive() and not engine.is_running
