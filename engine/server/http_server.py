@@ -119,9 +119,11 @@ class HttpServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         name = signal.Signals(sig).name
         if not self.should_exit:
+            # should_exit first: a second signal handled while this one logs (Python runs a
+            # handler between any two bytecodes, this one's too) takes the path below
+            super().handle_exit(sig, frame)
             logger.warning("%s received: draining in-flight requests (send it again to stop now)",
                            name)  # fmt: skip
-            super().handle_exit(sig, frame)
             return
         if not self.force_exit:
             logger.warning("%s received again: stopping now", name)

@@ -336,7 +336,8 @@ def test_sigterm_lets_in_flight_requests_finish(server_factory, tiny, offline):
     thread = threading.Thread(target=request)
     thread.start()
     deadline = time.monotonic() + 10
-    while server.metric("llmctl:num_requests_running") == 0 and time.monotonic() < deadline:
+    while server.metric("llmctl:num_requests_running") == 0:
+        assert time.monotonic() < deadline, "the request never ran"
         time.sleep(0.02)
     assert server.stop() == 0  # SIGTERM while the request is running
     thread.join(timeout=30)
@@ -392,7 +393,8 @@ def test_killed_worker_fails_requests_and_health(server_factory, tiny):
     for t in threads:
         t.start()
     deadline = time.monotonic() + 10
-    while server.metric("llmctl:num_requests_running") < 3 and time.monotonic() < deadline:
+    while server.metric("llmctl:num_requests_running") < 3:
+        assert time.monotonic() < deadline, "the 3 requests never ran together"
         time.sleep(0.05)
     os.kill(workers[1], signal.SIGKILL)
     for t in threads:

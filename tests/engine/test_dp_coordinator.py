@@ -27,8 +27,10 @@ from llmctl.engine.errors import (
 
 
 @pytest.fixture
-def head(tiny_models):
-    """A head of -dp 3 --data-parallel-size-local 1 (it runs replica 0; 1 and 2 are remote)."""
+def head(tiny_models, request):
+    """A head of -dp 3 --data-parallel-size-local 1 (it runs replica 0; 1 and 2 are remote),
+    with --rendezvous-timeout 0.5 s, or the test's indirect parameter: a test that waits for no
+    timeout gives a long one, so that a busy machine cannot run into it."""
     args = EngineArgs(
         model=str(tiny_models.path("llama")),
         served_model_name="tiny",
@@ -39,7 +41,7 @@ def head(tiny_models):
     )
     placement = args.data_parallel_placement()
     config = args.create_engine_config()
-    coordinator = DPCoordinator(placement, config, timeout=0.5)
+    coordinator = DPCoordinator(placement, config, timeout=getattr(request, "param", 0.5))
     yield placement, config, coordinator
     coordinator.close(reason="the test ended")
 
@@ -199,6 +201,7 @@ def serving(head):
         replica.shutdown(timeout=5)
 
 
+@pytest.mark.parametrize("head", [30.0], indirect=True)
 def test_a_lost_remote_replica_rejoins_when_its_node_starts_again(head, serving):
     coordinator, nodes, replicas = serving
     with pytest.raises(DataParallelJoinError) as err:  # replica 1 serves: its rank is taken
@@ -240,6 +243,7 @@ def test_a_rejoining_node_whose_engine_is_never_built_is_dropped(head, serving):
     nodes[2] = join(head, 2, pid=4247)  # the rank is free again
 
 
+@pytest.mark.parametrize("head", [30.0], indirect=True)
 def test_a_remote_replicas_stats_count_a_request_by_the_time_it_ends(head, tiny_models):
     """A real node-side ReplicaServer (tiny model) whose periodic reports never come: the head's
     view of its stats (what /metrics shows) counts a request once its last output arrived."""

@@ -241,8 +241,10 @@ def test_a_stalled_step_turns_health_unhealthy_and_fails_the_request():
 
 def test_restart_on_failure_fails_the_requests_in_flight_then_serves_again():
     engines = [Engine(steps=1000, fail_on_step=3)]
+    checked = threading.Event()  # the restart is not done before the test saw it under way
 
     def factory() -> Engine:
+        assert checked.wait(30)
         engines.append(Engine(steps=2))
         return engines[-1]
 
@@ -260,6 +262,7 @@ def test_restart_on_failure_fails_the_requests_in_flight_then_serves_again():
         # Restarting: new requests and /health are refused with the reason, at once.
         refused = await asyncio.gather(collect(llm, "b"), return_exceptions=True)
         health = llm.health_error()
+        checked.set()
         await asyncio.to_thread(wait_for, lambda: llm.health_error() is None)
         return failed[0], refused[0], health, await collect(llm, "c")
 
