@@ -56,6 +56,8 @@ _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
 class LightTokenizer:
     def __init__(self, backend: Any, config: dict, chat_template: str | None) -> None:
         self._backend = backend
+        # tokenizers >= 0.20.1 has encode_batch_fast (no offsets); older ones, encode_batch
+        self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
         self.chat_template = chat_template
         self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         for name in _SPECIAL:
@@ -101,9 +103,11 @@ class LightTokenizer:
         return None if token is None else self._backend.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        # encode_batch releases the GIL while it works (encode holds it: a 5 MB prompt would
-        # stop the server's event loop, /health included, for seconds), as transformers calls it.
-        (encoding,) = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        # encode_batch_fast releases the GIL while it works (encode holds it: a 5 MB prompt
+        # would stop the server's event loop, /health included, for seconds). It keeps no
+        # offsets: the same ids in half the time, and the Encoding is freed in ~1 ms where
+        # encode_batch's (1.2M tokens' offsets and strings) held the GIL 31 ms to free it.
+        (encoding,) = self._encode_batch([text], add_special_tokens=add_special_tokens)
         return encoding.ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
