@@ -34,7 +34,10 @@ from llmctl.engine.stall_monitor import process_state, stopped_processes
 logger = logging.getLogger("llmctl")
 
 _GRACE_S = 5.0
-_POLL_S = 0.5
+# How often worker states are read (/proc) and changes reported: node 0's stall message names
+# a stopped remote rank only if the report came before --stall-timeout ran out (a few /proc
+# reads a poll: nothing to save by polling less)
+_POLL_S = 0.25
 _RETRY_S = 0.5
 
 
