@@ -243,3 +243,56 @@ def default_signals() -> None:
 
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
+
+
+class Streams:
+    """Streaming completions, each read to its end in a thread of its own. `wait_streaming()`
+    returns once every stream has received a chunk: its request is then running in the engine,
+    which a poll of /metrics can miss (a tiny model's 200 tokens take 0.3 s, and on a busy
+    machine one /metrics round trip meanwhile can take as long). `join()` gives each stream's
+    outcome: ("finished", text, finish_reason) or ("error", message)."""
+
+    def __init__(self, client_factory, requests: list[dict]) -> None:
+        import threading
+
+        self.outcomes: list[tuple | None] = [None] * len(requests)
+        self._first = [threading.Event() for _ in requests]
+        self._threads = [
+            threading.Thread(target=self._read, args=(i, client_factory, kw), daemon=True)
+            for i, kw in enumerate(requests)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _read(self, i: int, client_factory, kw: dict) -> None:
+        import openai
+
+        text, finish = "", None
+        try:
+            for chunk in client_factory().completions.create(stream=True, **kw):
+                self._first[i].set()
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            self.outcomes[i] = ("finished", text, finish)
+        except openai.APIError as exc:
+            self.outcomes[i] = ("error", str(exc))
+        finally:
+            self._first[i].set()
+
+    def wait_streaming(self, timeout: float = 60) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout
+        for i, first in enumerate(self._first):
+            assert first.wait(max(0.0, deadline - time.monotonic())), f"stream {i} sent nothing"
+            outcome = self.outcomes[i]
+            assert outcome is None or outcome[0] != "error", f"stream {i} failed: {outcome}"
+
+    def join(self, timeout: float = 120) -> list[tuple]:
+        import time
+
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in self._threads), "a stream hangs"  # none hangs
+        return list(self.outcomes)

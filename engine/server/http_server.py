@@ -122,8 +122,9 @@ class HttpServer(uvicorn.Server):
             # should_exit first: a second signal handled while this one logs (Python runs a
             # handler between any two bytecodes, this one's too) takes the path below
             super().handle_exit(sig, frame)
-            logger.warning("%s received: draining in-flight requests (send it again to stop now)",
-                           name)  # fmt: skip
+            in_flight = len(self.server_state.tasks)  # requests whose response has not ended
+            logger.warning("%s received: draining %d in-flight request%s (send it again to stop "
+                           "now)", name, in_flight, "" if in_flight == 1 else "s")  # fmt: skip
             return
         if not self.force_exit:
             logger.warning("%s received again: stopping now", name)

@@ -18,16 +18,14 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
-from support import live_pids
+from support import Streams, live_pids
 
 from llmctl.engine import LLM, SamplingParams
 from llmctl.engine.distributed.ports import free_port
@@ -73,13 +71,19 @@ def kill_session(process: subprocess.Popen) -> None:
 
 
 def per_replica(url: str, name: str) -> dict[str, float]:
+    return sample(url, name)[name]
+
+
+def sample(url: str, *names: str) -> dict[str, dict[str, float]]:
+    """{metric: {replica: value}} from one scrape of /metrics (one reading of every replica)."""
     import re
 
-    found = {}
+    found: dict[str, dict[str, float]] = {name: {} for name in names}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        match = re.fullmatch(rf'{re.escape(name)}\{{.*replica="(\d+)".*\}} (\S+)', line)
-        if match:
-            found[match[1]] = float(match[2])
+        for name in names:
+            match = re.fullmatch(rf'{re.escape(name)}\{{.*replica="(\d+)".*\}} (\S+)', line)
+            if match:
+                found[name][match[1]] = float(match[2])
     return found
 
 
@@ -173,9 +177,8 @@ def test_a_rank_given_twice_is_refused_while_the_group_runs(group, extra, messag
 
 def test_a_client_that_goes_away_aborts_its_request_on_the_remote_node(group):
     head = group.head
-    running = lambda: per_replica(head.url, "llmctl:num_requests_running")  # noqa: E731
-    generated = lambda: per_replica(head.url, "llmctl:generation_tokens_total")  # noqa: E731
-    before = generated()
+    generated = "llmctl:generation_tokens_total"
+    before = per_replica(head.url, generated)
     streams = [
         head.client().completions.create(
             model="tiny",
@@ -188,42 +191,35 @@ def test_a_client_that_goes_away_aborts_its_request_on_the_remote_node(group):
     ]
     for stream in streams:
         next(iter(stream))  # streaming: the request runs on its replica
-    wait_until(lambda: running() == {"0": 1.0, "1": 1.0}, 60, "one request per replica")
     for stream in streams:
         stream.close()  # the client disconnects mid-stream
-    wait_until(lambda: running() == {"0": 0.0, "1": 0.0}, 30, "both requests gone")
+    after: dict[str, float] = {}
+
+    def gone() -> bool:
+        # One request on each replica: each generated tokens; running 0 in the same scrape (the
+        # remote node reports every 0.25 s, and a report from before its request ran says 0
+        # too), so these counts are those after the abort.
+        now = sample(head.url, "llmctl:num_requests_running", generated)
+        after.update(now[generated])
+        return now["llmctl:num_requests_running"] == {"0": 0.0, "1": 0.0} and all(
+            after[r] > before[r] for r in before
+        )
+
+    wait_until(gone, 30, "a request to run on each replica, then go")
     # aborted, not finished: each replica generated fewer than its request's 250 tokens
-    after = generated()
     assert all(after[r] - before[r] < 250 for r in ("0", "1")), (before, after)
 
 
 def test_killing_the_remote_node_degrades_health_and_the_head_serves_on(group):
     head = group.head
-    outcomes: dict[int, str] = {}
-
-    def long_request(i: int) -> None:
-        try:
-            stream = head.client().completions.create(
-                model="tiny", prompt=[7 + i] * 5, max_tokens=200, stream=True,
-                extra_body={"ignore_eos": True},
-            )  # fmt: skip
-            for _ in stream:
-                pass
-            outcomes[i] = "finished"
-        except openai.APIError as exc:
-            outcomes[i] = f"error: {exc}"
-
-    threads = [threading.Thread(target=long_request, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    running = lambda: per_replica(head.url, "llmctl:num_requests_running")  # noqa: E731
-    wait_until(lambda: running() == {"0": 1.0, "1": 1.0}, 60, "one long request per replica")
+    requests = [dict(model="tiny", prompt=[7 + i] * 5, max_tokens=200,
+                     extra_body={"ignore_eos": True}) for i in range(2)]  # fmt: skip
+    streams = Streams(head.client, requests)
+    streams.wait_streaming()  # both run, one on each replica (the outcomes below say so)
     kill_session(group.node)
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads)
-    assert sorted(o.split(":")[0] for o in outcomes.values()) == ["error", "finished"], outcomes
-    assert any("data-parallel replica 1 on host" in o for o in outcomes.values()), outcomes
+    outcomes = [o[0] + ": " + o[1] if o[0] == "error" else o[0] for o in streams.join(120)]
+    assert sorted(o.split(":")[0] for o in outcomes) == ["error", "finished"], outcomes
+    assert any("data-parallel replica 1 on host" in o for o in outcomes), outcomes
 
     health = httpx.get(f"{head.url}/health", timeout=10)
     assert health.status_code == 200
@@ -315,29 +311,13 @@ def test_a_stopped_remote_node_is_declared_stalled_after_the_stall_timeout(
     node = headless_node(model, port)
     try:
         head = server_factory(model, *TINY_ARGS, *dp_flags(port), "--stall-timeout", "3")
-        outcomes: dict[int, str] = {}
-
-        def long_request(i: int) -> None:
-            try:
-                stream = head.client().completions.create(
-                    model="tiny", prompt=[21 + i] * 5, max_tokens=250, stream=True,
-                    extra_body={"ignore_eos": True},
-                )  # fmt: skip
-                for _ in stream:
-                    pass
-                outcomes[i] = "finished"
-            except openai.APIError as exc:
-                outcomes[i] = f"error: {exc}"
-
-        threads = [threading.Thread(target=long_request, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        running = lambda: per_replica(head.url, "llmctl:num_requests_running")  # noqa: E731
-        wait_until(lambda: running() == {"0": 1.0, "1": 1.0}, 60, "one request per replica")
+        requests = [dict(model="tiny", prompt=[21 + i] * 5, max_tokens=250,
+                         extra_body={"ignore_eos": True}) for i in range(2)]  # fmt: skip
+        streams = Streams(head.client, requests)
+        streams.wait_streaming()  # both run, one on each replica (the outcomes below say so)
         os.kill(node.pid, signal.SIGSTOP)
-        for t in threads:
-            t.join(timeout=120)
-        assert sorted(o.split(":")[0] for o in outcomes.values()) == ["error", "finished"]
+        outcomes = streams.join(120)
+        assert sorted(o[0] for o in outcomes) == ["error", "finished"], outcomes
         body = httpx.get(f"{head.url}/health", timeout=10).json()
         assert body["status"] == "degraded"
         assert "replica 1: data-parallel replica 1 on host" in body["message"]

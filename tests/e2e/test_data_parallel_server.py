@@ -11,12 +11,10 @@ import asyncio
 import os
 import re
 import signal
-import threading
 import time
 
 import httpx
-import openai
-from support import live_pids
+from support import Streams, live_pids
 
 TINY_ARGS = ("--dtype", "float32", "--kv-cache-space-gib", "0.02", "--served-model-name", "tiny")
 IGNORE_EOS = {"ignore_eos": True}
@@ -61,30 +59,14 @@ def test_replicas_share_the_load_and_survive_one_death(server_factory, tiny_mode
     assert set(prompt_tokens) == {"0", "1"} and all(v > 0 for v in prompt_tokens.values())
     assert per_replica(server, "llmctl:engine_alive") == {"0": 1.0, "1": 1.0}
 
-    outcomes: dict[int, str] = {}
-
-    def long_request(i: int) -> None:
-        try:
-            stream = server.client().completions.create(
-                model="tiny", prompt=f"long {i}", max_tokens=200, stream=True, extra_body=IGNORE_EOS
-            )
-            for _ in stream:
-                pass
-            outcomes[i] = "finished"
-        except openai.APIError as exc:
-            outcomes[i] = f"error: {exc}"
-
-    threads = [threading.Thread(target=long_request, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    running = lambda: per_replica(server, "llmctl:num_requests_running")  # noqa: E731
-    wait_until(lambda: running() == {"0": 1.0, "1": 1.0}, 30, "one long request per replica")
+    requests = [dict(model="tiny", prompt=f"long {i}", max_tokens=200, extra_body=IGNORE_EOS)
+                for i in range(2)]  # fmt: skip
+    streams = Streams(server.client, requests)
+    streams.wait_streaming()  # both run, one on each replica (the outcomes below say so)
     os.kill(workers[1], signal.SIGKILL)
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads)
+    outcomes = streams.join(120)
     # the killed replica's request failed, the other replica's finished
-    assert sorted(o.split(":")[0] for o in outcomes.values()) == ["error", "finished"], outcomes
+    assert sorted(o[0] for o in outcomes) == ["error", "finished"], outcomes
 
     alive = per_replica(server, "llmctl:engine_alive")
     assert sorted(alive.values()) == [0.0, 1.0]

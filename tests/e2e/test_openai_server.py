@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from support import live_pids
+from support import Streams, live_pids
 
 from llmctl.engine import LLM, SamplingParams
 
@@ -325,23 +325,13 @@ def test_api_key(server_factory, tiny):
 def test_sigterm_lets_in_flight_requests_finish(server_factory, tiny, offline):
     server = server_factory(tiny, *TINY_ARGS)
     expected = offline_text(offline, PROMPTS[1], 120)
-    result = {}
-
-    def request():
-        out = server.client().completions.create(
-            model="tiny", prompt=PROMPTS[1], max_tokens=120, temperature=0, extra_body=IGNORE_EOS
-        )
-        result["text"] = out.choices[0].text
-
-    thread = threading.Thread(target=request)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while server.metric("llmctl:num_requests_running") == 0:
-        assert time.monotonic() < deadline, "the request never ran"
-        time.sleep(0.02)
-    assert server.stop() == 0  # SIGTERM while the request is running
-    thread.join(timeout=30)
-    assert result["text"] == expected
+    request = dict(model="tiny", prompt=PROMPTS[1], max_tokens=120, temperature=0,
+                   extra_body=IGNORE_EOS)  # fmt: skip
+    streams = Streams(server.client, [request])
+    streams.wait_streaming()
+    assert server.stop() == 0  # SIGTERM while the request streams
+    assert streams.join(30) == [("finished", expected, "length")]
+    assert "SIGTERM received: draining 1 in-flight request (" in server.output()
 
 
 @pytest.mark.parametrize(
@@ -376,32 +366,13 @@ def test_killed_worker_fails_requests_and_health(server_factory, tiny):
     server = server_factory(tiny, *TINY_ARGS, "-tp", "2", "--distributed-executor-backend", "mp")
     workers = sorted(live_pids(parent=server.process.pid))
     assert len(workers) == 2
-    outcomes = []
-
-    def long_request():
-        try:
-            stream = server.client().completions.create(
-                model="tiny", prompt=PROMPTS[0], max_tokens=240, stream=True, extra_body=IGNORE_EOS
-            )
-            for _ in stream:
-                pass
-            outcomes.append("finished")
-        except openai.APIError as exc:
-            outcomes.append(f"error: {exc}")
-
-    threads = [threading.Thread(target=long_request) for _ in range(3)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 10
-    while server.metric("llmctl:num_requests_running") < 3:
-        assert time.monotonic() < deadline, "the 3 requests never ran together"
-        time.sleep(0.05)
+    request = dict(model="tiny", prompt=PROMPTS[0], max_tokens=240, extra_body=IGNORE_EOS)
+    streams = Streams(server.client, [request] * 3)
+    streams.wait_streaming()  # the 3 requests run together
     os.kill(workers[1], signal.SIGKILL)
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads)  # every stream ended, none hangs
+    outcomes = streams.join(120)  # every stream ended, none hangs
     # Each ended in an error before its 240 tokens: the dead worker was noticed mid-stream.
-    assert len(outcomes) == 3 and all(o.startswith("error") for o in outcomes), outcomes
+    assert all(o[0] == "error" for o in outcomes), outcomes
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 503
     # Seen from the process itself, not by a timeout: the message names the signal.
