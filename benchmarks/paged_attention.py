@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from llmctl.engine.layers.paged_attention_cpu import (
+from llmctl.engine.kernels.cpu.paged_attention_cpu import (
     build_kernel,
     decode_sdpa_metadata,
     gathered_sdpa,

@@ -51,8 +51,8 @@ def main() -> None:
     if args.device == "cuda":
         return cuda_main(args)
     torch.set_num_threads(args.threads)
-    from llmctl.engine.layers.quantization import kernels
-    from llmctl.engine.layers.quantization.kernels import kernel_available, pack_groups
+    from llmctl.engine.kernels.cpu import quantized_matmul as kernels
+    from llmctl.engine.kernels.cpu.quantized_matmul import kernel_available, pack_groups
 
     print(
         f"torch {torch.__version__}, {args.threads} threads, group {args.group_size}, "
@@ -118,9 +118,8 @@ def main() -> None:
 def cuda_main(args) -> None:
     import triton.testing
 
-    from llmctl.engine.layers import triton_ops
-    from llmctl.engine.layers.quantization import triton_group_mm
-    from llmctl.engine.layers.quantization.kernels import pack_groups
+    from llmctl.engine.kernels.cpu.quantized_matmul import pack_groups
+    from llmctl.engine.kernels.triton import triton_group_mm, triton_ops
 
     def _other_path(w, x):
         fused_max = triton_group_mm.FUSED_MAX_ROWS

@@ -1,4 +1,4 @@
-"""The engine options of a command, derived from EngineArgs' fields (engine/engine_args.py).
+"""The engine options of a command, derived from EngineArgs' fields (engine/config/engine_args.py).
 
 `@engine_options("generate")` replaces the command's `engine` parameter by one Typer option per
 EngineArgs field that belongs to the command, in field order, and calls the command with `engine`
@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 import typer
 
-from llmctl.engine.engine_args import ENGINE, PARALLEL, EngineArgs, EngineOption, cli_options
+from llmctl.engine.config.engine_args import ENGINE, PARALLEL, EngineArgs, EngineOption, cli_options
 
 __all__ = ["ENGINE", "PARALLEL", "EngineKwargs", "Model", "engine_options"]
 

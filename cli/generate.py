@@ -117,7 +117,7 @@ def generate(
         ignore_eos=ignore_eos,
         seed=seed,
     )
-    from llmctl.engine.llm import LLM
+    from llmctl.engine.entrypoints.llm import LLM
 
     render = print_json if json_output else print_completions
     console = stdout_console()

@@ -254,7 +254,7 @@ def _make(model, inventory, nodes, gpus, memory, interconnect, engine: EngineKwa
     from llmctl.cluster.inventory import inventory_from_flags, load_inventory
     from llmctl.cluster.plan.model_spec import load_model_spec
     from llmctl.cluster.plan.planner import PlanOptions, make_plan
-    from llmctl.engine.config import parse_layer_partition
+    from llmctl.engine.config.engine_config import parse_layer_partition
 
     spec = load_model_spec(model)
     inv = load_inventory(inventory) if inventory else inventory_from_flags(

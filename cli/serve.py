@@ -13,7 +13,7 @@ import typer
 
 from llmctl.cli.console import CliState, stderr_console, stdout_console
 from llmctl.cli.engine_options import EngineKwargs, Model, engine_options
-from llmctl.engine.engine_args import SERVER
+from llmctl.engine.config.engine_args import SERVER
 from llmctl.engine.errors import ConfigError
 
 app = typer.Typer()
@@ -103,7 +103,7 @@ def serve(
     Try it: curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json'
     -d '{"prompt": "The capital of France is", "max_tokens": 16}'
     """
-    from llmctl.engine.server.server_config import ServerConfig
+    from llmctl.engine.entrypoints.openai.server_config import ServerConfig
 
     state: CliState = ctx.obj or CliState()
     if inventory is not None:
@@ -140,13 +140,13 @@ def serve(
         raise ConfigError("--backend picks a cluster's backend", "add -i cluster.yaml")
     if stop:
         raise ConfigError("--stop stops a cluster's server", "add -i cluster.yaml")
-    from llmctl.engine.engine_args import EngineArgs
+    from llmctl.engine.config.engine_args import EngineArgs
+    from llmctl.engine.entrypoints.openai.api_server import run_server
     from llmctl.engine.progress import rich_progress
-    from llmctl.engine.server.api_server import run_server
 
     engine_args = EngineArgs(model=model, **engine)
     if engine_args.data_parallel_placement().headless:  # replicas for the head's router
-        from llmctl.engine.dp_replica_server import run_dp_headless
+        from llmctl.engine.dp.replica_server import run_dp_headless
 
         run_dp_headless(engine_args)
         return

@@ -12,9 +12,9 @@ from llmctl.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from llmctl.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from llmctl.engine.engine_args import EngineArgs
-    from llmctl.engine.llm import LLM
-    from llmctl.engine.llm_engine import LLMEngine
+    from llmctl.engine.config.engine_args import EngineArgs
+    from llmctl.engine.core.llm_engine import LLMEngine
+    from llmctl.engine.entrypoints.llm import LLM
 
 __all__ = [
     "LLM",
@@ -29,15 +29,15 @@ __all__ = [
 
 def __getattr__(name: str):
     if name == "LLM":
-        from llmctl.engine.llm import LLM
+        from llmctl.engine.entrypoints.llm import LLM
 
         return LLM
     if name == "LLMEngine":
-        from llmctl.engine.llm_engine import LLMEngine
+        from llmctl.engine.core.llm_engine import LLMEngine
 
         return LLMEngine
     if name == "EngineArgs":
-        from llmctl.engine.engine_args import EngineArgs
+        from llmctl.engine.config.engine_args import EngineArgs
 
         return EngineArgs
     raise AttributeError(f"module 'llmctl.engine' has no attribute {name!r}")

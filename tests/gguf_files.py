@@ -8,15 +8,15 @@ from pathlib import Path
 
 import numpy as np
 
-from llmctl.engine.config import checkpoint_dtype
-from llmctl.engine.hf_config_view import HFConfigView
+from llmctl.engine.config.engine_config import checkpoint_dtype
+from llmctl.engine.config.hf_config_view import HFConfigView
+from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.layers.rotary_embedding import rope_parameters
 from llmctl.engine.model_loader.default_model import default_model_path
 from llmctl.engine.model_loader.gguf import ensure_converted
 from llmctl.engine.model_loader.gguf_file import read_gguf_metadata
-from llmctl.engine.model_loader.gguf_tokenizer import TOKENIZER_ARRAYS
 from llmctl.engine.model_loader.source import CONFIG_VIEW_FILE
-from llmctl.engine.model_shape import ModelShape
+from llmctl.engine.tokenizer.gguf_tokenizer import TOKENIZER_ARRAYS
 
 
 def transformers_tokenizer(gguf: Path):
@@ -30,7 +30,7 @@ def transformers_config(gguf: Path):
     from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from llmctl.engine.model_shape import GGUF_ARCHITECTURES
+    from llmctl.engine.config.model_shape import GGUF_ARCHITECTURES
 
     metadata, types = read_gguf_metadata(gguf)
     shape = ModelShape.from_gguf_metadata(metadata, tuple(n for n, _ in types))

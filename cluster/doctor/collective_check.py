@@ -282,7 +282,7 @@ def check_config(
     """The EngineConfig of a world of bare workers: no model; Gloo on the CPU, NCCL on CUDA.
     One pipeline stage per rank, so ranks may sit on different nodes (tensor-parallel groups
     may not). `nodes`: the mp backend across nodes (ParallelConfig's nnodes, master_addr, ...)."""
-    from llmctl.engine.config import (
+    from llmctl.engine.config.engine_config import (
         CacheConfig,
         DeviceConfig,
         EngineConfig,

@@ -44,7 +44,7 @@ from llmctl.cluster.launch.head_server import (
 )
 from llmctl.cluster.launch.node_launch import ordered_nodes
 from llmctl.cluster.launch.transport import Transport, check
-from llmctl.engine.engine_args import engine_args_to_argv
+from llmctl.engine.config.engine_args import engine_args_to_argv
 
 # Options the launcher derives from the inventory on every node: refused from the user with -i.
 DERIVED_OPTIONS = ("nnodes", "node_rank", "master_addr", "headless")

@@ -22,7 +22,7 @@ from llmctl.cluster.errors import ClusterError, ConfigError, PlanError, RemoteCo
 from llmctl.cluster.inventory import Inventory
 from llmctl.cluster.launch import commands
 from llmctl.cluster.launch.transport import Transport, check
-from llmctl.engine.engine_args import engine_args_to_argv
+from llmctl.engine.config.engine_args import engine_args_to_argv
 
 STATE_DIR = "/root/.llmctl"  # inside the container
 PID_FILE = f"{STATE_DIR}/server.pid"

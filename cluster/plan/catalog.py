@@ -6,7 +6,7 @@ Values from each model's config.json on the Hugging Face hub.
 from __future__ import annotations
 
 from llmctl.cluster.plan.model_spec import ModelSpec
-from llmctl.engine.model_shape import ModelShape
+from llmctl.engine.config.model_shape import ModelShape
 
 
 def _model(name: str, architecture: str, dtype: str, **shape) -> ModelSpec:

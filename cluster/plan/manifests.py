@@ -14,7 +14,7 @@ Three ways to run a plan's layout on Kubernetes:
     its ranks go wherever Ray places them, the head first, as with `llmctl serve -i`.
   - `rayservice` (or `kuberay`, what KubeRay's and vLLM's docs serve with): a KubeRay RayService
     (ray.io/v1), Ray Serve LLM style. Its serveConfigV2 deploys llmctl's Ray Serve application
-    (engine/server/ray_serve_app.py) with the plan's engine options as `args:`, one deployment
+    (engine/entrypoints/ray_serve_app.py) with the plan's engine options as `args:`, one deployment
     replica per data-parallel replica, each replica's resources as Ray Serve LLM asks them (one
     placement-group bundle per rank, the ranks on the ray backend); its rayClusterConfig is the
     RayCluster's spec with a pod per node of each replica, every pod running only `ray start`.
@@ -43,7 +43,7 @@ from pathlib import Path
 import yaml
 
 from llmctl.cluster.errors import ConfigError
-from llmctl.engine.engine_args import SERVE, SERVER, EngineArgs, engine_args_to_argv, option
+from llmctl.engine.config.engine_args import SERVE, SERVER, EngineArgs, engine_args_to_argv, option
 
 EMIT_KINDS = ("lws", "raycluster", "rayservice", "kuberay")  # kuberay: the RayService
 DEFAULT_IMAGE = "llmctl:latest"  # `llmctl image build`'s default tag
@@ -480,7 +480,7 @@ def serve_app_args(plan, opts: KubeOptions) -> dict:
 def serve_config(plan, opts: KubeOptions) -> dict:
     """serveConfigV2: llmctl's application, num_replicas = the plan's data-parallel replicas,
     each replica's resources those of its tp x pp ranks (ray_serve_app.deployment_options)."""
-    from llmctl.engine.server import ray_serve_app
+    from llmctl.engine.entrypoints import ray_serve_app
 
     options = ray_serve_app.deployment_options(
         plan.tensor_parallel_size, plan.pipeline_parallel_size, gpu=plan.device == "cuda"

@@ -2,7 +2,7 @@
 config.json, a GGUF file's metadata or the catalog). Pure: no torch, no transformers.
 
 The shape and the parameter count each rank of a layout holds come from
-`engine/model_shape.py`, the same ModelShape the engine builds its layers from.
+`engine/config/model_shape.py`, the same ModelShape the engine builds its layers from.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmctl.cluster.errors import UnknownModelError
+from llmctl.cluster.plan.weight_format import WeightFormats, dense_format, gguf_weight_formats
+from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.errors import ConfigError
-from llmctl.engine.model_shape import ModelShape
-from llmctl.engine.weight_format import WeightFormats, dense_format, gguf_weight_formats
 
 
 @dataclass(frozen=True)

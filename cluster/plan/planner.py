@@ -2,11 +2,11 @@
 
 Pure: a ModelSpec and an Inventory in, a Plan out (no SSH, no torch, no mutation).
 
-Memory per GPU is sized by the engine's own arithmetic (engine/memory_profile.py), on estimates
-of what the engine measures: the weights each rank really holds (ModelShape counts the engine's
-shards: its layers, the embedding on the first stage, the final norm and LM head on the last; in
-bytes of each weight's storage, engine/weight_format.py: the dtype, a GGUF file's blocks, or
---quantization's groups), the
+Memory per GPU is sized by the engine's own arithmetic (engine/config/memory_profile.py), on
+estimates of what the engine measures: the weights each rank really holds (ModelShape counts the
+engine's shards: its layers, the embedding on the first stage, the final norm and LM head on the
+last; in bytes of each weight's storage, cluster/plan/weight_format.py: the dtype, a GGUF
+file's blocks, or --quantization's groups), the
 peak activations of the profile step at max_num_batched_tokens, and the memory outside torch (the
 CUDA context, NCCL); the rest of gpu_memory_utilization x memory is KV cache. The KV cache has as
 many blocks as the rank with the fewest can hold, as the engine does. On the CPU the KV cache is
@@ -28,7 +28,7 @@ The rules, from vLLM's distributed-serving guide, then better:
      row-parallel layer's inputs on whole quantization groups, as the engine requires.
 Pipeline stages get an uneven layer split when it holds more KV cache (the first and last stages
 carry the embedding and LM head), printed as --pipeline-layer-partition.
-Data parallel (`--data-parallel-size N`, engine/dp_async_llm.py): a layout that fits one node in
+Data parallel (`--data-parallel-size N`, engine/dp/dp_async_llm.py): a layout that fits one node in
 fewer GPUs than the node has (and was not asked with -tp/-pp) is proposed as replicas, as many
 as the node holds (each its own engine and KV cache: N replicas serve about N times the
 requests); the plan prints the KV tokens and concurrency per replica and in total. An asked N
@@ -47,7 +47,14 @@ from dataclasses import dataclass, field
 from llmctl.cluster.errors import PlanError
 from llmctl.cluster.inventory import Inventory
 from llmctl.cluster.plan.model_spec import ModelSpec
-from llmctl.engine.config import (
+from llmctl.cluster.plan.weight_format import (
+    QUANTIZATION_SCHEMES,
+    WeightFormats,
+    dense_format,
+    quantization_format,
+)
+from llmctl.engine.config.engine_args import engine_args_to_argv, engine_default
+from llmctl.engine.config.engine_config import (
     DTYPE_BYTES,
     ParallelConfig,
     SchedulerConfig,
@@ -55,12 +62,7 @@ from llmctl.engine.config import (
     normalize_dtype,
     resolve_max_num_batched_tokens,
 )
-from llmctl.engine.distributed import ranks as rank_mesh
-from llmctl.engine.distributed.partition import layer_partition, valid_tp_sizes
-from llmctl.engine.engine_args import engine_args_to_argv, engine_default
-from llmctl.engine.errors import ConfigError
-from llmctl.engine.layers.quantization.quant_config import check_whole_groups
-from llmctl.engine.memory_profile import (
+from llmctl.engine.config.memory_profile import (
     CUDA_CONTEXT_BYTES,
     DEFAULT_CPU_KV_CACHE_SPACE_GIB,
     GIB,
@@ -73,12 +75,10 @@ from llmctl.engine.memory_profile import (
     estimate_non_torch_bytes,
     profile_request_lengths,
 )
-from llmctl.engine.weight_format import (
-    QUANTIZATION_SCHEMES,
-    WeightFormats,
-    dense_format,
-    quantization_format,
-)
+from llmctl.engine.distributed import ranks as rank_mesh
+from llmctl.engine.distributed.partition import layer_partition, valid_tp_sizes
+from llmctl.engine.errors import ConfigError
+from llmctl.engine.layers.quantization.quant_config import check_whole_groups
 
 _KV_DTYPES = {"auto": None, "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1,
               "fp8_e5m2": 1}  # fmt: skip
@@ -666,7 +666,7 @@ def _gpu_nodes(inventory: Inventory) -> list:
 def _across_nodes(plan: Plan, nodes: list, per_node: int, reason: str) -> Plan:
     """`per_node` replicas on each of `nodes`: one serve command per node, as vLLM's multi-node
     data parallel runs them (the head's address and RPC port on every node's command)."""
-    from llmctl.engine.dp_placement import DEFAULT_RPC_PORT
+    from llmctl.engine.dp.placement import DEFAULT_RPC_PORT
 
     replicas = per_node * len(nodes)
     plan = _with_replicas(plan, replicas, reason, across_nodes=True)
@@ -793,7 +793,7 @@ def _fits(plan_for, k: int) -> bool:
 
 def _shared_experts_error(plan: Plan, replicas: int, across_nodes: bool) -> ConfigError | None:
     """Why `replicas` of `plan` cannot run with --enable-expert-parallel (their MoE layers then
-    share the experts over DP x TP ranks: engine/dp_lockstep.py), or None when they can (or do
+    share the experts over DP x TP ranks: engine/dp/lockstep.py), or None when they can (or do
     not share them)."""
     from llmctl.engine.distributed.partition import expert_shards
 

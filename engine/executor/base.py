@@ -23,11 +23,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from llmctl.engine.config import EngineConfig, ParallelConfig
+from llmctl.engine.config.engine_config import EngineConfig, ParallelConfig
+from llmctl.engine.core.scheduler_output import SchedulerOutput
+from llmctl.engine.core.stall_monitor import StalledRanks
 from llmctl.engine.distributed import ranks
 from llmctl.engine.errors import ConfigError, EngineDeadError
-from llmctl.engine.scheduler_output import SchedulerOutput
-from llmctl.engine.stall_monitor import StalledRanks
 
 logger = logging.getLogger("llmctl")
 
@@ -212,7 +212,7 @@ class Executor(ABC):
 
     def execute_dummy_batch(self) -> Future:
         """Run a forward of one token of no request on every worker: a data-parallel replica
-        with nothing to run keeps step with the others (engine/dp_lockstep.py)."""
+        with nothing to run keeps step with the others (engine/dp/lockstep.py)."""
         self.check_alive()
         return self.collective_rpc_async("execute_dummy_batch")
 

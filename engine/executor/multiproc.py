@@ -50,6 +50,8 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from llmctl.engine.config.hf_config_view import for_workers
+from llmctl.engine.core.stall_monitor import StalledRanks, stopped_processes
 from llmctl.engine.distributed import ranks, rendezvous
 from llmctl.engine.distributed.ports import free_port
 from llmctl.engine.distributed.rendezvous import NodeListener, RemoteWorker
@@ -61,8 +63,6 @@ from llmctl.engine.errors import (
     WorkerTimeoutError,
 )
 from llmctl.engine.executor.base import Executor, run_method
-from llmctl.engine.hf_config_view import for_workers
-from llmctl.engine.stall_monitor import StalledRanks, stopped_processes
 
 logger = logging.getLogger("llmctl")
 
@@ -122,7 +122,7 @@ class MultiprocExecutor(Executor):
         local = ranks.node_ranks(0, pc.nnodes, pp, tp)  # this node's (node 0's) ranks
         init_method = f"tcp://127.0.0.1:{free_port()}"
         if pc.expert_parallel_across_dp:  # the replicas' workers meet in one world
-            from llmctl.engine.dp_lockstep import register_executor
+            from llmctl.engine.dp.lockstep import register_executor
 
             init_method = f"tcp://127.0.0.1:{pc.data_parallel_master_port}"
             register_executor(pc.data_parallel_master_port, self)

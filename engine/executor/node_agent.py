@@ -26,10 +26,10 @@ import sys
 import time
 from multiprocessing.connection import Connection, wait
 
-from llmctl.engine.config import ParallelConfig
+from llmctl.engine.config.engine_config import ParallelConfig
+from llmctl.engine.core.stall_monitor import process_state, stopped_processes
 from llmctl.engine.distributed import ranks, rendezvous
 from llmctl.engine.errors import EngineDeadError, RendezvousError, RendezvousTimeoutError
-from llmctl.engine.stall_monitor import process_state, stopped_processes
 
 logger = logging.getLogger("llmctl")
 

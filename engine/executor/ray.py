@@ -28,12 +28,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from llmctl.engine.config.hf_config_view import for_workers
+from llmctl.engine.core.stall_monitor import StalledRanks
 from llmctl.engine.distributed import ranks
 from llmctl.engine.distributed.ports import free_port
 from llmctl.engine.errors import ConfigError, LLMCtlError, WorkerError, WorkerTimeoutError
 from llmctl.engine.executor.base import Executor, run_method
-from llmctl.engine.hf_config_view import for_workers
-from llmctl.engine.stall_monitor import StalledRanks
 
 logger = logging.getLogger("llmctl")
 

@@ -16,7 +16,7 @@ How the ranks of the tensor-parallel group share the experts:
   replicated across the group, so dispatch is local: each rank computes its own experts'
   contribution for every token routed to them, a partial sum over the experts.
 - expert parallel across data-parallel replicas (`--enable-expert-parallel` with
-  `--data-parallel-size N`, engine/dp_lockstep.py): the EP group is every rank of the N
+  `--data-parallel-size N`, engine/dp/lockstep.py): the EP group is every rank of the N
   replicas (EP size = DP x TP), and each replica runs its own tokens. Dispatch: an all-gather
   over the DP group (this rank and the ranks with the same tp_rank in the other replicas) of
   every replica's hidden states and router logits, padded to the largest count; each rank

@@ -15,8 +15,8 @@ from torch import nn
 
 from llmctl.engine.distributed.parallel_state import get_tp_group
 from llmctl.engine.distributed.partition import column_shards, offsets
+from llmctl.engine.kernels.cpu.quantized_matmul import PackedLinearWeight
 from llmctl.engine.layers.linear import _copy_into, _cpu_prepack_enabled
-from llmctl.engine.layers.quantization.kernels import PackedLinearWeight
 from llmctl.engine.model_loader.weights import CheckpointTensor, QuantizedCheckpointTensor
 
 

@@ -17,9 +17,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from llmctl.engine.config.model_shape import GGUF_ARCHITECTURES, ModelShape
 from llmctl.engine.errors import ConfigError, ModelLoadError, UnsupportedArchitectureError
 from llmctl.engine.model_loader.gguf_moe import check_moe_tensors, moe_hf_name
-from llmctl.engine.model_shape import GGUF_ARCHITECTURES, ModelShape
 
 # llama.cpp permutes the rows of q and k for these architectures; undo it.
 _PERMUTED_QK = ("llama", "mistral")
@@ -74,7 +74,7 @@ def _convert(gguf_path: Path, out: Path, progress: ProgressFn | None) -> None:
     converter builds it in Python: ~25 s for the bundled model, against ~0.3 s here)."""
     from llmctl.engine.model_loader.gguf_config import GGUFConfig
     from llmctl.engine.model_loader.gguf_file import read_gguf_metadata
-    from llmctl.engine.model_loader.gguf_tokenizer import TOKENIZER_ARRAYS, GGUFTokenizer
+    from llmctl.engine.tokenizer.gguf_tokenizer import TOKENIZER_ARRAYS, GGUFTokenizer
 
     del progress  # nothing here takes a noticeable time (the fallback below logs a line)
     metadata, types = read_gguf_metadata(gguf_path, TOKENIZER_ARRAYS)

@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.errors import UnsupportedArchitectureError
-from llmctl.engine.model_shape import ModelShape
 
 # GGUF architectures with experts -> (transformers model_type, architecture, MLP module, names of
 # an expert's gate / up / down)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from llmctl.engine.config import ModelConfig
+from llmctl.engine.config.engine_config import ModelConfig
 from llmctl.engine.distributed.partition import PipelineShard
 from llmctl.engine.errors import ModelLoadError
 from llmctl.engine.layers.quantization.linear_method import set_quant_config
@@ -90,7 +90,7 @@ def load_model(
     ):
         model = model_class(model_config.hf_config, model_config.shape, shard)
     if model_config.quantization is not None and device == "cpu":
-        from llmctl.engine.layers.quantization.kernels import build_in_background
+        from llmctl.engine.kernels.cpu.quantized_matmul import build_in_background
 
         build_in_background()  # a first run's kernel compile overlaps with reading the weights
     weights, total, path = _checkpoint(model_config)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmctl.engine.config.hf_config_view import HFConfigView
 from llmctl.engine.errors import ModelLoadError, ModelNotFoundError
-from llmctl.engine.hf_config_view import HFConfigView
 from llmctl.engine.model_loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 
 _WEIGHT_FILES = (

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.distributed.parallel_state import get_tp_group
 from llmctl.engine.layers.fused_moe import FusedMoE
 from llmctl.engine.layers.linear import ReplicatedLinear
 from llmctl.engine.layers.quantization.linear_method import router_quant_config
-from llmctl.engine.model_shape import ModelShape
 from llmctl.engine.models.llama import LlamaForCausalLM, LlamaMLP
 
 

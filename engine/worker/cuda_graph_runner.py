@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from llmctl.engine.attention.layer import AttentionMetadata, use_triton
 from llmctl.engine.forward_context import set_forward_context
-from llmctl.engine.layers.attention import AttentionMetadata, use_triton
 
 if TYPE_CHECKING:
-    from llmctl.engine.config import EngineConfig
+    from llmctl.engine.config.engine_config import EngineConfig
     from llmctl.engine.worker.model_runner import ModelInputs, ModelRunner
 
 logger = logging.getLogger("llmctl")

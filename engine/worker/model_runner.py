@@ -19,15 +19,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmctl.engine.config import EngineConfig
+from llmctl.engine.attention.layer import Attention, AttentionMetadata, PrefillChunk
+from llmctl.engine.config.engine_config import EngineConfig
+from llmctl.engine.core.model_runner_output import ModelRunnerOutput
+from llmctl.engine.core.scheduler_output import SchedulerOutput
 from llmctl.engine.forward_context import set_forward_context
-from llmctl.engine.layers.attention import Attention, AttentionMetadata, PrefillChunk
-from llmctl.engine.layers.sampler import Sampler, SamplingMetadata, make_generator, position_seed
-from llmctl.engine.model_runner_output import ModelRunnerOutput
 from llmctl.engine.models.utils import IntermediateTensors
 from llmctl.engine.platform import torch_dtype
-from llmctl.engine.scheduler_output import SchedulerOutput
 from llmctl.engine.worker.input_batch import InputBatch, StagedBuffer
+from llmctl.engine.worker.sampler import Sampler, SamplingMetadata, make_generator, position_seed
 
 
 def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
@@ -374,7 +374,7 @@ class ModelRunner:
     def execute_dummy_batch(self) -> None:
         """One token of no request through the model: a data-parallel replica with nothing to
         run this step runs it, so that its MoE layers meet the other replicas' in their
-        collectives (engine/dp_lockstep.py). Its key and value go to a scratch block, not the
+        collectives (engine/dp/lockstep.py). Its key and value go to a scratch block, not the
         KV cache; nothing is sampled."""
         layers = self.attention_layers()
         if self._scratch_kv is None:

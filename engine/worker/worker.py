@@ -16,13 +16,18 @@ import resource
 import torch
 
 from llmctl.engine import platform
-from llmctl.engine.config import EngineConfig
+from llmctl.engine.config.engine_config import EngineConfig
+from llmctl.engine.config.memory_profile import (
+    GIB,
+    MemoryProfile,
+    cpu_num_gpu_blocks,
+    num_gpu_blocks,
+)
+from llmctl.engine.core.model_runner_output import ModelRunnerOutput
+from llmctl.engine.core.scheduler_output import SchedulerOutput
 from llmctl.engine.distributed import parallel_state, ranks
 from llmctl.engine.distributed.partition import pipeline_shard
 from llmctl.engine.errors import DeviceMemoryError
-from llmctl.engine.memory_profile import GIB, MemoryProfile, cpu_num_gpu_blocks, num_gpu_blocks
-from llmctl.engine.model_runner_output import ModelRunnerOutput
-from llmctl.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("llmctl")
 
@@ -107,7 +112,7 @@ class Worker:
 
     def profile_memory(self) -> MemoryProfile:
         """Run the profile step (a forward and sampling at max_num_batched_tokens) and measure
-        this GPU, as vLLM does before it sizes the KV cache (see engine/memory_profile.py)."""
+        this GPU, as vLLM does before it sizes the KV cache (engine/config/memory_profile.py)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         weights = torch.cuda.memory_allocated()
@@ -160,7 +165,7 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
         if self.config.device_config.device == "cpu":
-            from llmctl.engine.layers.paged_attention_cpu import kernel_available
+            from llmctl.engine.kernels.cpu.paged_attention_cpu import kernel_available
 
             kernel_available()  # build (once per machine) or load the kernel now, not mid-request
         else:
@@ -188,7 +193,7 @@ class Worker:
         return output
 
     def execute_dummy_batch(self) -> None:
-        """A forward of one token of no request (engine/dp_lockstep.py)."""
+        """A forward of one token of no request (engine/dp/lockstep.py)."""
         self.model_runner.execute_dummy_batch()
 
     def rank_info(self) -> dict:

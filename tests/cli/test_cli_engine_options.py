@@ -17,7 +17,7 @@ from llmctl.cli import generate as generate_command
 from llmctl.cli import serve as serve_command
 from llmctl.cli.engine_options import engine_options
 from llmctl.cluster.launch.head_server import Layout, serve_argv
-from llmctl.engine.engine_args import EngineArgs, cli_options, engine_args_to_argv, option
+from llmctl.engine.config.engine_args import EngineArgs, cli_options, engine_args_to_argv, option
 
 WIDE = {"COLUMNS": "200"}
 
@@ -35,7 +35,7 @@ def served(monkeypatch):
         seen.update(engine_args=engine_args, server_config=server_config)
         raise _Recorded
 
-    monkeypatch.setattr("llmctl.engine.server.api_server.run_server", record)
+    monkeypatch.setattr("llmctl.engine.entrypoints.openai.api_server.run_server", record)
     return seen
 
 
@@ -49,7 +49,7 @@ def generated(monkeypatch):
             seen.update(kwargs)
             raise _Recorded
 
-    monkeypatch.setattr("llmctl.engine.llm.LLM", RecordingLLM)
+    monkeypatch.setattr("llmctl.engine.entrypoints.llm.LLM", RecordingLLM)
     return seen
 
 
@@ -172,7 +172,7 @@ def test_a_new_field_is_a_new_option_everywhere(command, served, generated, monk
     assert "--max-logprobs" in help_text
     assert "Most log-probabilities returned per token. (default: 20)" in help_text
 
-    monkeypatch.setattr("llmctl.engine.engine_args.EngineArgs", WithMaxLogprobs)
+    monkeypatch.setattr("llmctl.engine.config.engine_args.EngineArgs", WithMaxLogprobs)
     args = ["m", "--max-logprobs", "5", "-tp", "2"]
     result = runner.invoke(app, [*args, "-p", "a"] if command.__name__ == "generate" else args)
     assert isinstance(result.exception, _Recorded), result.output

@@ -260,7 +260,7 @@ def test_options_reach_llm_under_engine_args_names(invoke, monkeypatch):
             calls["generate"] = (prompts, params, use_tqdm)
             return [None] * len(prompts)
 
-    monkeypatch.setattr("llmctl.engine.llm.LLM", RecordingLLM)
+    monkeypatch.setattr("llmctl.engine.entrypoints.llm.LLM", RecordingLLM)
     result = invoke(
         "-q",
         "generate",

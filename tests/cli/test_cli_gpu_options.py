@@ -13,7 +13,7 @@ import pytest
 import torch
 from support import live_pids
 
-from llmctl.engine.engine_args import EngineArgs
+from llmctl.engine.config.engine_args import EngineArgs
 
 LLMCTL = str(Path(sys.executable).with_name("llmctl"))
 SMALL_CACHE = ("--kv-cache-space-gib", "0.01")
@@ -116,7 +116,7 @@ def test_serve_passes_the_gpu_options_to_the_engine(invoke, monkeypatch):
         seen["engine_args"] = engine_args
         raise _Recorded
 
-    monkeypatch.setattr("llmctl.engine.server.api_server.run_server", record)
+    monkeypatch.setattr("llmctl.engine.entrypoints.openai.api_server.run_server", record)
     with pytest.raises(_Recorded):
         invoke(
             "-q", "serve", "some/model", "--device", "cuda", "--gpu-memory-utilization", "0.75",
@@ -148,7 +148,7 @@ def test_generate_passes_the_gpu_options_to_the_engine(invoke, monkeypatch):
             seen["kwargs"] = kwargs
             raise _Recorded
 
-    monkeypatch.setattr("llmctl.engine.llm.LLM", RecordingLLM)
+    monkeypatch.setattr("llmctl.engine.entrypoints.llm.LLM", RecordingLLM)
     with pytest.raises(_Recorded):
         invoke(
             "-q", "generate", "m", "-p", "a", "--device", "cpu", "--gpu-memory-utilization",

@@ -58,7 +58,7 @@ def test_help_and_version_do_not_import_heavy_modules():
             result = runner.invoke(app, args, catch_exceptions=False)
             assert result.exit_code == 0, (args, result.output)
         heavy = {"torch", "transformers", "safetensors", "gguf", "numpy"}
-        engine = {"llmctl.engine.llm", "llmctl.engine.llm_engine"}
+        engine = {"llmctl.engine.entrypoints.llm", "llmctl.engine.core.llm_engine"}
         print(sorted({m for m in sys.modules if m.split(".")[0] in heavy or m in engine}))
         """
     )

@@ -19,7 +19,7 @@ import pytest
 import torch
 from support import free_gpu_memory
 
-from llmctl.engine.memory_profile import GIB
+from llmctl.engine.config.memory_profile import GIB
 
 pytestmark = pytest.mark.cuda
 

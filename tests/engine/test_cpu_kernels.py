@@ -1,16 +1,17 @@
-"""`python -m llmctl.engine.layers.cpu_kernels`: what `make setup` and the cpu image's build run."""
+"""`python -m llmctl.engine.kernels.cpu.cpu_kernels`: what `make setup` and the cpu image's build
+run."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from llmctl.engine.layers import cpu_kernels
+from llmctl.engine.kernels.cpu import cpu_kernels
 
 
 def test_builds_every_kernel_and_says_so():
     done = subprocess.run(
-        [sys.executable, "-m", "llmctl.engine.layers.cpu_kernels"],
+        [sys.executable, "-m", "llmctl.engine.kernels.cpu.cpu_kernels"],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr

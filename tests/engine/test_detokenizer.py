@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmctl.engine.detokenizer import IncrementalDetokenizer
+from llmctl.engine.core.detokenizer import IncrementalDetokenizer
 from llmctl.engine.sampling_params import SamplingParams
 
 TEXT = "Café au lait ☕ costs 3€; 東京は晴れ 🌤️ today.\n  Indented line."

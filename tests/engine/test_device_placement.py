@@ -13,12 +13,12 @@ from device_check import DEVICE, DeviceCheckMode, HostTensorOnDeviceError
 from support import FAMILIES
 from test_quantized import write_tiny_gguf
 
-from llmctl.engine.config import DeviceConfig
+from llmctl.engine.config.engine_args import EngineArgs
+from llmctl.engine.config.engine_config import DeviceConfig
+from llmctl.engine.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from llmctl.engine.distributed.partition import pipeline_shard
-from llmctl.engine.engine_args import EngineArgs
 from llmctl.engine.model_loader.loader import load_model
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from llmctl.engine.worker.model_runner import ModelRunner
 
 BLOCK = 16
@@ -145,7 +145,7 @@ def test_the_check_catches_a_host_index():
 
 
 def test_dummy_batch_on_device(tiny_models):
-    """A data-parallel replica's dummy forward (engine/dp_lockstep.py) on the device: no host
+    """A data-parallel replica's dummy forward (engine/dp/lockstep.py) on the device: no host
     tensor, and the layers' KV caches bound again after it (its key and value go to a scratch
     block; tests/engine/test_dp_expert_parallel.py checks no cached block changes)."""
     # (a dense family: the check's fake device has no bincount, which MoE routing uses)

@@ -14,11 +14,11 @@ import time
 
 import pytest
 
+from llmctl.engine.config.engine_args import EngineArgs
 from llmctl.engine.distributed import rendezvous
 from llmctl.engine.distributed.ports import free_port
-from llmctl.engine.dp_coordinator import PROTOCOL, DPCoordinator, replica_hello
-from llmctl.engine.dp_replica_server import join_head
-from llmctl.engine.engine_args import EngineArgs
+from llmctl.engine.dp.join_server import PROTOCOL, DPCoordinator, replica_hello
+from llmctl.engine.dp.replica_server import join_head
 from llmctl.engine.errors import (
     ConfigError,
     DataParallelJoinError,
@@ -250,8 +250,8 @@ def test_a_remote_replicas_stats_count_a_request_by_the_time_it_ends(head, tiny_
     import asyncio
     import threading
 
-    from llmctl.engine.async_llm import AsyncLLM
-    from llmctl.engine.dp_replica_server import ReplicaServer
+    from llmctl.engine.client.async_llm import AsyncLLM
+    from llmctl.engine.dp.replica_server import ReplicaServer
     from llmctl.engine.sampling_params import SamplingParams
 
     placement, _, coordinator = head

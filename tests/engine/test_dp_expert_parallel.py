@@ -180,7 +180,7 @@ def test_unsupported_layouts_are_refused_before_any_process(tiny_models, kwargs,
 
 
 def test_restart_on_failure_is_refused_naming_the_shared_world():
-    from llmctl.engine.engine_args import EngineArgs
+    from llmctl.engine.config.engine_args import EngineArgs
 
     with pytest.raises(ConfigError) as err:
         EngineArgs(data_parallel_size=2, enable_expert_parallel=True, restart_on_failure=True)
@@ -193,10 +193,10 @@ def test_a_replica_whose_peer_fails_to_start_stops_at_once(tiny_models):
     never come. When the start fails elsewhere (DPLockstep.fail, as start_replicas calls it),
     replica 0's start ends at once with that error, its worker stopped, instead of waiting for
     the rendezvous timeout."""
-    from llmctl.engine.dp_async_llm import replica_configs
-    from llmctl.engine.dp_lockstep import DPLockstep
-    from llmctl.engine.engine_args import EngineArgs
-    from llmctl.engine.llm_engine import LLMEngine
+    from llmctl.engine.config.engine_args import EngineArgs
+    from llmctl.engine.core.llm_engine import LLMEngine
+    from llmctl.engine.dp.dp_async_llm import replica_configs
+    from llmctl.engine.dp.lockstep import DPLockstep
 
     before = children()
     args = EngineArgs(

@@ -10,7 +10,7 @@ import signal
 import pytest
 from support import live_pids
 
-from llmctl.engine.config import (
+from llmctl.engine.config.engine_config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,

@@ -1,4 +1,4 @@
-"""The CPU decode step in one C++ call (engine/layers/fused_decode.py) against the module path.
+"""The CPU decode step in one C++ call (engine/kernels/cpu/fused_decode.py) against the module path.
 
 Every family it takes (Llama with GQA, Mistral's sliding window, Qwen2's QKV bias, float
 weights prepacked for oneDNN, int4/int8 packed weights, GGUF blocks) must give the module path's
@@ -13,7 +13,7 @@ from support import assert_same_greedy, random_prompts
 from test_quantized import tiny_prompts, write_tiny_gguf
 
 from llmctl.engine import LLM, SamplingParams
-from llmctl.engine.layers.fused_decode import DecodeStack, kernel_available
+from llmctl.engine.kernels.cpu.fused_decode import DecodeStack, kernel_available
 
 pytestmark = pytest.mark.skipif(not kernel_available(), reason="no C++ compiler for the kernel")
 

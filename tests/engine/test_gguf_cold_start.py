@@ -87,8 +87,8 @@ def test_cold_start_imports_no_transformers_and_generates_as_before(
 KERNELS_SCRIPT = """
 import logging
 logging.basicConfig(level=logging.INFO)
-from llmctl.engine.layers import paged_attention_cpu
-from llmctl.engine.layers.quantization import kernels
+from llmctl.engine.kernels.cpu import paged_attention_cpu
+from llmctl.engine.kernels.cpu import quantized_matmul as kernels
 paged_attention_cpu.build_kernel()
 kernels.build_kernel()
 """
@@ -97,8 +97,8 @@ kernels.build_kernel()
 def test_a_fresh_cache_dir_loads_the_kernels_make_setup_built(tmp_path, monkeypatch):
     """The kernels `make setup` compiled into torch's extensions directory serve an engine whose
     LLMCTL_CACHE_DIR is new, instead of a ~30 s compile at its first start."""
-    from llmctl.engine.layers import paged_attention_cpu
-    from llmctl.engine.layers.quantization import kernels
+    from llmctl.engine.kernels.cpu import paged_attention_cpu
+    from llmctl.engine.kernels.cpu import quantized_matmul as kernels
 
     monkeypatch.delenv("LLMCTL_CACHE_DIR", raising=False)
     try:  # what `make setup` does (a cached build returns at once)

@@ -18,12 +18,12 @@ from gguf_files import (
     write_gguf,
 )
 
-from llmctl.engine.hf_config_view import HFConfigView
+from llmctl.engine.config.hf_config_view import HFConfigView
+from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.layers.rotary_embedding import rope_parameters
 from llmctl.engine.model_loader.default_model import default_model_path
 from llmctl.engine.model_loader.gguf import ensure_converted
 from llmctl.engine.model_loader.source import CONFIG_VIEW_FILE
-from llmctl.engine.model_shape import ModelShape
 
 
 @pytest.fixture(scope="module")

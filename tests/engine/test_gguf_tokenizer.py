@@ -19,10 +19,10 @@ from gguf_files import (
     write_gguf,
 )
 
-from llmctl.engine.light_tokenizer import LightTokenizer
 from llmctl.engine.model_loader.default_model import default_model_path
 from llmctl.engine.model_loader.gguf import ensure_converted
-from llmctl.engine.tokenizer import get_tokenizer
+from llmctl.engine.tokenizer.light_tokenizer import LightTokenizer
+from llmctl.engine.tokenizer.tokenizer import get_tokenizer
 
 
 @pytest.fixture(scope="module")

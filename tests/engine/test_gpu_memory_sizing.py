@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llmctl.engine.config import (
+from llmctl.engine.config.engine_config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -18,9 +18,9 @@ from llmctl.engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from llmctl.engine.config.memory_profile import GIB
+from llmctl.engine.core.llm_engine import LLMEngine
 from llmctl.engine.errors import DeviceMemoryError
-from llmctl.engine.llm_engine import LLMEngine
-from llmctl.engine.memory_profile import GIB
 from llmctl.engine.worker.worker import Worker
 
 BLOCK_BYTES = 2 << 20

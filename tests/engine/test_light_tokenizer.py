@@ -13,9 +13,9 @@ import time
 import pytest
 from transformers import AutoConfig
 
-from llmctl.engine.hf_config_view import HFConfigView
-from llmctl.engine.light_tokenizer import LightTokenizer
-from llmctl.engine.tokenizer import get_tokenizer
+from llmctl.engine.config.hf_config_view import HFConfigView
+from llmctl.engine.tokenizer.light_tokenizer import LightTokenizer
+from llmctl.engine.tokenizer.tokenizer import get_tokenizer
 
 TEXTS = [
     "Hello world!",

@@ -281,7 +281,7 @@ def test_doctor_all_reduce_across_two_nodes():
 )
 def test_node_0_refuses_a_node_of_another_layout_or_its_own_rank(theirs, message):
     """Node 0's listener and a node's handshake over real sockets (no engine, no workers)."""
-    from llmctl.engine.config import ParallelConfig
+    from llmctl.engine.config.engine_config import ParallelConfig
     from llmctl.engine.distributed.rendezvous import PROTOCOL, NodeListener
     from llmctl.engine.executor.node_agent import connect_to_master
 

@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from llmctl.engine.layers import paged_attention_cpu as pa
+from llmctl.engine.kernels.cpu import paged_attention_cpu as pa
 from llmctl.engine.platform import cpu_flags
 
 BLOCK_SIZE = 16
@@ -209,7 +209,7 @@ def test_other_instruction_sets(march, extra_cflags):
 
 def test_build_command_compiles_ahead_of_the_first_start(kernel, capsys):
     """`make setup` runs this so that the first engine start finds the kernel built."""
-    from llmctl.engine.layers.paged_attention_cpu import main
+    from llmctl.engine.kernels.cpu.paged_attention_cpu import main
 
     assert main(["--build"]) == 0
     assert "CPU paged attention kernel ready in" in capsys.readouterr().out

@@ -284,7 +284,7 @@ while True:
 
 
 def test_layer_partition_from_the_environment(tiny_models, monkeypatch):
-    from llmctl.engine.engine_args import EngineArgs
+    from llmctl.engine.config.engine_args import EngineArgs
 
     monkeypatch.setenv("LLMCTL_PP_LAYER_PARTITION", "1,3")
     args = EngineArgs(model=str(tiny_models.path("llama")), pipeline_parallel_size=2)

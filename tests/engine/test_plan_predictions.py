@@ -15,8 +15,8 @@ from llmctl.cluster.plan.catalog import CATALOG
 from llmctl.cluster.plan.model_spec import ModelSpec, load_model_spec
 from llmctl.cluster.plan.planner import PlanOptions, make_plan
 from llmctl.engine import LLM
-from llmctl.engine.config import parse_layer_partition
-from llmctl.engine.model_shape import ModelShape
+from llmctl.engine.config.engine_config import parse_layer_partition
+from llmctl.engine.config.model_shape import ModelShape
 
 
 def _hf_config(spec: ModelSpec):

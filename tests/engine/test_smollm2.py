@@ -129,7 +129,7 @@ def test_a_rank_on_another_node_reads_the_gguf_there(tmp_path, monkeypatch):
     names again and reads the weights from the GGUF file itself."""
     import dataclasses
 
-    from llmctl.engine.engine_args import EngineArgs
+    from llmctl.engine.config.engine_args import EngineArgs
     from llmctl.engine.model_loader.loader import local_gguf_path
 
     gguf = str(default_model_path())
@@ -151,7 +151,7 @@ def test_the_bundled_gguf_runs_float32_activations_on_a_bfloat16_cpu(monkeypatch
     weights run in kernels that take float32 activations: the engine keeps float32 for them (and
     bfloat16 when the file is dequantized to float)."""
     from llmctl.engine import platform
-    from llmctl.engine.engine_args import EngineArgs
+    from llmctl.engine.config.engine_args import EngineArgs
 
     monkeypatch.setattr(platform, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
     gguf = str(default_model_path())

@@ -11,8 +11,8 @@ import sys
 import pytest
 from support import tiny_configs
 
-from llmctl.engine.engine_args import EngineArgs
-from llmctl.engine.hf_config_view import HFConfigView, for_workers
+from llmctl.engine.config.engine_args import EngineArgs
+from llmctl.engine.config.hf_config_view import HFConfigView, for_workers
 
 
 def _attribute_names(config) -> set[str]:

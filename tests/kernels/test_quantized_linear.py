@@ -18,8 +18,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from llmctl.engine.errors import ModelLoadError
-from llmctl.engine.layers import triton_ops
-from llmctl.engine.layers.quantization import gguf_quants, kernels, triton_group_mm
+from llmctl.engine.kernels.cpu import quantized_matmul as kernels
+from llmctl.engine.kernels.triton import triton_group_mm, triton_ops
+from llmctl.engine.layers.quantization import gguf_quants
 from llmctl.engine.layers.quantization.rtn import quantize_rtn
 
 T = GGMLQuantizationType

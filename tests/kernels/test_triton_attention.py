@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmctl.engine.layers import triton_attention
-from llmctl.engine.layers.triton_attention import (
+from llmctl.engine.kernels.triton import triton_attention
+from llmctl.engine.kernels.triton.triton_attention import (
     paged_decode_attention,
     prefill_attention,
     reshape_and_cache,

@@ -31,7 +31,7 @@ def _configs() -> dict[str, tuple[str, dict, dict, dict]]:
     tiles as group_mm picks them (fused_tiles) for 1 and 64 rows of x."""
     import torch
 
-    from llmctl.engine.layers.quantization.triton_group_mm import fused_tiles
+    from llmctl.engine.kernels.triton.triton_group_mm import fused_tiles
 
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     configs = {}
@@ -72,7 +72,7 @@ def _build_all() -> dict[str, dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from llmctl.engine.layers.quantization import triton_group_mm
+    from llmctl.engine.kernels.triton import triton_group_mm
 
     results = {}
     for name, (kernel_name, pointers, constexprs, options) in CONFIGS.items():

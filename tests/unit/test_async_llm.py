@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from llmctl.engine.async_llm import AsyncLLM
+from llmctl.engine.client.async_llm import AsyncLLM
+from llmctl.engine.core.llm_engine import EngineStats
 from llmctl.engine.errors import EngineDeadError, InvalidRequestError
-from llmctl.engine.llm_engine import EngineStats
 from llmctl.engine.outputs import CompletionOutput, RequestOutput
 from llmctl.engine.sampling_params import SamplingParams
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmctl.engine.config import ParallelConfig
+from llmctl.engine.config.engine_config import ParallelConfig
 from llmctl.engine.errors import ConfigError
 from llmctl.engine.executor.base import choose_backend, local_device_count
 

@@ -3,9 +3,9 @@ batch's output the step applies."""
 
 from dataclasses import dataclass, field
 
-from llmctl.engine.batch_queue import BatchQueue
+from llmctl.engine.core.batch_queue import BatchQueue
+from llmctl.engine.core.model_runner_output import ModelRunnerOutput
 from llmctl.engine.executor.base import Done
-from llmctl.engine.model_runner_output import ModelRunnerOutput
 
 
 @dataclass

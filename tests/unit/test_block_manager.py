@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from llmctl.engine.block_manager import BlockManager
-from llmctl.engine.request import Request
+from llmctl.engine.core.block_manager import BlockManager
+from llmctl.engine.core.request import Request
 from llmctl.engine.sampling_params import SamplingParams
 
 

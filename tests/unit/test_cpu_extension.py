@@ -1,4 +1,4 @@
-"""Which compiler flags and build name a CPU kernel gets (engine/layers/cpu_extension.py)."""
+"""Which compiler flags and build name a CPU kernel gets (engine/kernels/cpu/cpu_extension.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from llmctl.engine.layers.cpu_extension import build_spec
+from llmctl.engine.kernels.cpu.cpu_extension import build_spec
 
-SOURCE = Path(__file__).resolve().parents[2] / "engine" / "layers" / "fused_decode_cpu.cpp"
+SOURCE = Path(__file__).resolve().parents[2] / "engine" / "kernels" / "cpu" / "fused_decode_cpu.cpp"
 
 
 def test_native_unless_another_target_is_named(monkeypatch):

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from llmctl.engine.async_llm import AsyncLLM
-from llmctl.engine.dp_async_llm import DPAsyncLLM
+from llmctl.engine.client.async_llm import AsyncLLM
+from llmctl.engine.core.llm_engine import EngineStats
+from llmctl.engine.dp.dp_async_llm import DPAsyncLLM
 from llmctl.engine.errors import EngineDeadError, EngineRestartingError
-from llmctl.engine.llm_engine import EngineStats
 from llmctl.engine.outputs import CompletionOutput, RequestOutput
 from llmctl.engine.sampling_params import SamplingParams
 

@@ -1,4 +1,4 @@
-"""DPLockstep (engine/dp_lockstep.py) with real threads: every replica steps when one has work,
+"""DPLockstep (engine/dp/lockstep.py) with real threads: every replica steps when one has work,
 none when none has; an idle replica is woken when another gets work; a failure releases the
 waiting replicas with an error naming the replica that failed and aborts the others; the rank
 mesh of replicas sharing one world."""
@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from llmctl.engine.distributed import ranks
-from llmctl.engine.dp_lockstep import DPLockstep
+from llmctl.engine.dp.lockstep import DPLockstep
 from llmctl.engine.errors import EngineDeadError
 
 

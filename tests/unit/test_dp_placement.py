@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmctl.engine.dp_placement import DEFAULT_RPC_PORT, DPPlacement
-from llmctl.engine.engine_args import EngineArgs
+from llmctl.engine.config.engine_args import EngineArgs
+from llmctl.engine.dp.placement import DEFAULT_RPC_PORT, DPPlacement
 from llmctl.engine.errors import ConfigError
 
 HEAD = "10.0.0.1"

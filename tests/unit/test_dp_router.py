@@ -3,7 +3,7 @@ replicas."""
 
 import pytest
 
-from llmctl.engine.dp_router import DPRouter
+from llmctl.engine.dp.router import DPRouter
 from llmctl.engine.errors import EngineDeadError
 
 BS = 4

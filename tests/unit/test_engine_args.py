@@ -9,14 +9,14 @@ import pytest
 
 from llmctl.cluster.launch.head_server import Layout, serve_argv
 from llmctl.cluster.plan.planner import PlanOptions
-from llmctl.engine.engine_args import (
+from llmctl.engine.config.engine_args import (
     EngineArgs,
     cli_options,
     engine_args_to_argv,
     engine_default,
     option,
 )
-from llmctl.engine.memory_profile import DEFAULT_CPU_KV_CACHE_SPACE_GIB
+from llmctl.engine.config.memory_profile import DEFAULT_CPU_KV_CACHE_SPACE_GIB
 
 
 def test_options_per_command():
@@ -29,7 +29,7 @@ def test_options_per_command():
         "stall_timeout",
         "restart_on_failure",
         "max_restarts",
-        # vLLM's multi-node data-parallel flags (engine/dp_placement.py)
+        # vLLM's multi-node data-parallel flags (engine/dp/placement.py)
         "data_parallel_size_local",
         "data_parallel_start_rank",
         "data_parallel_address",

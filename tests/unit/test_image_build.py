@@ -58,7 +58,7 @@ def test_cpu_image_compiles_the_cpu_kernels_and_cuda_does_not(tmp_path):
     # The offline base carries the compiler; the Dockerfile installs it on the slim one.
     assert "g++" in image.debootstrap_argv(tmp_path, "http://mirror")[2].split("=")[1].split(",")
     dockerfile = (source_root() / "templates" / "Dockerfile").read_text()
-    assert "python -m llmctl.engine.layers.cpu_kernels" in dockerfile  # all of them
+    assert "python -m llmctl.engine.kernels.cpu.cpu_kernels" in dockerfile  # all of them
 
 
 def test_llmctl_wheel_goes_to_its_own_layer(tmp_path):

@@ -29,8 +29,8 @@ from llmctl.cluster.plan.manifests import (
 )
 from llmctl.cluster.plan.model_spec import load_model_spec
 from llmctl.cluster.plan.planner import PlanOptions, make_plan
+from llmctl.engine.entrypoints.ray_serve_app import split_args
 from llmctl.engine.errors import ConfigError
-from llmctl.engine.server.ray_serve_app import split_args
 
 LAYOUTS = {
     # name: (model, nodes, plan options, (tp, pp, nodes, GPUs per pod))
@@ -194,7 +194,7 @@ def test_ray_service_carries_the_plan(layout):
     assert service["metadata"]["annotations"] == {"ray.io/overwrite-container-cmd": "true"}
     config, app, deployment = serve_app(service)
     assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
-    assert app["import_path"] == "llmctl.engine.server.ray_serve_app:build_app"
+    assert app["import_path"] == "llmctl.engine.entrypoints.ray_serve_app:build_app"
     assert app["route_prefix"] == "/"
     # The application's args: the plan's engine options, as the replica's EngineArgs take them.
     args = app["args"]

@@ -7,8 +7,7 @@ import pytest
 from llmctl.cluster.inventory import inventory_from_flags
 from llmctl.cluster.plan.catalog import CATALOG
 from llmctl.cluster.plan.planner import PlanOptions, make_plan
-from llmctl.engine.errors import ConfigError, DeviceMemoryError
-from llmctl.engine.memory_profile import (
+from llmctl.engine.config.memory_profile import (
     CUDA_CONTEXT_BYTES,
     GIB,
     NCCL_BYTES,
@@ -19,6 +18,7 @@ from llmctl.engine.memory_profile import (
     num_gpu_blocks,
     profile_request_lengths,
 )
+from llmctl.engine.errors import ConfigError, DeviceMemoryError
 
 H100 = MemoryProfile(
     total_bytes=80 * GIB, weight_bytes=16 * GIB, peak_torch_bytes=18 * GIB, non_torch_bytes=GIB

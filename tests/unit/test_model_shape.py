@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 
 from llmctl.cluster.plan.catalog import CATALOG
-from llmctl.engine.config import check_layout
+from llmctl.engine.config.engine_config import check_layout
+from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.errors import ConfigError
-from llmctl.engine.model_shape import ModelShape
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"],

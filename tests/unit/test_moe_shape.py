@@ -8,9 +8,9 @@ import pytest
 from llmctl.cluster.inventory import inventory_from_flags
 from llmctl.cluster.plan.catalog import CATALOG
 from llmctl.cluster.plan.planner import PlanOptions, make_plan
+from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.distributed.partition import describe_expert_placement, expert_shards
 from llmctl.engine.errors import ConfigError
-from llmctl.engine.model_shape import ModelShape
 
 COMMON = {
     "hidden_size": 64,

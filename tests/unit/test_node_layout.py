@@ -7,8 +7,8 @@ import pytest
 from typer.testing import CliRunner
 
 from llmctl.cli.main import app
+from llmctl.engine.config.engine_args import EngineArgs
 from llmctl.engine.distributed.ranks import node_of, node_ranks
-from llmctl.engine.engine_args import EngineArgs
 from llmctl.engine.errors import ConfigError
 
 NODE = {"nnodes": 2, "master_addr": "10.0.0.1"}

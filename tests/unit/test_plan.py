@@ -246,7 +246,7 @@ def test_asked_quantization_that_does_not_fit_proposes_the_smaller_one():
 def _gguf_spec(type_name: str, down: str = "Q4_1") -> ModelSpec:
     """SmolLM2 as a GGUF of `type_name` linears and `down` down_proj (what load_model_spec reads
     from a file)."""
-    from llmctl.engine.weight_format import dense_format, gguf_weight_formats
+    from llmctl.cluster.plan.weight_format import dense_format, gguf_weight_formats
 
     shape = CATALOG["SmolLM2-135M-Instruct"].shape
     names = [f"blk.{i}.{t}.weight" for i in range(shape.num_layers)

@@ -1,5 +1,5 @@
-"""llmctl's Ray Serve application (engine/server/ray_serve_app.py) as Ray Serve builds it from a
-config's `args:`, without a Ray cluster: the deployment's resources for the layout, the args
+"""llmctl's Ray Serve application (engine/entrypoints/ray_serve_app.py) as Ray Serve builds it
+from a config's `args:`, without a Ray cluster: the deployment's resources for the layout, the args
 typed as `serve run key=value` gives them, and typed errors before any replica starts. (Serving
 through Ray Serve: tests/e2e/test_ray_serve_app.py.)"""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from llmctl.engine.entrypoints.ray_serve_app import build_app, deployment_options, split_args
 from llmctl.engine.errors import ConfigError
-from llmctl.engine.server.ray_serve_app import build_app, deployment_options, split_args
 
 
 def deployment(app):
@@ -20,7 +20,7 @@ def deployment(app):
 
 # fmt: off
 def test_build_app_gives_the_layouts_resources_and_typed_args():
-    # As `serve run llmctl.engine.server.ray_serve_app:build_app model=/m ...` passes them.
+    # As `serve run llmctl.engine.entrypoints.ray_serve_app:build_app model=/m ...` passes them.
     app = build_app({"model": "/m", "tensor_parallel_size": "2", "pipeline_parallel_size": "2",
                      "device": "cpu", "enforce_eager": "true", "kv_cache_space_gib": "0.5"})
     d = deployment(app)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from llmctl.engine.config import CacheConfig, SchedulerConfig
-from llmctl.engine.model_runner_output import ModelRunnerOutput
-from llmctl.engine.request import Request, RequestStatus
+from llmctl.engine.config.engine_config import CacheConfig, SchedulerConfig
+from llmctl.engine.core.model_runner_output import ModelRunnerOutput
+from llmctl.engine.core.request import Request, RequestStatus
+from llmctl.engine.core.scheduler import Scheduler
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.engine.scheduler import Scheduler
 
 EOS = 2
 

@@ -15,20 +15,11 @@ import time
 
 import pytest
 
-from llmctl.engine.async_llm import AsyncLLM
-from llmctl.engine.config import ParallelConfig
-from llmctl.engine.engine_args import EngineArgs
-from llmctl.engine.errors import (
-    ConfigError,
-    EngineDeadError,
-    EngineRestartingError,
-    EngineStalledError,
-)
-from llmctl.engine.llm_engine import EngineStats
-from llmctl.engine.outputs import CompletionOutput, RequestOutput
-from llmctl.engine.sampling_params import SamplingParams
-from llmctl.engine.server.metrics import ServerMetrics
-from llmctl.engine.stall_monitor import (
+from llmctl.engine.client.async_llm import AsyncLLM
+from llmctl.engine.config.engine_args import EngineArgs
+from llmctl.engine.config.engine_config import ParallelConfig
+from llmctl.engine.core.llm_engine import EngineStats
+from llmctl.engine.core.stall_monitor import (
     StalledRanks,
     StallMonitor,
     describe_stall,
@@ -36,6 +27,15 @@ from llmctl.engine.stall_monitor import (
     process_state,
     restart_delay,
 )
+from llmctl.engine.entrypoints.openai.metrics import ServerMetrics
+from llmctl.engine.errors import (
+    ConfigError,
+    EngineDeadError,
+    EngineRestartingError,
+    EngineStalledError,
+)
+from llmctl.engine.outputs import CompletionOutput, RequestOutput
+from llmctl.engine.sampling_params import SamplingParams
 
 
 class FakeClock:

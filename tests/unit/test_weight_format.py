@@ -9,6 +9,12 @@ import pytest
 
 from llmctl.cluster.plan.catalog import CATALOG
 from llmctl.cluster.plan.model_spec import spec_from_gguf
+from llmctl.cluster.plan.weight_format import (
+    QUANTIZATION_SCHEMES,
+    WeightFormats,
+    dense_format,
+    quantization_format,
+)
 from llmctl.engine.distributed.partition import layer_partition, valid_tp_sizes
 from llmctl.engine.errors import ConfigError
 from llmctl.engine.layers.quantization.gguf_quants import (
@@ -18,12 +24,6 @@ from llmctl.engine.layers.quantization.gguf_quants import (
 )
 from llmctl.engine.model_loader.default_model import default_model_path
 from llmctl.engine.model_loader.gguf_file import read_gguf_tensors
-from llmctl.engine.weight_format import (
-    QUANTIZATION_SCHEMES,
-    WeightFormats,
-    dense_format,
-    quantization_format,
-)
 
 BF16 = dense_format("bfloat16", 2)
 

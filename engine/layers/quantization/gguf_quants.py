@@ -28,7 +28,7 @@ import numpy as np
 from llmctl.engine.errors import ModelLoadError
 
 if TYPE_CHECKING:
-    from llmctl.engine.layers.quantization.kernels import PackedLinearWeight
+    from llmctl.engine.kernels.cpu.quantized_matmul import PackedLinearWeight
 
 QK_K = 256
 
@@ -141,7 +141,7 @@ def pack_gguf(
     """
     import torch
 
-    from llmctl.engine.layers.quantization.kernels import PackedLinearWeight, pack_groups
+    from llmctl.engine.kernels.cpu.quantized_matmul import PackedLinearWeight, pack_groups
 
     type_name, block, type_size = _format(ggml_type, name)
     blocks = np.asarray(raw).reshape(-1).view(np.uint8)

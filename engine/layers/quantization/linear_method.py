@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from llmctl.engine.errors import ConfigError, ModelLoadError
-from llmctl.engine.layers.quantization.kernels import PackedLinearWeight, pack_groups
+from llmctl.engine.kernels.cpu.quantized_matmul import PackedLinearWeight, pack_groups
 from llmctl.engine.layers.quantization.quant_config import QuantizationConfig
 
 _current: QuantizationConfig | None = None

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.errors import ConfigError, UnsupportedQuantizationError
-from llmctl.engine.model_shape import ModelShape
 
 QUANTIZATION_METHODS = ("int8", "int4")  # what --quantization accepts
 RTN_GROUP_SIZE = 32  # weights per scale for --quantization int8 / int4

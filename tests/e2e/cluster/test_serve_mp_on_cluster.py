@@ -34,7 +34,7 @@ from test_serve_on_cluster import (
 )
 
 from llmctl.engine import LLM, SamplingParams
-from llmctl.engine.layers.cpu_kernels import KERNELS
+from llmctl.engine.kernels.cpu.cpu_kernels import KERNELS
 from llmctl.engine.model_loader.default_model import default_model_path
 
 IMAGE = "llmctl:e2e" + testbed_image.NO_RAY_SUFFIX
@@ -97,7 +97,8 @@ def test_pipeline_stages_on_two_nodes_without_ray(
         # The image's CPU kernels, built with it for this CPU: the engine in the container runs
         # them (without them it fell back to plain torch, ~10x slower decode).
         kernels = llmctl(cli_env, "cluster", "exec", worker.ip, "-i", str(inv), "--",
-                         "python3", "-m", "llmctl.engine.layers.cpu_kernels").stdout  # fmt: skip
+                         "python3", "-m", "llmctl.engine.kernels.cpu.cpu_kernels"
+                         ).stdout  # fmt: skip
         assert re.findall(r"CPU ([\w ]+) kernel: ready", kernels) == list(KERNELS), kernels
         # The doctor without Ray: each container's facts, the all-reduce over the rendezvous.
         doctor = llmctl(cli_env, "doctor", "-i", str(inv), "--timeout", "60", "--json")

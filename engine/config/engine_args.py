@@ -1,0 +1,616 @@
+"""EngineArgs: everything a user may set, each option declared once, with its command line.
+
+A field that is a command-line option carries an `OptionSpec` in its metadata (help, panel, vLLM
+aliases such as -tp, bool style, the commands it belongs to), as vLLM's EngineArgs carries its
+argparse options. Everything else is derived from these declarations: the options of `generate`
+and `serve` (cli/engine_options.py), the options `plan` shares with the engine, and the argv that
+gives EngineArgs keywords back to `llmctl serve` (`engine_args_to_argv`, used by the head server).
+Adding an option is adding a field. `create_engine_config()` resolves the fields into the frozen
+per-layer configs of engine/config/engine_config.py. Torch-free: `llmctl --help` and `llmctl plan`
+import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmctl.engine.config.engine_config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEVICES,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    check_layout,
+    checkpoint_dtype,
+    normalize_dtype,
+    parse_layer_partition,
+    resolve_max_model_len,
+    resolve_max_num_batched_tokens,
+)
+from llmctl.engine.config.memory_profile import DEFAULT_CPU_KV_CACHE_SPACE_GIB
+from llmctl.engine.config.model_shape import ModelShape
+from llmctl.engine.errors import ConfigError
+from llmctl.engine.layers.quantization.quant_config import (
+    QUANTIZATION_METHODS,
+    RTN_GROUP_SIZE,
+    QuantizationConfig,
+    check_group_split,
+    resolve_quantization,
+)
+
+logger = logging.getLogger("llmctl")
+
+# Help panels, and the commands an option can belong to.
+ENGINE = "Engine"
+PARALLEL = "Parallelism"
+SERVER = "Server"
+GENERATE, SERVE, PLAN = "generate", "serve", "plan"
+ENGINE_COMMANDS = (GENERATE, SERVE)  # the commands that start an engine
+PLANNER = (GENERATE, SERVE, PLAN)  # ... and `plan`, whose prediction depends on the option
+
+_OPTION = "llmctl.option"  # the metadata key of a field's OptionSpec
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """How an EngineArgs field appears on the command line, as --field-name (underscores become
+    dashes). A field without one is a keyword of LLM(...) only."""
+
+    help: str
+    panel: str | None = ENGINE  # the --help panel; None: the command's plain Options
+    aliases: tuple[str, ...] = ()  # vLLM's short names, e.g. ("-tp",)
+    negatable: bool = True  # a bool: --x/--no-x; False: --x alone, which sets True
+    # Help's "(default: ...)": None derives it from the field's default ("enabled" for a true
+    # bool, nothing for a false one); "" prints none.
+    default_help: str | None = None
+    # Give the command the field's default (Typer prints "[default: X]" and the value is always
+    # passed) instead of None, which leaves the engine's default.
+    show_default: bool = False
+    value_type: type | None = None  # the value's type on the command line, when the field's
+    # type is a union of several (pipeline_layer_partition: a str such as "10,11,9")
+    commands: tuple[str, ...] = ENGINE_COMMANDS
+
+
+def option(help: str, *, default: Any, **spec: Any) -> Any:
+    """A field that is a command-line option: `block_size: int = option("...", default=16)`."""
+    return field(default=default, metadata={_OPTION: OptionSpec(help, **spec)})
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user may set, as LLM(...) keywords and CLI flags name it.
+
+    Defaults are the per-layer configs' (as vLLM's EngineArgs takes them). The order of the
+    option fields is their order in --help."""
+
+    model: str | None = None
+    served_model_name: str | None = option(
+        "The model name clients send.",
+        default=None,
+        default_help="the model's name",
+        panel=SERVER,
+        commands=(SERVE,),
+    )
+    dtype: str = option(
+        "auto, float32, bfloat16 or float16 (auto: bfloat16 on a CPU with native bfloat16, "
+        "float32 on other CPUs and for quantized weights; on CUDA the checkpoint's, float16 for "
+        "float32 checkpoints).",
+        default="auto",
+        show_default=True,
+        commands=PLANNER,
+    )
+    max_model_len: int | None = option(
+        "Longest prompt + completion, in tokens.",
+        default=None,
+        default_help="the model's",
+        commands=PLANNER,
+    )
+    kv_cache_space_gib: float | None = option(
+        "CPU: memory for the KV cache, in GiB.",
+        default=None,
+        default_help=f"{DEFAULT_CPU_KV_CACHE_SPACE_GIB:g}",
+        commands=PLANNER,
+    )
+    gpu_memory_utilization: float = option(
+        "CUDA: fraction of each GPU's memory the engine may use (weights, activations, KV cache: "
+        "the KV cache gets what the others leave).",
+        default=CacheConfig.gpu_memory_utilization,
+        commands=PLANNER,
+    )
+    device: str = option(
+        "auto, cuda or cpu.",
+        default="auto",
+        default_help="auto: cuda when torch sees a GPU, else cpu",
+        commands=PLANNER,
+    )
+    quantization: str | None = option(
+        "Weight-only quantization of a float checkpoint: int8 or int4 (per-group of "
+        f"{RTN_GROUP_SIZE} weights, round-to-nearest; activations stay float). A quantized GGUF "
+        "file runs in its own format without it.",
+        default=None,
+        default_help="none; a GGUF file's own",
+        commands=PLANNER,
+    )
+    enforce_eager: bool = option(
+        "CUDA: run every step eagerly, without CUDA graphs (slower decode, less memory, no capture "
+        "at start-up). The CPU always runs eagerly.",
+        default=ModelConfig.enforce_eager,
+        negatable=False,
+    )
+    block_size: int = option(
+        "Tokens per KV cache block.", default=CacheConfig.block_size, commands=PLANNER
+    )
+    max_num_seqs: int = option(
+        "Most requests per step.", default=SchedulerConfig.max_num_seqs, commands=PLANNER
+    )
+    max_num_batched_tokens: int | None = option(
+        "Most tokens per step (longer prompts prefill in chunks).",
+        default=None,
+        default_help=f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, or --max-num-seqs if larger",
+        commands=PLANNER,
+    )
+    enable_prefix_caching: bool = option(
+        "Reuse the KV cache of shared prompt prefixes.", default=CacheConfig.enable_prefix_caching
+    )
+    tokenizer: str | None = option(
+        "Directory to load the tokenizer from.", default=None, default_help="MODEL's directory"
+    )
+    skip_tokenizer_init: bool = option(
+        "Load no tokenizer (the model directory needs no tokenizer files): prompts must be token "
+        "ids, outputs carry token ids and no text, stop strings and chat are refused.",
+        default=ModelConfig.skip_tokenizer_init,
+        negatable=False,
+        commands=(SERVE,),
+    )
+    stall_timeout: float = option(
+        "Seconds the engine may have requests without completing a step (a deadlocked or "
+        "stopped rank): then /health turns 503 naming the ranks, the requests in flight get "
+        "errors and the workers are stopped. 0: never.",
+        default=30.0,
+        panel=SERVER,
+        commands=(SERVE,),
+    )
+    restart_on_failure: bool = option(
+        "When a worker dies or the engine stalls, stop every worker and start the engine again "
+        "in this server (the requests in flight get errors), after 1, 2, 4, ... s.",
+        default=False,
+        panel=SERVER,
+        commands=(SERVE,),
+    )
+    max_restarts: int = option(
+        "Most engine restarts in the server's life with --restart-on-failure.",
+        default=3,
+        panel=SERVER,
+        commands=(SERVE,),
+    )
+    tensor_parallel_size: int = option(
+        "Ranks that split each layer (Megatron-LM tensor parallelism).",
+        default=ParallelConfig.tensor_parallel_size,
+        aliases=("-tp",),
+        panel=PARALLEL,
+        commands=PLANNER,
+    )
+    pipeline_parallel_size: int = option(
+        "Pipeline stages that split the layers.",
+        default=ParallelConfig.pipeline_parallel_size,
+        aliases=("-pp",),
+        panel=PARALLEL,
+        commands=PLANNER,
+    )
+    distributed_executor_backend: str | None = option(
+        "uni, mp or ray.",
+        default=None,  # executor/base.py: choose_backend
+        default_help="mp when this node has a device per rank, else ray; on the CPU, devices are "
+        "LLMCTL_CPU_DEVICES or the cores",
+        panel=PARALLEL,
+    )
+    pipeline_layer_partition: str | tuple[int, ...] | None = option(
+        'Layers per pipeline stage, e.g. "10,11,9".',
+        default=None,
+        default_help="equal shares, the remainder before the last stage",
+        value_type=str,
+        panel=PARALLEL,
+        commands=PLANNER,
+    )
+    enable_expert_parallel: bool = option(
+        "Mixture-of-experts models: each rank of the tensor-parallel group holds whole experts "
+        "(dealt out contiguously) instead of a slice of every expert; with "
+        "--data-parallel-size, every replica's ranks share them (EP size = DP x TP).",
+        default=ParallelConfig.enable_expert_parallel,
+        negatable=False,
+        panel=PARALLEL,
+        commands=PLANNER,
+    )
+    nnodes: int = option(
+        "Nodes the ranks span, on the mp backend without Ray: node r runs global ranks "
+        "r*k..r*k+k-1 (k = tp*pp/nnodes, whole pipeline stages); start node 0 (the API) and "
+        "the others with --headless.",
+        default=ParallelConfig.nnodes,
+        panel=PARALLEL,
+    )
+    node_rank: int = option(
+        "This node's rank, 0 to --nnodes - 1.", default=ParallelConfig.node_rank, panel=PARALLEL
+    )
+    master_addr: str | None = option(
+        "Node 0's address, which every node reaches: torch.distributed's rendezvous at "
+        "--master-port, the executor's at --master-port + 1.",
+        default=None,
+        default_help="required with --nnodes > 1",
+        panel=PARALLEL,
+    )
+    master_port: int = option(
+        "Node 0's rendezvous port (and the port after it).",
+        default=ParallelConfig.master_port,
+        panel=PARALLEL,
+    )
+    rendezvous_timeout: float = option(
+        "Seconds the nodes wait for each other to join (and a data-parallel head for a joined "
+        "replica's engine to be built).",
+        default=ParallelConfig.rendezvous_timeout,
+        panel=PARALLEL,
+    )
+    data_parallel_size: int = option(
+        "Engine replicas, each of tp x pp ranks with its own workers and KV cache; requests go "
+        "to the least busy replica, or to the one that cached their prefix.",
+        default=ParallelConfig.data_parallel_size,
+        aliases=("-dp",),
+        panel=PARALLEL,
+        commands=PLANNER,
+    )
+    # vLLM's multi-node data parallel (engine/dp/placement.py): whole replicas on several
+    # nodes, driven by the head's router (engine/dp/join_server.py).
+    data_parallel_size_local: int | None = option(
+        "Multi-node data parallel: replicas on this node (the head runs replicas 0 to L-1; 0: "
+        "the API server alone); the other nodes run the rest with --headless.",
+        default=None,
+        default_help="--data-parallel-size",
+        panel=PARALLEL,
+        commands=(SERVE,),
+    )
+    data_parallel_start_rank: int | None = option(
+        "Multi-node data parallel, on a --headless node: the rank of its first replica.",
+        default=None,
+        default_help="0",
+        panel=PARALLEL,
+        commands=(SERVE,),
+    )
+    data_parallel_address: str | None = option(
+        "Multi-node data parallel: the head node's address, which every node reaches.",
+        default=None,
+        default_help="required with replicas on other nodes",
+        panel=PARALLEL,
+        commands=(SERVE,),
+    )
+    data_parallel_rpc_port: int | None = option(
+        "Multi-node data parallel: the head's port where replicas of other nodes join.",
+        default=None,
+        default_help="29550",
+        panel=PARALLEL,
+        commands=(SERVE,),
+    )
+    headless: bool = option(
+        "Run this node's ranks, no API server: every node but node 0. Runs until node 0 ends "
+        "the group. With --data-parallel-address: run this node's replicas for the head.",
+        default=False,
+        negatable=False,
+        panel=PARALLEL,
+        commands=(SERVE,),
+    )
+    seed: int = ModelConfig.seed
+    # LLM(...) only: load a quantized GGUF dequantized to float (the reference the native path is
+    # compared with).
+    gguf_dequantize: bool = False
+    num_gpu_blocks_override: int | None = None
+    max_concurrent_batches: int | None = None  # default: pipeline_parallel_size
+
+    def __post_init__(self) -> None:
+        # Checks that need no file and no torch, so a typo fails before anything loads.
+        normalize_dtype(self.dtype)
+        if self.device not in DEVICES:
+            raise ConfigError(f"unknown device {self.device!r}", "use --device auto, cpu or cuda")
+        CacheConfig(
+            block_size=self.block_size,
+            kv_cache_space_gib=self.kv_cache_space_gib,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+        )
+        SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or self.max_num_seqs,
+        )
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}",
+                "allow a positive token budget per step",
+            )
+        parallel = self.create_parallel_config()
+        placement = self.data_parallel_placement()  # typed errors for the multi-node DP flags
+        if parallel.expert_parallel_across_dp:
+            from llmctl.engine.dp.lockstep import check_engine_args
+
+            check_engine_args(self, placement)
+        if self.headless and self.node_rank == 0 and not placement.headless:
+            raise ConfigError(
+                "--headless runs no API server, but node rank 0 serves it",
+                "drop --headless on node 0; give the other nodes --node-rank 1 to "
+                f"{max(1, self.nnodes - 1)}",
+            )
+        if self.node_rank > 0 and not self.headless:
+            raise ConfigError(
+                f"node rank {self.node_rank} runs ranks for node 0, which serves the API",
+                "add --headless (llmctl serve ... --headless) on every node but node 0",
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(
+                f"max_model_len must be at least 1, got {self.max_model_len}",
+                "pass a positive --max-model-len",
+            )
+        if not 0 <= self.stall_timeout < float("inf"):
+            raise ConfigError(
+                f"stall_timeout must be a non-negative number of seconds, got {self.stall_timeout}",
+                "pass --stall-timeout 30 (0: never declare the engine stalled)",
+            )
+        if self.max_restarts < 0:
+            raise ConfigError(
+                f"max_restarts must be non-negative, got {self.max_restarts}",
+                "pass --max-restarts 3 (0: never restart)",
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError(
+                f"unknown quantization {self.quantization!r}",
+                f"use --quantization {' or '.join(QUANTIZATION_METHODS)}, or leave it out",
+            )
+
+    def create_engine_config(self, progress=None) -> EngineConfig:
+        from llmctl.engine import platform
+        from llmctl.engine.model_loader.source import resolve_model
+        from llmctl.engine.models.registry import check_architecture
+
+        if self.headless and not self.data_parallel_placement().headless:
+            raise ConfigError(
+                "headless=True starts no engine: it runs a node's ranks for node 0's engine",
+                "on nodes 1 to N-1 run `llmctl serve ... --node-rank R --headless`; drop "
+                "headless here",
+            )
+        dtype = normalize_dtype(self.dtype)
+        device = platform.resolve_device(self.device)
+        device_config = DeviceConfig(device=device)
+        source = resolve_model(self.model, progress)
+        hf_config = source.load_hf_config()
+        architecture = source.architecture(hf_config)
+        check_architecture(architecture)
+        shape = ModelShape.from_hf_config(hf_config, architecture)
+        layer_partition = parse_layer_partition(
+            self.pipeline_layer_partition or os.environ.get("LLMCTL_PP_LAYER_PARTITION")
+        )
+        check_layout(
+            shape,
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            layer_partition,
+            self.enable_expert_parallel,
+        )
+        quantization = self._quantization(source.gguf_file)
+        ep_size = self.tensor_parallel_size * (
+            self.data_parallel_size if self.enable_expert_parallel else 1
+        )
+        if self.enable_expert_parallel and ep_size > 1:
+            from llmctl.engine.distributed.partition import describe_expert_placement
+
+            across = f" (EP size {ep_size} = DP x TP)" if self.data_parallel_size > 1 else ""
+            logger.info(
+                "Expert parallel%s: %s",
+                across,
+                describe_expert_placement(shape.num_experts, ep_size),
+            )
+        check_group_split(
+            shape, self.tensor_parallel_size, quantization, self.enable_expert_parallel
+        )
+        resolved_dtype = platform.resolve_dtype(
+            dtype, device, checkpoint_dtype(hf_config), quantized=quantization is not None
+        )
+        max_model_len = resolve_max_model_len(shape, self.max_model_len)
+        model_config = ModelConfig(
+            model=self.model or "",
+            path=source.path,
+            hf_config=hf_config,
+            architecture=architecture,
+            shape=shape,
+            dtype=resolved_dtype,
+            max_model_len=max_model_len,
+            tokenizer=self.tokenizer or source.path,
+            served_model_name=self.served_model_name or source.display_name,
+            seed=self.seed,
+            skip_tokenizer_init=bool(self.skip_tokenizer_init),
+            enforce_eager=bool(self.enforce_eager),
+            quantization=quantization,
+            gguf_file=source.gguf_file or "",
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            kv_cache_space_gib=self.kv_cache_space_gib,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=resolve_max_num_batched_tokens(
+                self.max_num_batched_tokens, self.max_num_seqs
+            ),
+            max_model_len=max_model_len,
+            max_concurrent_batches=self.max_concurrent_batches or self.pipeline_parallel_size,
+        )
+        parallel_config = self.create_parallel_config(layer_partition)
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            parallel_config=parallel_config,
+            device_config=device_config,
+        )
+
+    def create_parallel_config(
+        self, layer_partition: tuple[int, ...] | None = None
+    ) -> ParallelConfig:
+        """The layout and, across nodes, this node's place (all a --headless node needs)."""
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+            pipeline_layer_partition=layer_partition,
+            enable_expert_parallel=bool(self.enable_expert_parallel),
+            data_parallel_size=self.data_parallel_size,
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+            rendezvous_timeout=self.rendezvous_timeout,
+        )
+
+    def data_parallel_placement(self):
+        """Which data-parallel replicas run on this node (engine/dp/placement.py)."""
+        from llmctl.engine.dp.placement import DPPlacement
+
+        # --headless is the data-parallel one when a data-parallel flag comes with it (else it
+        # is an --nnodes node's)
+        dp_flags = (
+            self.data_parallel_size > 1
+            or self.data_parallel_size_local is not None
+            or self.data_parallel_address is not None
+        )
+        return DPPlacement(
+            size=self.data_parallel_size,
+            size_local=self.data_parallel_size_local,
+            start_rank=self.data_parallel_start_rank,
+            address=self.data_parallel_address,
+            rpc_port=self.data_parallel_rpc_port,
+            headless=self.headless and dp_flags and self.nnodes == 1,
+            nnodes=self.nnodes,
+        )
+
+    def _quantization(self, gguf_file: str | None) -> QuantizationConfig | None:
+        """--quantization, or a GGUF file's own (refusing the flag on a quantized file)."""
+        gguf_config = None
+        if gguf_file:
+            from llmctl.engine.model_loader.gguf_file import gguf_tensor_types
+
+            gguf_config = QuantizationConfig.for_gguf(gguf_tensor_types(gguf_file))
+            if self.gguf_dequantize:
+                return resolve_quantization(self.quantization, None)
+        return resolve_quantization(self.quantization, gguf_config)
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """One command-line option of an EngineArgs field, resolved from its OptionSpec."""
+
+    name: str  # the field: the keyword of EngineArgs
+    spec: OptionSpec
+    default: Any  # the field's default
+    value_type: type  # of the value on the command line (bool for a flag)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def param_decls(self) -> tuple[str, ...]:
+        """The names to declare, in Click's spelling (a bool as "--x/--no-x", or "--x")."""
+        if self.value_type is bool and self.spec.negatable:
+            return (f"{self.flag}/--no-{self.flag[2:]}", *self.spec.aliases)
+        return (self.flag, *self.spec.aliases)
+
+    @property
+    def help(self) -> str:
+        if self.spec.show_default:
+            return self.spec.help  # Typer prints "[default: X]"
+        text = self.spec.default_help
+        if text is None:
+            text = _default_text(self.default)
+        return f"{self.spec.help} (default: {text})" if text else self.spec.help
+
+    def argv(self, value: Any, alias: bool = False) -> list[str]:
+        """The flags that give `value` (None gives nothing: the engine's default), under the
+        first alias with `alias` (-tp 2)."""
+        if value is None:
+            return []
+        if self.value_type is bool:
+            if value:
+                return [self.flag]
+            return [f"--no-{self.flag[2:]}"] if self.spec.negatable else []
+        if isinstance(value, (tuple, list)):
+            value = ",".join(str(v) for v in value)
+        flag = self.spec.aliases[0] if alias and self.spec.aliases else self.flag
+        return [flag, str(value)]
+
+
+def cli_options(
+    command: str | None = None, args_class: type = EngineArgs
+) -> tuple[EngineOption, ...]:
+    """The command-line options of `args_class` (EngineArgs, or a dataclass extending it), in
+    field order: those of `command` ("generate", "serve", "plan"), or all."""
+    hints = typing.get_type_hints(args_class)
+    options = []
+    for f in dataclasses.fields(args_class):
+        spec = f.metadata.get(_OPTION)
+        if spec is None or (command is not None and command not in spec.commands):
+            continue
+        value_type = spec.value_type or _value_type(f.name, hints[f.name])
+        if value_type is bool and not spec.negatable and f.default is not False:
+            raise TypeError(f"{f.name}: a flag without --no-{f.name} needs the default False")
+        options.append(EngineOption(f.name, spec, f.default, value_type))
+    return tuple(options)
+
+
+def engine_args_to_argv(
+    kwargs: Mapping[str, Any], args_class: type = EngineArgs, *, aliases: bool = False
+) -> list[str]:
+    """The command-line flags that give these EngineArgs keywords to `llmctl serve` (or
+    `generate`), in field order; a None value is left out (the engine's default). `aliases`
+    spells an option by its vLLM alias where it has one (-tp 2)."""
+    by_name = {o.name: o for o in cli_options(args_class=args_class)}
+    unknown = sorted(set(kwargs) - set(by_name))
+    if unknown:
+        raise ValueError(f"no command-line flag for {', '.join(unknown)}")
+    return [
+        arg
+        for name, o in by_name.items()
+        if name in kwargs
+        for arg in o.argv(kwargs[name], alias=aliases)
+    ]
+
+
+def engine_default(name: str) -> Any:
+    """EngineArgs' default for a field (for the planner's options that mirror the engine's)."""
+    return _FIELDS[name].default
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(EngineArgs)}
+
+
+def _value_type(name: str, hint: Any) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if len(args) != 1:
+            raise TypeError(f"{name}: give the OptionSpec a value_type for {hint}")
+        return args[0]
+    return hint
+
+
+def _default_text(default: Any) -> str:
+    if isinstance(default, bool):
+        return "enabled" if default else ""
+    if default is None or default is dataclasses.MISSING:
+        return ""
+    return f"{default:g}" if isinstance(default, float) else str(default)

@@ -1,0 +1,179 @@
+"""OutputProcessor: engine-core outputs (token ids) -> RequestOutputs (text, logprobs).
+
+A request with n > 1 runs as n child sequences (ids "0_<id>", "1_<id>", ...); their progress is
+gathered back into one RequestOutput with n CompletionOutputs. Stop strings are found here, by
+the detokenizer; the engine then finishes those sequences in the scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmctl.engine.core.detokenizer import IncrementalDetokenizer
+from llmctl.engine.core.model_runner_output import TokenLogprobs
+from llmctl.engine.core.scheduler import EngineCoreOutput
+from llmctl.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from llmctl.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class _Completion:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    completions: list[_Completion]
+    child_ids: list[str]
+    arrival_time: float
+    num_cached_tokens: int = 0
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, _RequestState] = {}
+        self.child_to_parent: dict[str, tuple[_RequestState, int]] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        child_ids: list[str],
+        arrival_time: float,
+    ) -> None:
+        completions = []
+        for index in range(len(child_ids)):
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+            completion = _Completion(index, detokenizer)
+            if params.logprobs is not None:
+                completion.logprobs, completion.cumulative_logprob = [], 0.0
+            completions.append(completion)
+        state = _RequestState(
+            request_id, prompt, prompt_token_ids, completions, list(child_ids), arrival_time
+        )
+        self.requests[request_id] = state
+        for index, child_id in enumerate(child_ids):
+            self.child_to_parent[child_id] = (state, index)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def child_ids(self, request_id: str) -> list[str]:
+        state = self.requests.get(request_id)
+        return list(state.child_ids) if state else []
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Mark every unfinished completion aborted; return the final output (None if unknown)."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        for completion in state.completions:
+            if completion.finish_reason is None:
+                completion.finish_reason = "abort"
+        for child_id in state.child_ids:
+            del self.child_to_parent[child_id]
+        return self._make_output(state)
+
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """RequestOutputs of the requests that progressed, and the child ids that hit a stop
+        string (to be finished in the scheduler)."""
+        touched: dict[str, _RequestState] = {}
+        stopped: list[str] = []
+        now = time.monotonic()
+        for out in outputs:
+            entry = self.child_to_parent.get(out.request_id)
+            if entry is None:
+                continue
+            state, index = entry
+            if state.first_token_time is None:
+                state.first_token_time = now
+            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            completion = state.completions[index]
+            completion.token_ids.extend(out.new_token_ids)
+            if out.logprobs is not None and completion.logprobs is not None:
+                completion.logprobs.append(self._logprobs(out.new_token_ids[-1], out.logprobs))
+                completion.cumulative_logprob += out.logprobs.sampled_logprob
+            finished = out.finish_reason is not None
+            text_ids = out.new_token_ids
+            if out.finish_reason == "stop":
+                text_ids = text_ids[:-1]  # a stop token (EOS or stop_token_ids) is not text
+            stop_string = completion.detokenizer.update(text_ids, finished)
+            if stop_string is not None and not finished:
+                completion.finish_reason, completion.stop_reason = "stop", stop_string
+                stopped.append(out.request_id)
+            elif finished:
+                completion.finish_reason, completion.stop_reason = (
+                    out.finish_reason,
+                    out.stop_reason,
+                )
+            touched[state.request_id] = state
+        results = []
+        for request_id, state in touched.items():
+            results.append(self._make_output(state))
+            if state.finished:
+                del self.requests[request_id]
+                for child_id in state.child_ids:
+                    del self.child_to_parent[child_id]
+        return results, stopped
+
+    def _make_output(self, state: _RequestState) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=c.index,
+                text=c.detokenizer.get_text(c.finish_reason is not None),
+                token_ids=list(c.token_ids),
+                cumulative_logprob=c.cumulative_logprob,
+                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in state.completions
+        ]
+        metrics = {"arrival_time": state.arrival_time}
+        if state.first_token_time is not None:
+            metrics["first_token_time"] = state.first_token_time
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outputs,
+            finished=state.finished,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=metrics,
+        )
+
+    def _logprobs(self, sampled: int, lp: TokenLogprobs) -> dict[int, Logprob]:
+        entry: dict[int, Logprob] = {}
+        for rank, (token_id, logprob) in enumerate(
+            zip(lp.top_token_ids, lp.top_logprobs, strict=True), 1
+        ):
+            entry[token_id] = Logprob(logprob, rank, self._decode_token(token_id))
+        if sampled not in entry:
+            entry[sampled] = Logprob(
+                lp.sampled_logprob, lp.sampled_rank, self._decode_token(sampled)
+            )
+        return entry
+
+    def _decode_token(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])

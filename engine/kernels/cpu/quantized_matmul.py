@@ -1,0 +1,318 @@
+"""A packed, group-quantized weight and its matmul: y = x W^T with W never materialised in float.
+
+The contract every format is converted to at load time (GGUF blocks, round-to-nearest int8/int4):
+
+    W[n, k] = q[n, k] * scales[n, k // group_size] + zeros[n, k // group_size]
+
+with q unsigned in [0, 15] for bits=4 and signed in [-128, 127] for bits=8 (zeros None: symmetric).
+N is the output features (rows, split by column-parallel layers), K the input features (split by
+row-parallel layers in whole groups).
+
+Kernels (quantized_matmul_cpu.cpp, compiled on first use like the paged-attention kernel, with
+AVX-512 / AVX2 / scalar paths picked for the CPU that builds it):
+- M <= SMALL_BATCH rows (decode): int8_group_mm / int4_group_mm read each weight byte once and
+  dequantize in registers; activations and accumulation stay float32 (bf16 inputs are widened).
+- larger M (prefill): tiled_group_mm expands tiles of W to float32 (about 1 MiB each) and runs
+  torch's float GEMM on them, every tile on one thread inside a single parallel region, so the
+  dequantization is amortised over the M rows.
+- M >= LARGE_BATCH (a long prompt, or many): W is expanded in chunks of up to 16 MiB (the whole
+  weight for most layers of a small model) by all threads, then one GEMM per chunk runs on all
+  of them: at these M the expansion is cheap next to the GEMM, and one large GEMM runs faster
+  than many tile-sized ones and needs no transposed copy of the output (0.6-0.7x the tiled
+  path's time on the bundled model's layer shapes at M = 8192: benchmarks/quantized_matmul.py).
+PyTorch's `aten._weight_int4pack_mm_for_cpu` was measured against these (benchmarks/
+quantized_matmul.py) and is not used: slower at M=1 and M=64 on the shapes that matter, it needs N
+a multiple of 16, its fast path rounds activations to bf16 and its float32 path is scalar.
+`aten._weight_int8pack_mm` has per-channel scales only, not groups.
+
+Without a C++ compiler (or if the build fails) the same math runs in plain torch: every matmul
+dequantizes tiles and calls F.linear (correct, slower at decode); one warning says why.
+
+On a GPU the matmul is the custom op llmctl::group_quantized_mm (triton_group_mm.py; CUDA graphs
+capture it): up to 64 rows of x, one Triton kernel expands tiles of W in registers; above, W is
+expanded once into a temporary and multiplied by cuBLAS. Activations keep their dtype (bfloat16
+on the GPU by default) and accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("llmctl")
+
+_SOURCE = Path(__file__).with_name("quantized_matmul_cpu.cpp")
+_PREFIX = "llmctl_quantized_matmul"
+SMALL_BATCH = 24  # rows of x up to which the fused kernels beat dequantize + GEMM (measured)
+_TILE_BYTES = 1 << 20  # float32 bytes of W expanded per tile on the batched path
+LARGE_BATCH = 512  # rows of x from which W is expanded in large chunks for one GEMM each
+_CHUNK_BYTES = 16 << 20  # float32 bytes of W expanded at once on that path
+
+
+@dataclass(eq=False)
+class PackedLinearWeight:
+    """The weight of one linear layer, packed for the kernels.
+
+    qweight: bits=8: int8 [N, K]; bits=4: uint8 [N, K // 2], each 32-element chunk of a row in
+    16 bytes, byte j = q[j] | q[j + 16] << 4 (GGUF's Q4_0 nibble order).
+    scales, zeros: [N, K // group_size], float32, or float16 where those are exact (GGUF's
+    Q4_0, Q4_1 and Q8_0 scales); zeros is None for bits=8 and of the scales' dtype otherwise.
+    """
+
+    out_features: int  # N
+    in_features: int  # K
+    bits: int
+    group_size: int
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., K] float -> [..., N] in x's dtype (computed in float32)."""
+        op = _loaded_op
+        if (
+            op is not None
+            and x.dim() == 2
+            and x.shape[0] <= SMALL_BATCH
+            and x.dtype == torch.float32
+            and x.is_cpu
+            and x.is_contiguous()
+        ):  # decode: straight to the kernel (a decode step makes ~4 of these calls a layer)
+            if self.bits == 8:
+                return op.int8_group_mm(x, self.qweight, self.scales, self.group_size)
+            return op.int4_group_mm(x, self.qweight, self.scales, self.zeros, self.group_size)
+        lead = x.shape[:-1]
+        if not x.is_cpu and _triton_available():  # the GPU: one Triton kernel, x's dtype
+            from llmctl.engine.kernels.triton import triton_ops  # noqa: F401  (registers llmctl::*)
+
+            y = torch.ops.llmctl.group_quantized_mm(
+                x.reshape(-1, self.in_features),
+                self.qweight,
+                self.scales,
+                self.zeros,
+                self.bits,
+                self.group_size,
+            )
+            return y.reshape(*lead, self.out_features)
+        x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        op = _kernel() if x2.device.type == "cpu" else None
+        if op is not None and x2.shape[0] <= SMALL_BATCH:
+            if self.bits == 8:
+                y = op.int8_group_mm(x2, self.qweight, self.scales, self.group_size)
+            else:
+                y = op.int4_group_mm(x2, self.qweight, self.scales, self.zeros, self.group_size)
+        else:
+            y = self._tiled_matmul(x2)
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rows [start, end) of W in float32: embedding rows, references, the batched path."""
+        end = self.out_features if end is None else end
+        op = _kernel() if self.qweight.device.type == "cpu" else None
+        if op is not None:
+            return op.dequantize_rows(
+                self.qweight, self.scales, self.zeros, self.bits, self.group_size, start, end
+            )
+        return self._dequantize_torch(start, end)
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (any shape of int64) of W in float32: [*ids.shape, K], a token embedding
+        lookup that expands only the rows asked for."""
+        flat = ids.reshape(-1)
+        if flat.numel() == 1 and self.qweight.is_cpu:  # a decode step's token: its row in place
+            n = int(flat[0])
+            if not 0 <= n < self.out_features:
+                raise IndexError(f"token id {n} is outside the {self.out_features} embedding rows")
+            return self.dequantize(n, n + 1).reshape(*ids.shape, self.in_features)
+        rows = PackedLinearWeight(
+            flat.numel(),
+            self.in_features,
+            self.bits,
+            self.group_size,
+            self.qweight.index_select(0, flat),
+            self.scales.index_select(0, flat),
+            None if self.zeros is None else self.zeros.index_select(0, flat),
+        )
+        return rows.dequantize().reshape(*ids.shape, self.in_features)
+
+    def to(self, device: torch.device | str) -> PackedLinearWeight:
+        """This weight on `device` (itself when it is there already)."""
+        if self.qweight.device == torch.device(device):
+            return self
+        z = None if self.zeros is None else self.zeros.to(device)
+        return dataclasses.replace(
+            self, qweight=self.qweight.to(device), scales=self.scales.to(device), zeros=z
+        )
+
+    @classmethod
+    def cat(cls, parts: list[PackedLinearWeight]) -> PackedLinearWeight:
+        """The rows of `parts` (one format, one K) stacked in order: a fused layer's weight."""
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        if any(
+            (p.in_features, p.bits, p.group_size)
+            != (first.in_features, first.bits, first.group_size)
+            or (p.zeros is None) != (first.zeros is None)
+            for p in parts
+        ):
+            raise ValueError("packed parts differ in format or in_features")
+        zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
+        return cls(
+            sum(p.out_features for p in parts),
+            first.in_features,
+            first.bits,
+            first.group_size,
+            torch.cat([p.qweight for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            zeros,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this weight holds in memory (packed data, scales and zeros)."""
+        tensors = [self.qweight, self.scales] + ([self.zeros] if self.zeros is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _tiled_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        if x.shape[0] >= LARGE_BATCH:
+            return self._chunked_matmul(x, max(8, _CHUNK_BYTES // (4 * k)))
+        # ~1 MiB float tiles, and at least two per thread so that the threads stay balanced
+        rows = min(max(16, _TILE_BYTES // (4 * k)), -(-n // (2 * torch.get_num_threads())))
+        rows = max(8, rows)
+        op = _kernel() if x.device.type == "cpu" else None
+        if op is not None:
+            q, s, z = self.qweight, self.scales, self.zeros
+            return op.tiled_group_mm(x, q, s, z, self.bits, self.group_size, rows)
+        return self._chunked_matmul(x, rows)  # no kernel: plain torch
+
+    def _chunked_matmul(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """y = x W^T with `rows` rows of W expanded at a time (by all threads), one GEMM per
+        chunk written straight into its columns of y."""
+        n = self.out_features
+        if rows >= n:
+            return F.linear(x, self.dequantize())
+        y = x.new_empty(x.shape[0], n)
+        for start in range(0, n, rows):
+            end = min(n, start + rows)
+            torch.mm(x, self.dequantize(start, end).t(), out=y[:, start:end])
+        return y
+
+    def _dequantize_torch(self, start: int, end: int) -> torch.Tensor:
+        g = self.group_size
+        q = self.qweight[start:end]
+        if self.bits == 4:  # [rows, K/32, 16] bytes -> [rows, K/32, 2, 16] nibbles
+            b = q.view(q.shape[0], -1, 16)
+            q = torch.stack([b & 0x0F, b >> 4], dim=2).reshape(q.shape[0], -1)
+        w = q.to(torch.float32).view(q.shape[0], -1, g) * self.scales[start:end, :, None].float()
+        if self.zeros is not None:
+            w += self.zeros[start:end, :, None].float()
+        return w.view(q.shape[0], -1)
+
+
+def pack_groups(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+) -> PackedLinearWeight:
+    """q: [N, K] integer (uint8 in [0, 15] for 4 bits, int8 for 8 bits); scales, zeros:
+    [N, K // group_size] float (float16 kept as it is, else float32; zeros take the scales' dtype).
+    K must be a multiple of group_size; for 4 bits group_size must be a
+    multiple of 32. Raises ValueError otherwise. The inputs are not kept (q is repacked)."""
+    n, k = q.shape
+    if bits not in (4, 8):
+        raise ValueError(f"bits={bits} is not supported; use 4 or 8")
+    if k % group_size:
+        raise ValueError(f"in_features={k} is not a multiple of group_size={group_size}")
+    if bits == 4 and group_size % 32:
+        raise ValueError(f"4-bit group_size={group_size} is not a multiple of 32")
+    if tuple(scales.shape) != (n, k // group_size):
+        raise ValueError(f"scales has shape {tuple(scales.shape)}, expected {(n, k // group_size)}")
+    if scales.dtype != torch.float16:
+        scales = scales.to(torch.float32)
+    scales = scales.contiguous()
+    if bits == 8:
+        if zeros is not None:
+            raise ValueError("8-bit weights are symmetric: zeros must be None")
+        qweight = q.to(torch.int8).contiguous()
+    else:
+        if zeros is None:
+            raise ValueError("4-bit weights need zeros (use -8 * scales for a symmetric format)")
+        zeros = zeros.to(scales.dtype).contiguous()
+        nibbles = q.to(torch.uint8).reshape(n, k // 32, 2, 16)
+        qweight = (nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    return PackedLinearWeight(n, k, bits, group_size, qweight, scales, zeros)
+
+
+def _triton_available() -> bool:
+    from llmctl.engine.attention.layer import triton_available
+
+    return triton_available()
+
+
+def kernel_available() -> bool:
+    """True when the C++ kernels are built and loaded (building them now if needed)."""
+    return _kernel() is not None
+
+
+def build_in_background() -> threading.Thread:
+    """Start building (or loading) the kernels on a daemon thread, so that the compile of a first
+    run (10-30 s) overlaps with reading the weights; the first matmul waits for it."""
+    thread = threading.Thread(target=_kernel, name="llmctl-quantized-kernel-build", daemon=True)
+    thread.start()
+    return thread
+
+
+# -- building the kernel -----------------------------------------------------------------------
+
+_build_lock = threading.Lock()
+
+
+_loaded_op: Any | None = None  # the kernels' ops once loaded: the decode path's fast check
+
+
+def _kernel() -> Any | None:
+    global _loaded_op
+    with _build_lock:  # one build per process; later calls return the cached op at once
+        _loaded_op = _kernel_once()
+        return _loaded_op
+
+
+@functools.cache
+def _kernel_once() -> Any | None:
+    from llmctl.engine.kernels.cpu.cpu_extension import first_error_line
+
+    try:
+        return build_kernel()
+    except Exception as e:  # a missing compiler, ninja or header: degrade, don't fail the engine
+        logger.warning(
+            "CPU quantized matmul kernel unavailable, dequantizing tiles for torch's matmul "
+            "instead (slower decode): %s",
+            first_error_line(e),
+        )
+        logger.debug("building the CPU quantized matmul kernel failed", exc_info=True)
+        return None
+
+
+def build_kernel(march: str = "native", extra_cflags: tuple[str, ...] = ()) -> Any:
+    """Compile (or reuse) the kernels for -march=`march`; returns their op namespace
+    (`.int8_group_mm`, `.int4_group_mm`, `.dequantize_rows`). Built once per source, flags,
+    torch, Python and CPU features, in the paged-attention kernel's cache directory."""
+    from llmctl.engine.kernels.cpu.cpu_extension import build_spec, compile_extension
+
+    name = build_spec(_SOURCE, _PREFIX, march, extra_cflags)[0]
+    if hasattr(torch.ops, name) and hasattr(getattr(torch.ops, name), "int8_group_mm"):
+        return getattr(torch.ops, name)
+    compile_extension(_SOURCE, _PREFIX, "CPU quantized matmul kernel", march, extra_cflags)
+    return getattr(torch.ops, name)

@@ -1,0 +1,116 @@
+"""The Triton kernels as torch custom ops (llmctl::*): paged attention, and the packed
+group-quantized matmul (engine/kernels/triton/triton_group_mm.py).
+
+As ops, the kernels are single nodes to the dispatcher: CUDA graphs capture them like any kernel,
+and on tensors without data (meta, fake) their fake implementations give the output's shape, so a
+device check can run the whole CUDA path of a step on a machine without a GPU. The kernels
+themselves (engine/kernels/triton/triton_attention.py) are imported on the first real call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _kernels():
+    from llmctl.engine.kernels.triton import triton_attention
+
+    return triton_attention
+
+
+@torch.library.custom_op("llmctl::reshape_and_cache", mutates_args=("key_cache", "value_cache"))
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    _kernels().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+@reshape_and_cache.register_fake
+def _(key, value, key_cache, value_cache, slot_mapping) -> None:
+    return None
+
+
+@torch.library.custom_op("llmctl::paged_decode_attention", mutates_args=())
+def paged_decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    return _kernels().paged_decode_attention(
+        q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window
+    )
+
+
+@paged_decode_attention.register_fake
+def _(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("llmctl::prefill_attention", mutates_args=())
+def prefill_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    return _kernels().prefill_attention(
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        context_lens,
+        max_query_len,
+        scale,
+        sliding_window,
+    )
+
+
+@prefill_attention.register_fake
+def _(
+    q,
+    key_cache,
+    value_cache,
+    block_tables,
+    query_start_loc,
+    seq_lens,
+    context_lens,
+    max_query_len,
+    scale,
+    sliding_window,
+):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("llmctl::group_quantized_mm", mutates_args=())
+def group_quantized_mm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:
+    from llmctl.engine.kernels.triton.triton_group_mm import group_mm
+
+    return group_mm(x, qweight, scales, zeros, bits, group_size)
+
+
+@group_quantized_mm.register_fake
+def _(x, qweight, scales, zeros, bits, group_size):
+    return x.new_empty(x.shape[0], qweight.shape[0])
