@@ -6,13 +6,13 @@ address it listens on, and runs until SIGTERM or Ctrl-C.
 
 from __future__ import annotations
 
-import os
 from typing import Annotated
 
 import typer
 
 from llmctl.cli.console import CliState, stderr_console, stdout_console
 from llmctl.cli.engine_options import EngineKwargs, Model, engine_options
+from llmctl.engine import envs
 from llmctl.engine.config.engine_args import SERVER
 from llmctl.engine.errors import ConfigError
 
@@ -159,7 +159,7 @@ def serve(
     server_config = ServerConfig(
         host=host,
         port=port,
-        api_key=api_key or os.environ.get("LLMCTL_API_KEY") or None,
+        api_key=api_key or envs.LLMCTL_API_KEY,
         shutdown_timeout=shutdown_timeout,
         max_request_body_bytes=max_request_body_bytes,
         http_timeout=http_timeout,

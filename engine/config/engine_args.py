@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmctl.engine import envs
 from llmctl.engine.config.engine_config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEVICES,
@@ -391,7 +391,7 @@ class EngineArgs:
         check_architecture(architecture)
         shape = ModelShape.from_hf_config(hf_config, architecture)
         layer_partition = parse_layer_partition(
-            self.pipeline_layer_partition or os.environ.get("LLMCTL_PP_LAYER_PARTITION")
+            self.pipeline_layer_partition or envs.LLMCTL_PP_LAYER_PARTITION
         )
         check_layout(
             shape,
