@@ -96,6 +96,11 @@ _VARIABLES = (
         "~/.cache/llmctl for the former, torch's extension directory for the latter.",
     ),
     EnvVar(
+        "LLMCTL_CONFIGURE_LOGGING", True, _flag, _FLAG,
+        "`LLM()` shows the engine's INFO lines on stderr when the program configured no logging "
+        "(vLLM's VLLM_CONFIGURE_LOGGING); 0: leave logging alone.",
+    ),
+    EnvVar(
         "LLMCTL_CPU_DEVICES", None, _positive(int), "a positive integer",
         "On the CPU, how many ranks this node may host for the executor backend rule (mp when "
         "tp x pp fits, else Ray). Default: the cores this process may use.",

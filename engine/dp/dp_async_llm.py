@@ -30,7 +30,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import logging
 from collections.abc import AsyncIterator
 
@@ -169,7 +168,7 @@ class DPAsyncLLM:
         dp.lockstep = lockstep
         return dp
 
-    # -- AsyncLLM's interface --------------------------------------------------------------------
+    # -- EngineClient (client/protocol.py) -------------------------------------------------------
 
     @property
     def is_running(self) -> bool:
@@ -205,7 +204,7 @@ class DPAsyncLLM:
         return total
 
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: str
+        self, prompt: PromptType, params: SamplingParams, request_id: str, on_accepted=None
     ) -> AsyncIterator[RequestOutput]:
         """Route the request, then yield its outputs from the replica that took it."""
         prompt, prompt_ids = self._with_token_ids(prompt)
@@ -219,9 +218,15 @@ class DPAsyncLLM:
             replica = self.router.route(request_id, prompt_ids, max_tokens * params.n)
             engine = self.replicas[replica].engine  # the one that fails it, if one does
             accepted = []
+
+            def took_it(accepted=accepted) -> None:
+                accepted.append(True)
+                if on_accepted is not None:
+                    on_accepted()
+
             try:
                 stream = self.replicas[replica].generate(
-                    prompt, params, request_id, on_accepted=functools.partial(accepted.append, True)
+                    prompt, params, request_id, on_accepted=took_it
                 )
                 async with contextlib.aclosing(stream):
                     async for output in stream:
@@ -236,6 +241,11 @@ class DPAsyncLLM:
                 logger.warning("replica %d is dead; routing request %s again", replica, request_id)
             finally:
                 self.router.finish(request_id)
+
+    def abort(self, request_id: str) -> None:
+        replica = self.router.replica_of(request_id)
+        if replica is not None:
+            self.replicas[replica].abort(request_id)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         if self.lockstep is not None:  # all leave their lockstep together, none waits for one

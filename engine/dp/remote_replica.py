@@ -98,7 +98,7 @@ class RemoteReplica:
     def describe(self) -> str:
         return f"data-parallel replica {self.rank} on host {self.host} (pid {self.pid})"
 
-    # -- AsyncLLM's interface --------------------------------------------------------------------
+    # -- EngineClient (client/protocol.py) -------------------------------------------------------
 
     @property
     def is_running(self) -> bool:
@@ -113,6 +113,9 @@ class RemoteReplica:
 
     def get_stats(self) -> EngineStats:
         return self.report["stats"]
+
+    def replica_states(self) -> list[tuple[int, EngineStats, EngineDeadError | None]]:
+        return [(0, self.get_stats(), self.health_error())]
 
     @property
     def stall_error(self) -> EngineStalledError | None:

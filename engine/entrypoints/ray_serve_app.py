@@ -1,5 +1,6 @@
 """The Ray Serve application of llmctl: one deployment, LLMServer, whose replicas each run an
-engine (AsyncLLM) behind llmctl's own OpenAI-compatible routes (api_server.build_app).
+engine (an EngineClient: AsyncLLM) behind llmctl's own OpenAI-compatible routes
+(api_server.build_app).
 
 A RayService's serveConfigV2 (cluster/plan/manifests.py), or `serve run`, names it by import path
 and gives its engine options as `args:`, the keywords of EngineArgs (and a few of ServerConfig):
@@ -37,9 +38,12 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmctl.engine.errors import ConfigError
+
+if TYPE_CHECKING:
+    from llmctl.engine.client.protocol import EngineClient
 
 logger = logging.getLogger("llmctl")
 
@@ -131,7 +135,7 @@ class LLMServer:
     calls `__serve_build_asgi_app__` after `__init__`, and `check_health` periodically."""
 
     async def __init__(self, engine_kwargs: dict, server_kwargs: dict) -> None:
-        from llmctl.engine.client.async_llm import AsyncLLM
+        from llmctl.engine.client.factory import build_engine_client
         from llmctl.engine.config.engine_args import EngineArgs
         from llmctl.engine.entrypoints.openai.server_config import ServerConfig
 
@@ -143,27 +147,27 @@ class LLMServer:
             engine_kwargs["distributed_executor_backend"] = "ray"  # ranks in our bundles
         self.engine_args = EngineArgs(**engine_kwargs)
         self.server_config = ServerConfig(**server_kwargs)
-        self.async_llm = None
+        self.engine_client: EngineClient | None = None
         # The engine builds in its own thread (AsyncLLM.from_engine_args); the replica's event
         # loop stays free meanwhile.
-        self.async_llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self.engine_args)
+        self.engine_client = await asyncio.to_thread(build_engine_client, self.engine_args)
 
     def __serve_build_asgi_app__(self):
         from llmctl.engine.entrypoints.openai.api_server import build_app as build_api
 
-        name = self.async_llm.engine.config.model_config.served_model_name
+        name = self.engine_client.engine.config.model_config.served_model_name
         logger.info("Serving %s as a Ray Serve replica (OpenAI API under /v1)", name)
-        return build_api(self.async_llm, name, self.server_config)
+        return build_api(self.engine_client, name, self.server_config)
 
     def check_health(self) -> None:
         """Ray Serve's health check: the engine's /health error (dead, restarting, stalled)."""
-        error = self.async_llm.health_error()
+        error = self.engine_client.health_error()
         if error is not None:
             raise error
 
     def __del__(self) -> None:
-        if getattr(self, "async_llm", None) is not None:
-            self.async_llm.shutdown()
+        if getattr(self, "engine_client", None) is not None:
+            self.engine_client.shutdown()
 
 
 def build_app(args: dict[str, Any]):

@@ -16,12 +16,12 @@ class _EngineCollector:
     """Reads the engine's counters when Prometheus scrapes, one sample per data-parallel replica
     (label `replica`; "0" with one engine)."""
 
-    def __init__(self, async_llm, model_name: str) -> None:
-        self.async_llm = async_llm
+    def __init__(self, engine_client, model_name: str) -> None:
+        self.engine_client = engine_client
         self.model_name = model_name
 
     def collect(self):
-        states = self.async_llm.replica_states()
+        states = self.engine_client.replica_states()
         names = ["model_name", "replica"]
 
         def family(kind, name: str, doc: str, value_of) -> GaugeMetricFamily:
@@ -56,7 +56,7 @@ class _EngineCollector:
                      "1 while the engine (replica) serves (/health 200), else 0.",
                      lambda s, e: 0.0 if e is not None else 1.0)  # fmt: skip
         # Supervision, per replica (a DPAsyncLLM's replicas are AsyncLLMs).
-        replicas = getattr(self.async_llm, "replicas", [self.async_llm])
+        replicas = getattr(self.engine_client, "replicas", [self.engine_client])
 
         def supervision(metric_kind, name: str, doc: str, value_of):
             metric = metric_kind(name, doc, labels=names)
@@ -77,9 +77,9 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, async_llm, model_name: str) -> None:
+    def __init__(self, engine_client, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(async_llm, model_name))
+        self.registry.register(_EngineCollector(engine_client, model_name))
         labels = ["model_name"]
         self.time_to_first_token = Histogram(
             "llmctl:time_to_first_token_seconds",
