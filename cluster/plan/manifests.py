@@ -43,7 +43,8 @@ from pathlib import Path
 import yaml
 
 from llmctl.cluster.errors import ConfigError
-from llmctl.engine.config.engine_args import SERVE, SERVER, EngineArgs, engine_args_to_argv, option
+from llmctl.engine.config.engine_args import EngineArgs, engine_args_to_argv
+from llmctl.engine.config.options import SERVE, SERVER, option
 
 EMIT_KINDS = ("lws", "raycluster", "rayservice", "kuberay")  # kuberay: the RayService
 DEFAULT_IMAGE = "llmctl:latest"  # `llmctl image build`'s default tag

@@ -40,6 +40,8 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from llmctl.engine.config.options import RAY_SERVE, cli_options
+from llmctl.engine.entrypoints.openai.server_config import ServerConfig
 from llmctl.engine.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -49,8 +51,9 @@ logger = logging.getLogger("llmctl")
 
 IMPORT_PATH = "llmctl.engine.entrypoints.ray_serve_app:build_app"
 DEPLOYMENT_NAME = "LLMServer"
-# ServerConfig's fields a RayService may set (Ray Serve's proxy owns the host, port and shutdown).
-SERVER_KEYS = ("api_key", "max_request_body_bytes", "http_timeout", "num_prepare_threads")
+# ServerConfig's fields a RayService may set (Ray Serve's proxy owns the host, port and shutdown):
+# those whose OptionSpec lists RAY_SERVE.
+SERVER_KEYS = tuple(o.name for o in cli_options(RAY_SERVE, ServerConfig))
 HEALTH_CHECK_PERIOD_S = 10.0
 HEALTH_CHECK_TIMEOUT_S = 30.0
 
@@ -83,7 +86,7 @@ def split_args(args: Mapping[str, Any]) -> tuple[dict, dict]:
     IMPORT_PATH tensor_parallel_size=2` gives strings: a number or a boolean is converted to
     the option's type. Unknown keys and the options a replica cannot take are typed errors
     naming the fix."""
-    from llmctl.engine.config.engine_args import EngineArgs, cli_options
+    from llmctl.engine.config.engine_args import EngineArgs
 
     engine_keys = {f.name for f in dataclasses.fields(EngineArgs)}
     unknown = sorted(set(args) - engine_keys - set(SERVER_KEYS))
@@ -93,7 +96,7 @@ def split_args(args: Mapping[str, Any]) -> tuple[dict, dict]:
             "give EngineArgs keywords (model, tensor_parallel_size, pipeline_parallel_size, "
             f"max_model_len, ...) or {', '.join(SERVER_KEYS)}",
         )
-    types = {o.name: o.value_type for o in cli_options()} | _SERVER_TYPES
+    types = {o.name: o.value_type for o in (*cli_options(None, EngineArgs), *_SERVER_OPTIONS)}
     typed = {k: _typed(k, v, types.get(k)) for k, v in args.items()}
     engine = {k: v for k, v in typed.items() if k in engine_keys}
     server = {k: v for k, v in typed.items() if k in SERVER_KEYS}
@@ -112,7 +115,7 @@ def split_args(args: Mapping[str, Any]) -> tuple[dict, dict]:
     return engine, server
 
 
-_SERVER_TYPES = {"max_request_body_bytes": int, "http_timeout": float, "num_prepare_threads": int}
+_SERVER_OPTIONS = cli_options(RAY_SERVE, ServerConfig)
 _BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 
 

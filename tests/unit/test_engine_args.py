@@ -14,9 +14,9 @@ from llmctl.engine.config.engine_args import (
     cli_options,
     engine_args_to_argv,
     engine_default,
-    option,
 )
 from llmctl.engine.config.memory_profile import DEFAULT_CPU_KV_CACHE_SPACE_GIB
+from llmctl.engine.config.options import option
 
 
 def test_options_per_command():
