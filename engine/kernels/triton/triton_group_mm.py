@@ -20,7 +20,7 @@ Both kernels load a scale (and zero) once per 32-element chunk (per SUB columns 
 spread it in registers, and address the weight bytes, x and the expanded W as rows of 16-element
 runs, so that tiles move as 16-byte copies (tests/kernels/test_triton_compile.py checks the
 compiled sm_90 code for it). The previous version, which gathered a scale and a zero per weight,
-ran at 0.15-0.45x cuBLAS bfloat16 at decode on an H100 (README, "On a GPU"); this one is not yet
+ran at 0.15-0.45x cuBLAS bfloat16 at decode on an H100 (docs/benchmarks.md); this one is not yet
 measured there.
 
 Activations keep their dtype (bfloat16 on the GPU by default; float32 dots run in IEEE float32,
