@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 from collections.abc import AsyncIterator, Callable
 
+from llmctl.engine.client.protocol import Supervision
 from llmctl.engine.core.engine_core import AbortRequest, AddRequest, EngineCore
 from llmctl.engine.core.llm_engine import EngineStats, LLMEngine, PromptType
 from llmctl.engine.core.supervisor import EngineSupervisor
@@ -118,6 +119,11 @@ class AsyncLLM:
         """(replica index, stats, why it cannot serve or None), for /metrics and /health; one
         replica here (see DPAsyncLLM)."""
         return [(0, self.get_stats(), self.health_error())]
+
+    def supervision(self) -> list[Supervision]:
+        s = self.supervisor
+        stalled = s.stall_error is not None or s.monitor.stalled()
+        return [Supervision(s.monitor.seconds_waiting(), stalled, s.restarts)]
 
     async def generate(
         self,

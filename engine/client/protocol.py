@@ -9,12 +9,22 @@ on another node); `LLM` (entrypoints/llm.py) drives one of the first two for off
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from llmctl.engine.core.llm_engine import EngineStats, PromptType
 from llmctl.engine.errors import EngineDeadError
 from llmctl.engine.outputs import RequestOutput
 from llmctl.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Supervision:
+    """One replica's supervision, as /metrics shows it."""
+
+    seconds_waiting: float  # with requests and no completed step (0 while idle)
+    stalled: bool  # no step completed for --stall-timeout seconds with requests
+    restarts: int  # engine restarts (--restart-on-failure)
 
 
 @runtime_checkable
@@ -35,6 +45,9 @@ class EngineClient(Protocol):
 
     def replica_states(self) -> list[tuple[int, EngineStats, EngineDeadError | None]]:
         """(data-parallel replica, its stats, why it cannot serve or None), one per replica."""
+
+    def supervision(self) -> list[Supervision]:
+        """Each replica's supervision, in the order of replica_states()."""
 
     def generate(
         self, prompt: PromptType, params: SamplingParams, request_id: str, on_accepted=None

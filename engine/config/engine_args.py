@@ -278,11 +278,19 @@ class EngineArgs:
         panel=PARALLEL,
         commands=(SERVE,),
     )
+    num_gpu_blocks_override: int | None = option(
+        "Use this many KV-cache blocks instead of what the memory allows (vLLM's flag): to pin "
+        "the capacity, or to make preemption happen on purpose.",
+        default=None,
+        default_help="what --kv-cache-space-gib or --gpu-memory-utilization holds",
+    )
+    gguf_dequantize: bool = option(
+        "Load a quantized GGUF file's weights dequantized to the float dtype instead of running "
+        "its packed blocks: the reference its quantized path is checked against (more memory, "
+        "slower).",
+        default=False,
+    )
     seed: int = ModelConfig.seed
-    # LLM(...) only: load a quantized GGUF dequantized to float (the reference the native path is
-    # compared with).
-    gguf_dequantize: bool = False
-    num_gpu_blocks_override: int | None = None
     max_concurrent_batches: int | None = None  # default: pipeline_parallel_size
 
     def __post_init__(self) -> None:

@@ -34,6 +34,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from llmctl.engine.client.async_llm import AsyncLLM
+from llmctl.engine.client.protocol import Supervision
 from llmctl.engine.config.engine_config import EngineConfig
 from llmctl.engine.core.llm_engine import EngineStats, LLMEngine, PromptType
 from llmctl.engine.dp.router import DPRouter
@@ -189,6 +190,9 @@ class DPAsyncLLM:
                 error = replica.health_error() or EngineDeadError(dead[i])
             states.append((i, replica.get_stats(), error))
         return states
+
+    def supervision(self) -> list[Supervision]:
+        return [replica.supervision()[0] for replica in self.replicas]
 
     def health(self) -> dict:
         """/health's body while every replica serves."""

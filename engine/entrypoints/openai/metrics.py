@@ -55,25 +55,24 @@ class _EngineCollector:
         yield family(GaugeMetricFamily, "llmctl:engine_alive",
                      "1 while the engine (replica) serves (/health 200), else 0.",
                      lambda s, e: 0.0 if e is not None else 1.0)  # fmt: skip
-        # Supervision, per replica (a DPAsyncLLM's replicas are AsyncLLMs).
-        replicas = getattr(self.engine_client, "replicas", [self.engine_client])
+        # Supervision, per replica (EngineClient.supervision).
+        replicas = self.engine_client.supervision()
 
         def supervision(metric_kind, name: str, doc: str, value_of):
             metric = metric_kind(name, doc, labels=names)
-            for index, llm in enumerate(replicas):
-                metric.add_metric([self.model_name, str(index)], value_of(llm))
+            for index, state in enumerate(replicas):
+                metric.add_metric([self.model_name, str(index)], value_of(state))
             return metric
 
         yield supervision(GaugeMetricFamily, "llmctl:seconds_since_last_step",
                           "Seconds the engine has had requests without completing a step (0 idle).",
-                          lambda llm: llm.monitor.seconds_waiting())  # fmt: skip
+                          lambda s: s.seconds_waiting)  # fmt: skip
         yield supervision(GaugeMetricFamily, "llmctl:engine_stalled",
                           "1 while no step completed for --stall-timeout seconds with requests.",
-                          lambda llm: float(llm.stall_error is not None
-                                            or llm.monitor.stalled()))  # fmt: skip
+                          lambda s: float(s.stalled))  # fmt: skip
         yield supervision(CounterMetricFamily, "llmctl:engine_restarts",
                           "Engine restarts (--restart-on-failure).",
-                          lambda llm: llm.restarts)  # fmt: skip
+                          lambda s: s.restarts)  # fmt: skip
 
 
 class ServerMetrics:
