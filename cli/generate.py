@@ -6,6 +6,8 @@ render the completions. The engine (and with it torch) is imported only when the
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Annotated
 
 import typer
@@ -13,16 +15,66 @@ import typer
 from llmctl.cli.console import CliState, stdout_console
 from llmctl.cli.engine_options import EngineKwargs, Model, engine_options
 from llmctl.cli.render import print_completions, print_json
+from llmctl.engine.config.options import option
 from llmctl.engine.errors import RequestBatchError
 from llmctl.engine.sampling_params import SamplingParams
 
 app = typer.Typer()
 
-_SAMPLING = "Sampling"
+_SAMPLING = dict(panel="Sampling", commands=("generate",), show_default=True)
+
+
+@dataclass(frozen=True)
+class SamplingFlags:
+    """`generate`'s sampling options: SamplingParams' fields as the command line gives them
+    (greedy by default here, where vLLM and the OpenAI API default to temperature 1.0)."""
+
+    max_tokens: int = option("Most tokens to generate per completion.", default=64, **_SAMPLING)
+    temperature: float = option(
+        "0 is greedy decoding, deterministic (the default here; vLLM and the OpenAI API default "
+        "to 1.0). Higher values sample more freely.",
+        default=0.0,
+        **_SAMPLING,
+    )
+    top_p: float = option(
+        "Nucleus sampling: keep the most likely tokens up to this mass.", default=1.0, **_SAMPLING
+    )
+    top_k: int = option("Keep the k most likely tokens; 0 or -1 keeps all.", default=0, **_SAMPLING)
+    min_p: float = option(
+        "Drop tokens less likely than min_p times the most likely one.", default=0.0, **_SAMPLING
+    )
+    seed: int | None = option(
+        "Seed of each request's sampler: the same seed gives the same text.",
+        default=None,
+        panel="Sampling",
+        commands=("generate",),
+    )
+    stop: list[str] | None = option(
+        "Stop at this string (not included in the text); repeatable.",
+        default=None,
+        panel="Sampling",
+        commands=("generate",),
+        default_help="",
+    )
+    n: int = option("Completions per prompt.", default=1, **_SAMPLING)
+    ignore_eos: bool = option(
+        "Keep generating past the end-of-sequence token.", default=False, **_SAMPLING
+    )
+    chat: bool = option(
+        "Send each prompt as one user message through the chat template.",
+        default=False,
+        **_SAMPLING,
+    )
+
+    def params(self) -> SamplingParams:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del fields["chat"]
+        return SamplingParams(**(fields | {"stop": self.stop or None}))
 
 
 @app.command()
 @engine_options("generate")
+@engine_options("generate", param="sampling", args_class=SamplingFlags)
 def generate(
     ctx: typer.Context,
     prompt: Annotated[
@@ -30,67 +82,7 @@ def generate(
         typer.Option("--prompt", "-p", help="Prompt text; repeat the option for a batch."),
     ],
     model: Model = None,
-    max_tokens: Annotated[
-        int, typer.Option(help="Most tokens to generate per completion.", rich_help_panel=_SAMPLING)
-    ] = 64,
-    temperature: Annotated[
-        float,
-        typer.Option(
-            help="0 is greedy decoding, deterministic (the default here; vLLM and the OpenAI API "
-            "default to 1.0). Higher values sample more freely.",
-            rich_help_panel=_SAMPLING,
-        ),
-    ] = 0.0,
-    top_p: Annotated[
-        float,
-        typer.Option(
-            help="Nucleus sampling: keep the most likely tokens up to this mass.",
-            rich_help_panel=_SAMPLING,
-        ),
-    ] = 1.0,
-    top_k: Annotated[
-        int,
-        typer.Option(
-            help="Keep the k most likely tokens; 0 or -1 keeps all.", rich_help_panel=_SAMPLING
-        ),
-    ] = 0,
-    min_p: Annotated[
-        float,
-        typer.Option(
-            help="Drop tokens less likely than min_p times the most likely one.",
-            rich_help_panel=_SAMPLING,
-        ),
-    ] = 0.0,
-    seed: Annotated[
-        int | None,
-        typer.Option(
-            help="Seed of each request's sampler: the same seed gives the same text.",
-            rich_help_panel=_SAMPLING,
-        ),
-    ] = None,
-    stop: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="Stop at this string (not included in the text); repeatable.",
-            rich_help_panel=_SAMPLING,
-        ),
-    ] = None,
-    n: Annotated[
-        int, typer.Option("--n", help="Completions per prompt.", rich_help_panel=_SAMPLING)
-    ] = 1,
-    ignore_eos: Annotated[
-        bool,
-        typer.Option(
-            help="Keep generating past the end-of-sequence token.", rich_help_panel=_SAMPLING
-        ),
-    ] = False,
-    chat: Annotated[
-        bool,
-        typer.Option(
-            help="Send each prompt as one user message through the chat template.",
-            rich_help_panel=_SAMPLING,
-        ),
-    ] = False,
+    sampling: dict = None,  # SamplingFlags' options (@engine_options)
     engine: EngineKwargs = None,  # the EngineArgs options of `generate` (@engine_options)
     json_output: Annotated[
         bool,
@@ -106,24 +98,15 @@ def generate(
     Prints each prompt, then its completion(s). Engine log lines and progress bars go to stderr.
     """
     state: CliState = ctx.obj or CliState()
-    params = SamplingParams(
-        n=n,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        max_tokens=max_tokens,
-        stop=stop or None,
-        ignore_eos=ignore_eos,
-        seed=seed,
-    )
+    flags = SamplingFlags(**sampling)
+    params = flags.params()
     from llmctl.engine.entrypoints.llm import LLM
 
     render = print_json if json_output else print_completions
     console = stdout_console()
     with LLM(model, use_tqdm_on_load=state.progress, **engine) as llm:
         try:
-            if chat:
+            if flags.chat:
                 conversations = [[{"role": "user", "content": text}] for text in prompt]
                 outputs = llm.chat(conversations, params, use_tqdm=state.progress)
             else:

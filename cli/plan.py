@@ -15,7 +15,7 @@ from llmctl.cli.console import stdout_console
 from llmctl.cli.engine_options import EngineKwargs, engine_options
 from llmctl.cluster.inventory import INVENTORY_PANEL, InventoryFlags
 from llmctl.cluster.plan import manifests as kube_manifests
-from llmctl.cluster.plan.manifests import EmitFlags
+from llmctl.cluster.plan.kube_options import EmitFlags
 from llmctl.engine.errors import ConfigError, LLMCtlError
 
 app = typer.Typer()

@@ -70,10 +70,86 @@ def _uneven_offer(
 
 
 def choose_layout(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> Plan:
-    ctx = resolve_context(spec, inventory, options)
-    rejected: list[tuple[str, str]] = []
-    alternatives: list[tuple[str, str]] = []
+    """The asked layout evaluated, else rules 1-3 in order: the first layout that fits."""
+    search = _Search(resolve_context(spec, inventory, options))
     if options.device == "cpu" or options.tensor_parallel_size or options.pipeline_parallel_size:
+        return search.asked()
+    plan = search.one_gpu() or search.one_node() or search.across_nodes()
+    if plan is None:
+        ctx = search.ctx
+        raise _too_big(
+            ctx,
+            search.tried,
+            f"{ctx.nodes} node(s) x {ctx.gpus_per_node} GPU(s) of {ctx.gpu_gib:g} GiB",
+        )
+    return plan
+
+
+class _Search:
+    """The layouts tried, rejected (and why) and offered beside the chosen one."""
+
+    def __init__(self, ctx: PlanContext) -> None:
+        self.ctx = ctx
+        self.spec, self.options = ctx.spec, ctx.options
+        self.rejected: list[tuple[str, str]] = []
+        self.alternatives: list[tuple[str, str]] = []
+        self.tried: list[Evaluation] = []
+        self.need = ctx.max_model_len * self.options.min_concurrency
+        self.want = (
+            f"room for {self.options.min_concurrency} request(s) of {ctx.max_model_len:,} tokens"
+        )
+
+    def finish(self, chosen: Evaluation, reasons: list[str]) -> Plan:
+        return _finish(self.ctx, chosen, reasons, self.rejected, self.alternatives)
+
+    def attempt(self, tp: int, pp: int) -> Evaluation | None:
+        spec = self.spec
+        if pp > spec.num_layers:
+            label = layout_label(tp, pp)
+            self.rejected.append((label, f"more stages than the {spec.num_layers} layers"))
+            return None
+        evaluation = evaluate(self.ctx, tp, pp)
+        self.tried.append(evaluation)
+        if evaluation.fits(self.ctx):
+            return evaluation
+        held = evaluation.blocks * self.options.block_size
+        self.rejected.append(
+            (layout_label(tp, pp), f"holds {held:,} KV tokens, needs {self.need:,}")
+        )
+        return None
+
+    def whole(self, tp: int) -> bool:
+        """Quantized weights: every rank's row-parallel inputs are whole quantization groups."""
+        return not self.ctx.weights.cut_groups(
+            self.spec.shape, tp, self.options.enable_expert_parallel
+        )
+
+    def allowed(self, tp: int) -> bool:
+        spec, options = self.spec, self.options
+        if options.enable_expert_parallel and tp > spec.num_experts:
+            return False  # some rank would hold no expert
+        return self.whole(tp) and (
+            _even_tp(spec, tp)
+            or (options.allow_uneven_tp and tp in valid_tp_sizes(spec.num_heads, spec.num_kv_heads))
+        )
+
+    def uneven_whole(self, tp: int) -> bool:
+        return self.whole(tp) and _uneven_tp(self.spec, tp)
+
+    def offer_full_width(self, chosen: Evaluation, tp: int) -> None:
+        """The node's every GPU beside a narrower choice, for throughput."""
+        gpus = self.ctx.gpus_per_node
+        if tp < gpus and self.allowed(gpus):
+            self.alternatives.append(_full_width(self.ctx, chosen, gpus))
+        elif tp < gpus and self.uneven_whole(gpus):
+            _, offer = _full_width(self.ctx, chosen, gpus)
+            offer = f"{offer}; {_uneven_split(self.spec, gpus)}"
+            self.alternatives.append((llmctl_only(gpus), offer))
+
+    # -- the asked layout, and rules 1-3 -------------------------------------------------------
+
+    def asked(self) -> Plan:
+        spec, options, ctx = self.spec, self.options, self.ctx
         tp, pp = options.tensor_parallel_size or 1, options.pipeline_parallel_size or 1
         valid = valid_tp_sizes(spec.num_heads, spec.num_kv_heads)
         if tp not in valid:
@@ -90,137 +166,114 @@ def choose_layout(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -
             reasons.append(f"llmctl only: {_uneven_split(spec, tp)}")
         if not chosen.fits(ctx):
             raise _too_big(ctx, [chosen], f"the asked layout {layout_label(tp, pp)}")
-        return _finish(ctx, chosen, reasons, rejected, alternatives)
+        return self.finish(chosen, reasons)
 
-    need = ctx.max_model_len * options.min_concurrency
-    want = f"room for {options.min_concurrency} request(s) of {ctx.max_model_len:,} tokens"
-    gpus, nodes = ctx.gpus_per_node, ctx.nodes
-    pcie = any(n.interconnect == "pcie" for n in inventory.nodes if n.gpus)
-    tried: list[Evaluation] = []
-
-    def attempt(tp: int, pp: int) -> Evaluation | None:
-        if pp > spec.num_layers:
-            rejected.append(
-                (layout_label(tp, pp), f"more stages than the {spec.num_layers} layers")
-            )
+    def one_gpu(self) -> Plan | None:
+        """1. One GPU (the node's full width offered for throughput)."""
+        chosen = self.attempt(1, 1)
+        if chosen is None:
             return None
-        evaluation = evaluate(ctx, tp, pp)
-        tried.append(evaluation)
-        if evaluation.fits(ctx):
-            return evaluation
-        held = evaluation.blocks * options.block_size
-        rejected.append((layout_label(tp, pp), f"holds {held:,} KV tokens, needs {need:,}"))
-        return None
-
-    def whole(tp: int) -> bool:
-        """Quantized weights: every rank's row-parallel inputs are whole quantization groups."""
-        return not ctx.weights.cut_groups(spec.shape, tp, options.enable_expert_parallel)
-
-    def allowed(tp: int) -> bool:
-        if options.enable_expert_parallel and tp > spec.num_experts:
-            return False  # some rank would hold no expert
-        return whole(tp) and (
-            _even_tp(spec, tp)
-            or (options.allow_uneven_tp and tp in valid_tp_sizes(spec.num_heads, spec.num_kv_heads))
+        self.offer_full_width(chosen, 1)
+        return self.finish(
+            chosen, [f"the model fits one GPU with {self.want}: no distributed inference needed"]
         )
 
-    def uneven_whole(tp: int) -> bool:
-        return whole(tp) and _uneven_tp(spec, tp)
-
-    # 1. One GPU.
-    chosen = attempt(1, 1)
-    if chosen is not None:
-        reasons = [f"the model fits one GPU with {want}: no distributed inference needed"]
-        if gpus > 1 and allowed(gpus):
-            alternatives.append(_full_width(ctx, chosen, gpus))
-        elif gpus > 1 and uneven_whole(gpus):
-            layout, offer = _full_width(ctx, chosen, gpus)
-            alternatives.append((llmctl_only(gpus), f"{offer}; {_uneven_split(spec, gpus)}"))
-        return _finish(ctx, chosen, reasons, rejected, alternatives)
-
-    # 2. One node.
-    if gpus > 1:
-        if pcie:
+    def one_node(self) -> Plan | None:
+        """2. One node: pipeline stages over PCIe, else the smallest TP size that fits."""
+        gpus = self.ctx.gpus_per_node
+        if gpus == 1:
+            return None
+        if any(n.interconnect == "pcie" for n in self.ctx.inventory.nodes if n.gpus):
             for k in range(2, gpus + 1):
-                chosen = attempt(1, k)
+                chosen = self.attempt(1, k)
                 if chosen is not None:
-                    reasons = [
-                        f"too big for one GPU; fits {k} GPUs of one node with {want}",
+                    return self.finish(chosen, [
+                        f"too big for one GPU; fits {k} GPUs of one node with {self.want}",
                         "no NVLink (PCIe): pipeline stages inside the node, whose activations "
                         "cross the link once per stage instead of twice per layer",
-                    ]
-                    return _finish(ctx, chosen, reasons, rejected, alternatives)
-        else:
-            for tp in range(2, gpus + 1):
-                cuts = ctx.weights.cut_groups(spec.shape, tp, options.enable_expert_parallel)
-                if cuts:
-                    rejected.append(
-                        (layout_label(tp, 1), f"cuts the quantization groups of {cuts[0]}")
-                    )
-                    continue
-                if not allowed(tp):
-                    if _uneven_tp(spec, tp):
-                        uneven = evaluate(ctx, tp, 1)
-                        if uneven.fits(ctx):
-                            # What our engine can do and vLLM cannot, offered next to the
-                            # vLLM-compatible layout chosen below.
-                            alternatives.append(_uneven_offer(ctx, spec, tp, uneven, True))
-                            chosen = attempt(1, tp)
-                            if chosen is not None:
-                                reasons = [
-                                    f"too big for one GPU; {tp} GPUs hold it, but tp={tp} does "
-                                    f"not divide {spec.num_heads} heads ({spec.num_kv_heads} KV)",
-                                    f"so pipeline parallel over {tp} GPUs (tp=1, pp={tp}), which "
-                                    "splits layers unevenly (--allow-uneven-tp would use tp)",
-                                ]
-                                return _finish(ctx, chosen, reasons, rejected, alternatives)
-                            continue
-                        held = uneven.blocks * options.block_size
-                        why = f"uneven tensor parallel holds {held:,} KV tokens, needs {need:,}"
-                        rejected.append((llmctl_only(tp), why))
-                        continue
-                    rejected.append(
-                        (layout_label(tp, 1), f"tp={tp} does not divide {spec.num_heads} heads")
-                    )
-                    continue
-                chosen = attempt(tp, 1)
-                if chosen is not None:
-                    reasons = [
-                        f"too big for one GPU; fits one node with tensor parallel over {tp} "
-                        f"GPUs with {want}",
-                        f"tp={tp} is the smallest tensor-parallel size that fits",
-                    ]
-                    if _uneven_tp(spec, tp):
-                        reasons.append(f"llmctl only: {_uneven_split(spec, tp)}")
-                    if tp < gpus and allowed(gpus):
-                        alternatives.append(_full_width(ctx, chosen, gpus))
-                    elif tp < gpus and uneven_whole(gpus):
-                        layout, offer = _full_width(ctx, chosen, gpus)
-                        offer = f"{offer}; {_uneven_split(spec, gpus)}"
-                        alternatives.append((llmctl_only(gpus), offer))
-                    return _finish(ctx, chosen, reasons, rejected, alternatives)
+                    ])  # fmt: skip
+            return None
+        for tp in range(2, gpus + 1):
+            plan = self.tensor_parallel(tp)
+            if plan is not None:
+                return plan
+        return None
 
-    # 3. Across nodes: tp = GPUs per node, pp = nodes used.
-    tp = max((t for t in range(1, gpus + 1) if allowed(t)), default=1)
-    for n in range(2, nodes + 1):
-        chosen = attempt(tp, n)
-        if chosen is not None:
+    def tensor_parallel(self, tp: int) -> Plan | None:
+        spec, ctx = self.spec, self.ctx
+        cuts = ctx.weights.cut_groups(spec.shape, tp, self.options.enable_expert_parallel)
+        if cuts:
+            self.rejected.append(
+                (layout_label(tp, 1), f"cuts the quantization groups of {cuts[0]}")
+            )
+            return None
+        if not self.allowed(tp):
+            return self.uneven_instead(tp)
+        chosen = self.attempt(tp, 1)
+        if chosen is None:
+            return None
+        reasons = [
+            f"too big for one GPU; fits one node with tensor parallel over {tp} GPUs with "
+            f"{self.want}",
+            f"tp={tp} is the smallest tensor-parallel size that fits",
+        ]
+        if _uneven_tp(spec, tp):
+            reasons.append(f"llmctl only: {_uneven_split(spec, tp)}")
+        self.offer_full_width(chosen, tp)
+        return self.finish(chosen, reasons)
+
+    def uneven_instead(self, tp: int) -> Plan | None:
+        """A tp that does not divide the heads: offered as llmctl only, with pipeline stages
+        over as many GPUs chosen (rule 3 of the module doc)."""
+        spec, ctx = self.spec, self.ctx
+        if not _uneven_tp(spec, tp):
+            self.rejected.append(
+                (layout_label(tp, 1), f"tp={tp} does not divide {spec.num_heads} heads")
+            )
+            return None
+        uneven = evaluate(ctx, tp, 1)
+        if not uneven.fits(ctx):
+            held = uneven.blocks * self.options.block_size
+            why = f"uneven tensor parallel holds {held:,} KV tokens, needs {self.need:,}"
+            self.rejected.append((llmctl_only(tp), why))
+            return None
+        # What our engine can do and vLLM cannot, offered next to the vLLM-compatible layout.
+        self.alternatives.append(_uneven_offer(ctx, spec, tp, uneven, True))
+        chosen = self.attempt(1, tp)
+        if chosen is None:
+            return None
+        return self.finish(chosen, [
+            f"too big for one GPU; {tp} GPUs hold it, but tp={tp} does not divide "
+            f"{spec.num_heads} heads ({spec.num_kv_heads} KV)",
+            f"so pipeline parallel over {tp} GPUs (tp=1, pp={tp}), which splits layers "
+            "unevenly (--allow-uneven-tp would use tp)",
+        ])  # fmt: skip
+
+    def across_nodes(self) -> Plan | None:
+        """3. Across nodes: tp = GPUs per node, pp = the fewest nodes that fit."""
+        ctx, spec = self.ctx, self.spec
+        gpus = ctx.gpus_per_node
+        tp = max((t for t in range(1, gpus + 1) if self.allowed(t)), default=1)
+        for n in range(2, ctx.nodes + 1):
+            chosen = self.attempt(tp, n)
+            if chosen is None:
+                continue
             reasons = [
-                f"too big for one node; fits {n} nodes with {want}",
+                f"too big for one node; fits {n} nodes with {self.want}",
                 f"tensor parallel inside each node (tp={tp}"
                 + ("" if tp == gpus else f", the largest size <= {gpus} that divides the heads")
                 + f"), pipeline parallel across the {n} nodes (pp={n})",
             ]
-            if tp < gpus and uneven_whole(gpus):
+            if tp < gpus and self.uneven_whole(gpus):
                 wider = evaluate(ctx, gpus, n)
                 if wider.fits(ctx):
                     ratio = wider.blocks / max(chosen.blocks, 1)
                     offer = f"every GPU of the {n} nodes: {ratio:.1f}x the KV cache"
-                    alternatives.append(
+                    self.alternatives.append(
                         (llmctl_only(gpus, n), f"{offer}; {_uneven_split(spec, gpus)}")
                     )
-            return _finish(ctx, chosen, reasons, rejected, alternatives)
-    raise _too_big(ctx, tried, f"{nodes} node(s) x {gpus} GPU(s) of {ctx.gpu_gib:g} GiB")
+            return self.finish(chosen, reasons)
+        return None
 
 
 def _full_width(ctx: PlanContext, chosen: Evaluation, gpus: int) -> tuple[str, str]:
@@ -252,34 +305,7 @@ def _finish(ctx: PlanContext, chosen: Evaluation, reasons, rejected, alternative
     reasons.append(
         f"the KV cache has {blocks:,} blocks: as many as rank {worst.rank} (the fewest) holds"
     )
-    # `llmctl serve`: the layout, then the options the prediction depends on where they differ
-    # from the engine's defaults, spelled as EngineArgs declares them.
-    defaults = PlanOptions()
-    cpu = opts.device == "cpu"
-    layout = {
-        "tensor_parallel_size": tp if tp > 1 else None,
-        "pipeline_parallel_size": pp if pp > 1 else None,
-        "distributed_executor_backend": backend if world > 1 else None,
-        "pipeline_layer_partition": None if chosen.default_parts else chosen.parts,
-    }
-    engine = {
-        "dtype": ctx.dtype if opts.dtype != "auto" else None,
-        "max_model_len": (
-            ctx.max_model_len if ctx.max_model_len != spec.max_position_embeddings else None
-        ),
-        "device": "cpu" if cpu else None,
-        "kv_cache_space_gib": opts.kv_cache_space_gib if cpu else None,
-        "gpu_memory_utilization": (
-            opts.gpu_memory_utilization
-            if not cpu and opts.gpu_memory_utilization != defaults.gpu_memory_utilization
-            else None
-        ),
-        "block_size": opts.block_size if opts.block_size != defaults.block_size else None,
-        "max_num_seqs": opts.max_num_seqs if opts.max_num_seqs != defaults.max_num_seqs else None,
-        "max_num_batched_tokens": opts.max_num_batched_tokens,
-        "quantization": opts.quantization,
-        "enable_expert_parallel": opts.enable_expert_parallel or None,
-    }
+    layout, engine = _serve_args(ctx, chosen, backend)
     serve = ["llmctl", "serve", spec.name, *engine_args_to_argv(layout, aliases=True)]
     serve += engine_args_to_argv(engine)
     steps = [RunStep("serve", tuple(serve))]
@@ -318,6 +344,41 @@ def _finish(ctx: PlanContext, chosen: Evaluation, reasons, rejected, alternative
         weight_format_detail=ctx.weights.detail(spec.shape) if ctx.weights.quantized else "",
         num_experts=spec.shape.num_experts or 0,
     )
+
+
+def _serve_args(ctx: PlanContext, chosen: Evaluation, backend: str) -> tuple[dict, dict]:
+    """The EngineArgs keywords of the plan's `llmctl serve`: the layout, then the options the
+    prediction depends on where they differ from the engine's defaults (None: left out)."""
+    spec, opts = ctx.spec, ctx.options
+    tp, pp = chosen.tp, chosen.pp
+    world = tp * pp
+    defaults = PlanOptions()
+    cpu = opts.device == "cpu"
+    layout = {
+        "tensor_parallel_size": tp if tp > 1 else None,
+        "pipeline_parallel_size": pp if pp > 1 else None,
+        "distributed_executor_backend": backend if world > 1 else None,
+        "pipeline_layer_partition": None if chosen.default_parts else chosen.parts,
+    }
+    engine = {
+        "dtype": ctx.dtype if opts.dtype != "auto" else None,
+        "max_model_len": (
+            ctx.max_model_len if ctx.max_model_len != spec.max_position_embeddings else None
+        ),
+        "device": "cpu" if cpu else None,
+        "kv_cache_space_gib": opts.kv_cache_space_gib if cpu else None,
+        "gpu_memory_utilization": (
+            opts.gpu_memory_utilization
+            if not cpu and opts.gpu_memory_utilization != defaults.gpu_memory_utilization
+            else None
+        ),
+        "block_size": opts.block_size if opts.block_size != defaults.block_size else None,
+        "max_num_seqs": opts.max_num_seqs if opts.max_num_seqs != defaults.max_num_seqs else None,
+        "max_num_batched_tokens": opts.max_num_batched_tokens,
+        "quantization": opts.quantization,
+        "enable_expert_parallel": opts.enable_expert_parallel or None,
+    }
+    return layout, engine
 
 
 def _too_big(ctx: PlanContext, tried: list[Evaluation], what: str) -> PlanError:

@@ -373,29 +373,7 @@ class EngineArgs:
         layer_partition = parse_layer_partition(
             self.pipeline_layer_partition or envs.LLMCTL_PP_LAYER_PARTITION
         )
-        check_layout(
-            shape,
-            self.tensor_parallel_size,
-            self.pipeline_parallel_size,
-            layer_partition,
-            self.enable_expert_parallel,
-        )
-        quantization = self._quantization(source.gguf_file)
-        ep_size = self.tensor_parallel_size * (
-            self.data_parallel_size if self.enable_expert_parallel else 1
-        )
-        if self.enable_expert_parallel and ep_size > 1:
-            from llmctl.engine.distributed.partition import describe_expert_placement
-
-            across = f" (EP size {ep_size} = DP x TP)" if self.data_parallel_size > 1 else ""
-            logger.info(
-                "Expert parallel%s: %s",
-                across,
-                describe_expert_placement(shape.num_experts, ep_size),
-            )
-        check_group_split(
-            shape, self.tensor_parallel_size, quantization, self.enable_expert_parallel
-        )
+        quantization = self._check_split(shape, layer_partition, source.gguf_file)
         resolved_dtype = platform.resolve_dtype(
             dtype, device, checkpoint_dtype(hf_config), quantized=quantization is not None
         )
@@ -439,6 +417,36 @@ class EngineArgs:
             parallel_config=parallel_config,
             device_config=device_config,
         )
+
+    def _check_split(
+        self, shape: ModelShape, layer_partition: tuple[int, ...] | None, gguf_file: str | None
+    ) -> QuantizationConfig | None:
+        """The layout and the weights' quantization, checked against the model's shape (typed
+        errors naming the sizes that divide); returns the quantization."""
+        check_layout(
+            shape,
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            layer_partition,
+            self.enable_expert_parallel,
+        )
+        quantization = self._quantization(gguf_file)
+        ep_size = self.tensor_parallel_size * (
+            self.data_parallel_size if self.enable_expert_parallel else 1
+        )
+        if self.enable_expert_parallel and ep_size > 1:
+            from llmctl.engine.distributed.partition import describe_expert_placement
+
+            across = f" (EP size {ep_size} = DP x TP)" if self.data_parallel_size > 1 else ""
+            logger.info(
+                "Expert parallel%s: %s",
+                across,
+                describe_expert_placement(shape.num_experts, ep_size),
+            )
+        check_group_split(
+            shape, self.tensor_parallel_size, quantization, self.enable_expert_parallel
+        )
+        return quantization
 
     def create_parallel_config(
         self, layer_partition: tuple[int, ...] | None = None

@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 from llmctl.cluster.inventory import inventory_from_flags
-from llmctl.cluster.plan.manifests import kube_options, manifests
+from llmctl.cluster.plan.kube_options import kube_options
+from llmctl.cluster.plan.manifests import manifests
 from llmctl.cluster.plan.model_spec import load_model_spec
 from llmctl.cluster.plan.planner import PlanOptions, make_plan
 from llmctl.engine import LLM, SamplingParams

@@ -20,13 +20,8 @@ import yaml
 from k8s_schemas import errors
 
 from llmctl.cluster.inventory import inventory_from_flags
-from llmctl.cluster.plan.manifests import (
-    KubeOptions,
-    kube_options,
-    manifests,
-    serve_argv,
-    to_yaml,
-)
+from llmctl.cluster.plan.kube_options import KubeOptions, kube_options
+from llmctl.cluster.plan.manifests import manifests, serve_argv, to_yaml
 from llmctl.cluster.plan.model_spec import load_model_spec
 from llmctl.cluster.plan.planner import PlanOptions, make_plan
 from llmctl.engine.entrypoints.ray_serve_app import split_args

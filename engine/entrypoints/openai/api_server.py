@@ -99,14 +99,16 @@ def build_app(
 
     app = FastAPI(title="llmctl", version=version("llmctl"), lifespan=lifespan)
     metrics = ServerMetrics(engine_client, served_model_name)
-    completions = CompletionsHandler(engine_client, served_model_name, metrics)
-    chat = ChatHandler(engine_client, served_model_name, metrics)
-    model_config = engine_client.engine.config.model_config
-    body_limit = config.body_limit(
-        model_config.max_model_len, max_token_bytes(engine_client.engine.tokenizer)
-    )
     if config.api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=config.api_key)
+    _add_error_handlers(app, served_model_name)
+    _add_info_routes(app, engine_client, served_model_name, metrics)
+    _add_generation_routes(app, engine_client, served_model_name, metrics, config, prepare_pool)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, served_model_name: str) -> None:
+    """Every error in OpenAI's JSON shape, unknown routes and methods included."""
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -138,6 +140,13 @@ def build_app(
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
         return response_for(exc)  # 500 in OpenAI's shape (uvicorn logs the traceback)
+
+
+def _add_info_routes(
+    app: FastAPI, engine_client: EngineClient, served_model_name: str, metrics: ServerMetrics
+) -> None:
+    """/health, /version, /v1/models, /metrics."""
+    model_config = engine_client.engine.config.model_config
 
     @app.get("/health")
     async def health() -> Response:
@@ -187,6 +196,24 @@ def build_app(
 
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+
+def _add_generation_routes(
+    app: FastAPI,
+    engine_client: EngineClient,
+    served_model_name: str,
+    metrics: ServerMetrics,
+    config: ServerConfig,
+    prepare_pool: concurrent.futures.Executor,
+) -> None:
+    """/v1/completions and /v1/chat/completions: a body read on the event loop (bounded in size
+    and time), prepared in the pool, then streamed or answered whole."""
+    completions = CompletionsHandler(engine_client, served_model_name, metrics)
+    chat = ChatHandler(engine_client, served_model_name, metrics)
+    body_limit = config.body_limit(
+        engine_client.engine.config.model_config.max_model_len,
+        max_token_bytes(engine_client.engine.tokenizer),
+    )
+
     async def serve(request: Request, handler: OpenAIServing) -> Response:
         length = request.headers.get("content-length")
         raw = await read_body(
@@ -208,8 +235,6 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
         return await serve(request, chat)
-
-    return app
 
 
 def run_server(
