@@ -87,7 +87,9 @@ class MLAAttention(nn.Module):
     def expand_kv(self, latent: torch.Tensor, k_pe: torch.Tensor):
         """latent [S, kv_lora_rank], k_pe [S, rope] -> keys [S, H, nope + rope], values
         [S, H, v]: what transformers' expand_kv computes."""
-        kv = self.kv_b_proj(latent).view(-1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        kv = self.kv_b_proj(latent).view(
+            -1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim
+        )
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)), dim=-1)
         return k, v

@@ -41,7 +41,8 @@ from llmctl.engine.config.memory_profile import DEFAULT_CPU_KV_CACHE_SPACE_GIB
 from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.errors import ConfigError
 from llmctl.engine.layers.quantization.quant_config import (
-    QUANTIZATION_METHODS,
+    FLAG_METHODS,
+    FP8_METHOD,
     RTN_GROUP_SIZE,
     QuantizationConfig,
     check_group_split,
@@ -134,11 +135,12 @@ class EngineArgs:
         commands=PLANNER,
     )
     quantization: str | None = option(
-        "Weight-only quantization of a float checkpoint: int8 or int4 (per-group of "
-        f"{RTN_GROUP_SIZE} weights, round-to-nearest; activations stay float). A quantized GGUF "
-        "file runs in its own format without it.",
+        "Quantization of a float checkpoint: int8 or int4 (weight-only, per-group of "
+        f"{RTN_GROUP_SIZE} weights, round-to-nearest; activations stay float), or fp8 (128x128 "
+        "blocks, round-to-nearest; on CUDA activations in FP8 per token and group of 128). A "
+        "quantized GGUF file or an FP8 checkpoint runs in its own format without it.",
         default=None,
-        default_help="none; a GGUF file's own",
+        default_help="none; a GGUF file's or FP8 checkpoint's own",
         commands=PLANNER,
     )
     enforce_eager: bool = option(
@@ -365,10 +367,10 @@ class EngineArgs:
                 f"max_restarts must be non-negative, got {self.max_restarts}",
                 "pass --max-restarts 3 (0: never restart)",
             )
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+        if self.quantization is not None and self.quantization not in FLAG_METHODS:
             raise ConfigError(
                 f"unknown quantization {self.quantization!r}",
-                f"use --quantization {' or '.join(QUANTIZATION_METHODS)}, or leave it out",
+                f"use --quantization {' or '.join(FLAG_METHODS)}, or leave it out",
             )
 
     def create_engine_config(self, progress=None) -> EngineConfig:
@@ -400,7 +402,9 @@ class EngineArgs:
             layer_partition,
             self.enable_expert_parallel,
         )
-        quantization = self._quantization(source.gguf_file)
+        quantization = self._quantization(source.gguf_file, hf_config)
+        if quantization is not None and quantization.method == FP8_METHOD:
+            platform.check_fp8(device)
         ep_size = self.tensor_parallel_size * (
             self.data_parallel_size if self.enable_expert_parallel else 1
         )
@@ -499,8 +503,12 @@ class EngineArgs:
             nnodes=self.nnodes,
         )
 
-    def _quantization(self, gguf_file: str | None) -> QuantizationConfig | None:
-        """--quantization, or a GGUF file's own (refusing the flag on a quantized file)."""
+    def _quantization(self, gguf_file: str | None, hf_config=None) -> QuantizationConfig | None:
+        """--quantization, or a GGUF file's or FP8 checkpoint's own (refusing an integer scheme
+        on an already quantized file)."""
+        if not gguf_file:
+            checkpoint = QuantizationConfig.for_checkpoint(hf_config)
+            return resolve_quantization(self.quantization, None, checkpoint)
         gguf_config = None
         if gguf_file:
             from llmctl.engine.model_loader.gguf_file import gguf_tensor_types

@@ -18,17 +18,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmctl.engine.distributed.partition import (
-    HeadShard,
-    column_shards,
-    expert_shards,
-    head_shards,
-)
 from llmctl.engine.config.mla_shape import (
     MLA_ARCHITECTURES,
     check_mla_shape,
     mla_attention_params,
     mla_shape_values,
+)
+from llmctl.engine.distributed.partition import (
+    HeadShard,
+    column_shards,
+    expert_shards,
+    head_shards,
 )
 from llmctl.engine.errors import ConfigError
 

@@ -61,8 +61,7 @@ class Routing:
             )
         if self.top_k > chosen * (num_experts // groups):
             raise ConfigError(
-                f"{what}: top-{self.top_k} experts from {chosen} groups of "
-                f"{num_experts // groups}",
+                f"{what}: top-{self.top_k} experts from {chosen} groups of {num_experts // groups}",
                 "fix num_experts_per_tok or topk_group in the model's config.json",
             )
 

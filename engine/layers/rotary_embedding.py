@@ -110,9 +110,7 @@ def attention_factor(params: dict, max_position: int) -> float:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(
-        self, head_dim: int, max_position: int, params: dict, interleaved: bool = False
-    ):
+    def __init__(self, head_dim: int, max_position: int, params: dict, interleaved: bool = False):
         super().__init__()
         self.head_dim = head_dim
         # the features of each head that rotate (GLM-4.5: the first half)

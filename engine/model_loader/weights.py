@@ -13,22 +13,33 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llmctl.engine.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class CheckpointTensor:
     """One tensor of a checkpoint; `narrow` reads only the requested rows or columns."""
 
-    def __init__(self, name: str, shape: tuple[int, ...], reader, transposed: bool = False):
+    def __init__(
+        self, name: str, shape: tuple[int, ...], reader, transposed: bool = False, dtype=None
+    ):
         self.name = name
         self._shape = tuple(shape)
         self._reader = reader  # reader(index_tuple) -> torch.Tensor for that slice
         self._transposed = transposed
+        self.dtype = dtype  # the stored torch dtype (float8_e4m3fn: a block-FP8 weight)
 
     @classmethod
     def from_tensor(cls, name: str, tensor) -> CheckpointTensor:
-        return cls(name, tuple(tensor.shape), lambda index: tensor[index])
+        return cls(name, tuple(tensor.shape), lambda index: tensor[index], dtype=tensor.dtype)
+
+    def read(self, index: tuple) -> torch.Tensor:
+        """The stored tensor at `index` (a tuple of slices), reading only that part."""
+        return self._reader(index)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -38,7 +49,9 @@ class CheckpointTensor:
     def T(self) -> CheckpointTensor:  # noqa: N802 - mirrors torch.Tensor.T
         if len(self._shape) != 2:
             raise ValueError(f"{self.name}: only 2-D tensors can be transposed")
-        return CheckpointTensor(self.name, self._shape, self._reader, not self._transposed)
+        return CheckpointTensor(
+            self.name, self._shape, self._reader, not self._transposed, self.dtype
+        )
 
     def narrow(self, dim: int, start: int, length: int):
         dim = dim % len(self._shape)
@@ -281,7 +294,7 @@ def _iterate_safetensors(file: Path) -> Iterator[tuple[str, CheckpointTensor]]:
         def reader(index, raw=raw, dtype=dtype, shape=shape):
             return torch.from_numpy(raw).view(dtype).reshape(shape)[index].clone()
 
-        yield name, CheckpointTensor(name, shape, reader)
+        yield name, CheckpointTensor(name, shape, reader, dtype=dtype)
         drop_mapped_pages(raw)  # the consumer holds its copy (a later read faults them back in)
 
 

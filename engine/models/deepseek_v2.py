@@ -40,7 +40,7 @@ from llmctl.engine.layers.rotary_embedding import RotaryEmbedding, rope_paramete
 from llmctl.engine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from llmctl.engine.model_loader.weights import CheckpointTensor
 from llmctl.engine.models.llama import LlamaMLP
-from llmctl.engine.models.utils import IntermediateTensors, load_weights, make_layers
+from llmctl.engine.models.utils import load_weights, make_layers
 
 
 class MoEGate(nn.Module):

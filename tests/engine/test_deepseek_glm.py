@@ -77,7 +77,9 @@ def test_the_latent_cache_is_one_row_a_token(tiny_models):
     runner = llm.llm_engine.executor.worker.model_runner
     width = config.kv_lora_rank + config.qk_rope_head_dim
     assert runner.kv_cache_bytes_per_block() == mla_bytes_per_block(config)
-    assert [tuple(c.shape) for c in runner.kv_caches] == [(llm.llm_engine.num_blocks, 16, width)] * 2
+    assert [tuple(c.shape) for c in runner.kv_caches] == [
+        (llm.llm_engine.num_blocks, 16, width)
+    ] * 2
     assert runner.attn_backend.name == "torch-mla"
     llm.shutdown()
 

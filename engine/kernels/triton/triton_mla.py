@@ -1,4 +1,4 @@
-"""Multi-head latent attention on the GPU: the latent cache write and the absorbed decode, in Triton.
+"""Multi-head latent attention on the GPU: the latent cache write and the absorbed decode (Triton).
 
 The cache of one layer: [num_blocks, block_size, kv_lora_rank + rope] (unit last stride), per
 token its latent then its rope key (attention/mla_layer.py).

@@ -150,3 +150,20 @@ def mla_decode_attention(
 @mla_decode_attention.register_fake
 def _(q_latent, q_pe, cache, block_tables, seq_lens, scale):
     return torch.empty_like(q_latent)
+
+
+# -- block FP8 (triton_fp8_gemm.py) -------------------------------------------------------------
+
+
+@torch.library.custom_op("llmctl::fp8_block_mm", mutates_args=())
+def fp8_block_mm(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    from llmctl.engine.kernels.triton.triton_fp8_gemm import fp8_block_mm as mm
+
+    return mm(x, qweight, scales, group_size)
+
+
+@fp8_block_mm.register_fake
+def _(x, qweight, scales, group_size):
+    return x.new_empty(x.shape[0], qweight.shape[0])
