@@ -63,7 +63,9 @@ def fp8_block_mm(
         return y
     xq, xs = per_token_group_quant(x.contiguous(), group_size)
     w = qweight.view(torch.float8_e4m3fn)
-    block_m = 16 if m <= 16 else (64 if m <= 128 else 128)
+    # 64 rows at least: below that Triton lowers an FP8 dot on sm_90 to float16 MMAs (wgmma
+    # needs 64; tests/kernels/test_triton_compile_fp8_mla.py checks the instructions)
+    block_m = 64 if m <= 128 else 128
     block_n = 128 if n >= 128 else 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _gemm_kernel[grid](
@@ -71,7 +73,7 @@ def fp8_block_mm(
         m, n, k,
         xq.stride(0), w.stride(0), xs.stride(0), scales.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=group_size,
-        num_warps=4 if block_m <= 64 else 8,
+        num_warps=4 if block_m == 64 else 8,
         num_stages=3,
     )  # fmt: skip
     return y
