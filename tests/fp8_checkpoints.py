@@ -25,8 +25,9 @@ QUANTIZATION_CONFIG = {
 
 def is_fp8_tensor(name: str) -> bool:
     """The tensors DeepSeek-V3's FP8 checkpoint stores in FP8: the decoder layers' `*_proj`
-    matrices (the routers `mlp.gate`, the norms and the embeddings stay float)."""
-    return ".layers." in name and name.endswith("_proj.weight")
+    matrices, kv_a_proj_with_mqa included (the routers `mlp.gate`, the norms and the embeddings
+    stay float)."""
+    return ".layers." in name and name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
 
 
 def write_fp8(float_dir: Path, fp8_dir: Path, dequantized_dir: Path) -> None:
