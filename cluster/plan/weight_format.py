@@ -303,12 +303,14 @@ class WeightFormats:
                         cuts.append(f"{t.role} ({what})")
         return cuts
 
-    def check_split(self, shape: ModelShape, tp: int, valid: Iterable[int]) -> None:
+    def check_split(
+        self, shape: ModelShape, tp: int, valid: Iterable[int], expert_parallel: bool = False
+    ) -> None:
         """ConfigError naming the tensor-parallel sizes that split whole blocks, when `tp` cuts
         one."""
-        cuts = self.cut_groups(shape, tp)
+        cuts = self.cut_groups(shape, tp, expert_parallel)
         if cuts:
-            ok = [str(t) for t in valid if not self.cut_groups(shape, t)]
+            ok = [str(t) for t in valid if not self.cut_groups(shape, t, expert_parallel)]
             raise ConfigError(
                 f"tensor_parallel_size={tp} cuts the quantization groups of {cuts[0]}",
                 f"use tensor_parallel_size {', '.join(ok)}, or pipeline parallel",
