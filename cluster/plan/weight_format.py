@@ -368,6 +368,9 @@ _GGUF_LAYER_ROLES = {
     "ffn_gate_exps": "gate",
     "ffn_up_exps": "up",
     "ffn_down_exps": "down",
+    "attn_q_a": "q_a",  # deepseek2's MLA (attn_k_b / attn_v_b: kv_b_proj, held in float)
+    "attn_q_b": "q_b",
+    "attn_kv_a_mqa": "kv_a",
     "ffn_gate_shexp": "shared_gate",
     "ffn_up_shexp": "shared_up",
     "ffn_down_shexp": "shared_down",

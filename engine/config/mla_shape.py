@@ -94,3 +94,79 @@ def mla_attention_params(shape: ModelShape, num_q_heads: int) -> int:
     params += shape.kv_lora_rank * num_q_heads * (shape.qk_nope_head_dim + shape.v_head_dim)
     params += num_q_heads * shape.v_head_dim * h + (h if shape.o_bias else 0)
     return params
+
+
+# -- GGUF: llama.cpp's deepseek2 -------------------------------------------------------------
+
+
+def mla_gguf_values(metadata, tensor_names: tuple[str, ...] | None) -> dict[str, Any]:
+    """ModelShape's fields (but the architecture) of a GGUF file of architecture deepseek2, as
+    llama.cpp's converter writes DeepSeek-V2/V3 and Kimi-K2: MLA as multi-query attention over
+    the latent (head_count_kv 1, key_length kv_lora_rank + rope), the per-head sizes in
+    key_length_mla / value_length_mla (files from before those keys: key_length and
+    value_length)."""
+
+    def key(name: str, default=None):
+        value = metadata.get(f"deepseek2.{name}")
+        return default if value is None else int(value)
+
+    heads, rope = key("attention.head_count"), key("rope.dimension_count")
+    qk = key("attention.key_length_mla") or key("attention.key_length")
+    v = key("attention.value_length_mla") or key("attention.value_length")
+    names = tensor_names or ()
+    moe_inter = key("expert_feed_forward_length", 0)
+    vocab = key("vocab_size")
+    if vocab is None:
+        from llmctl.engine.config.model_shape import GGUF_TOKENS
+
+        tokens = metadata.get(GGUF_TOKENS)
+        vocab = tokens if isinstance(tokens, int) or tokens is None else len(tokens)
+    return dict(
+        num_layers=key("block_count"),
+        hidden_size=key("embedding_length"),
+        num_attention_heads=heads,
+        num_kv_heads=heads,
+        head_dim=qk,
+        intermediate_size=key("feed_forward_length"),
+        vocab_size=vocab,
+        max_position_embeddings=key("context_length", 2048),
+        tie_word_embeddings=tensor_names is not None and "output.weight" not in names,
+        kv_lora_rank=key("attention.kv_lora_rank", 0),
+        q_lora_rank=key("attention.q_lora_rank", 0),
+        qk_nope_head_dim=(qk or 0) - (rope or 0),
+        qk_rope_head_dim=rope or 0,
+        v_head_dim=v or 0,
+        num_experts=key("expert_count", 0),
+        num_experts_per_tok=key("expert_used_count", 0),
+        moe_intermediate_size=moe_inter,
+        shared_expert_intermediate_size=moe_inter * key("expert_shared_count", 0),
+        shared_expert_gate=False,
+        first_k_dense_replace=key("leading_dense_block_count", 0),
+        expert_score_bias=any(n.endswith(".exp_probs_b.bias") for n in names)
+        or key("expert_gating_func") == 2,
+    )
+
+
+def mla_hf_config_values(shape: ModelShape) -> dict[str, Any]:
+    """A DeepSeek shape's sizes in config.json's keys (the GGUF converter writes these)."""
+    return {
+        "num_hidden_layers": shape.num_layers,
+        "hidden_size": shape.hidden_size,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "intermediate_size": shape.intermediate_size,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "vocab_size": shape.vocab_size,
+        "tie_word_embeddings": shape.tie_word_embeddings,
+        "kv_lora_rank": shape.kv_lora_rank,
+        "q_lora_rank": shape.q_lora_rank or None,
+        "qk_nope_head_dim": shape.qk_nope_head_dim,
+        "qk_rope_head_dim": shape.qk_rope_head_dim,
+        "v_head_dim": shape.v_head_dim,
+        "n_routed_experts": shape.num_experts,
+        "num_experts_per_tok": shape.num_experts_per_tok,
+        "moe_intermediate_size": shape.moe_intermediate_size,
+        "n_shared_experts": shape.shared_expert_intermediate_size
+        // max(shape.moe_intermediate_size, 1),
+        "first_k_dense_replace": shape.first_k_dense_replace,
+    }

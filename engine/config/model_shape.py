@@ -22,6 +22,8 @@ from llmctl.engine.config.mla_shape import (
     MLA_ARCHITECTURES,
     check_mla_shape,
     mla_attention_params,
+    mla_gguf_values,
+    mla_hf_config_values,
     mla_shape_values,
 )
 from llmctl.engine.distributed.partition import (
@@ -69,6 +71,7 @@ GGUF_ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    "deepseek2": "DeepseekV3ForCausalLM",  # V2 when its experts are gated by softmax
 }
 # GGUF metadata key (after the "<arch>." prefix) -> ModelShape field.
 GGUF_KEYS = {
@@ -302,6 +305,12 @@ class ModelShape:
                 f"GGUF architecture {gguf_arch!r} is not supported",
                 f"llmctl reads GGUF files of {', '.join(sorted(GGUF_ARCHITECTURES))}",
             )
+        if gguf_arch == "deepseek2":
+            # llama.cpp: no gating function recorded means softmax (V2 and V2.5 files)
+            values = mla_gguf_values(metadata, tensor_names)
+            v3 = values["expert_score_bias"]  # sigmoid gating with e_score_correction_bias
+            arch = "DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"
+            return cls(architecture=arch, **values)
         values: dict[str, Any] = {}
         for key, name in GGUF_KEYS.items():
             value = metadata.get(f"{gguf_arch}.{key}")
@@ -336,6 +345,8 @@ class ModelShape:
 
     def hf_config_values(self) -> dict[str, Any]:
         """This shape in a Hugging Face config's keys (the GGUF converter writes these)."""
+        if self.is_mla:
+            return mla_hf_config_values(self)
         if self.family == "gpt2":
             return {
                 "n_layer": self.num_layers,

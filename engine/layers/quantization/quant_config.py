@@ -157,7 +157,8 @@ def _row_split_sizes(shape: ModelShape, tp: int, expert_parallel: bool = False) 
     from llmctl.engine.distributed.partition import column_shards, head_shards
 
     heads = head_shards(shape.num_attention_heads, shape.num_kv_heads, tp)
-    sizes = [[h.num_q_heads * shape.head_dim for h in heads]]
+    per_head = shape.v_head_dim if shape.is_mla else shape.head_dim  # o_proj's inputs
+    sizes = [[h.num_q_heads * per_head for h in heads]]
     if not all(shape.is_moe_layer(layer) for layer in range(shape.num_layers)):
         sizes.append(column_shards(shape.intermediate_size, tp, "MLP features"))
     elif not expert_parallel:
@@ -196,6 +197,7 @@ def check_whole_groups(shape: ModelShape, method: str, group_size: int = RTN_GRO
     if method in ("gguf", FP8_METHOD):
         return
     widths = {shape.hidden_size} | {s for split in _row_split_sizes(shape, 1) for s in split}
+    widths |= {shape.q_lora_rank} if shape.q_lora_rank else set()  # MLA's q_b_proj
     odd = sorted(w for w in widths if w % group_size)
     if odd:
         raise ConfigError(
@@ -232,7 +234,7 @@ def check_group_split(
     raise ConfigError(
         f"tensor_parallel_size={tp} would cut the {what} of {quant.group_size} weights: the "
         f"row-parallel layers split {features}"
-        f"{shape.num_attention_heads * shape.head_dim} attention features into "
+        f"{sum(_row_split_sizes(shape, 1)[0])} attention features into "
         f"{' and '.join(str(s) for s in _row_split_sizes(shape, tp, expert_parallel))}",
         hint,
     )
