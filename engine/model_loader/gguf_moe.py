@@ -26,6 +26,7 @@ from typing import Any
 from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.errors import UnsupportedArchitectureError
 
+_GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
 # GGUF architectures with experts -> (transformers model_type, architecture, MLP module, names of
 # an expert's gate / up / down)
 _MOE = {
