@@ -120,14 +120,18 @@ def test_two_replicas_sharing_the_experts_match_transformers(tiny_models, expect
     assert tokens == expected("deepseek-v3")
 
 
-def test_triton_attention_path_matches_transformers(tiny_models, expected, monkeypatch):
-    """The Triton MLA kernels (the latent cache write, the absorbed decode) through the engine;
-    in Triton's interpreter on a machine without a GPU."""
+@pytest.mark.parametrize("family, backend", [("deepseek-v3", "triton-mla"), ("glm4-moe", "triton")])
+def test_triton_attention_path_matches_transformers(
+    family, backend, tiny_models, expected, monkeypatch
+):
+    """The Triton kernels through the engine (DeepSeek's MLA ones: the latent cache write, the
+    absorbed decode; GLM-4.5's paged attention after its partial rotary); in Triton's
+    interpreter on a machine without a GPU."""
     monkeypatch.setenv("LLMCTL_ATTENTION_BACKEND", "triton")
-    path = tiny_models.path("deepseek-v3")
+    path = tiny_models.path(family)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     llm = LLM(str(path), device=device, **COMMON)
-    assert llm.llm_engine.executor.worker.model_runner.attn_backend.name == "triton-mla"
+    assert llm.llm_engine.executor.worker.model_runner.attn_backend.name == backend
     tokens = token_ids(llm.generate(prompts(), GREEDY_24, use_tqdm=False))
     llm.shutdown()
-    assert tokens == expected("deepseek-v3")
+    assert tokens == expected(family)
