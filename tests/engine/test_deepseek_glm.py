@@ -135,3 +135,20 @@ def test_triton_attention_path_matches_transformers(
     tokens = token_ids(llm.generate(prompts(), GREEDY_24, use_tqdm=False))
     llm.shutdown()
     assert tokens == expected(family)
+
+
+def test_a_kimi_k2_checkpoint_reads_as_deepseek_v3(tiny_models, expected, tmp_path):
+    """Kimi-K2's config.json names model_type kimi_k2 with custom code (auto_map) for what is
+    transformers' DeepseekV3Config: read without running (or asking to trust) that code."""
+    import json
+    import shutil
+
+    path = tmp_path / "kimi-k2"
+    shutil.copytree(tiny_models.path("deepseek-v3"), path)
+    config = json.loads((path / "config.json").read_text())
+    config["model_type"] = "kimi_k2"
+    config["auto_map"] = {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}
+    (path / "config.json").write_text(json.dumps(config))
+    with LLM(str(path), **COMMON) as llm:
+        tokens = token_ids(llm.generate(prompts()[:2], GREEDY_24, use_tqdm=False))
+    assert tokens == expected("deepseek-v3")[:2]

@@ -79,3 +79,14 @@ def test_a_checkpoint_quantization_llmctl_does_not_read_is_named():
         QuantizationConfig.for_checkpoint({"quantization_config": {"quant_method": "awq"}})
     assert "'awq'" in err.value.message and "block-FP8" in err.value.hint
     assert QuantizationConfig.for_checkpoint({"vocab_size": 8}) is None
+
+
+def test_an_architecture_llmctl_does_not_run_names_those_it_does():
+    from llmctl.engine.errors import UnsupportedArchitectureError
+    from llmctl.engine.models.registry import check_architecture
+
+    with pytest.raises(UnsupportedArchitectureError) as err:
+        check_architecture("DeepseekV4ForCausalLM")
+    assert "'DeepseekV4ForCausalLM' is not supported" in err.value.message
+    for name in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"):
+        assert name in err.value.hint
