@@ -26,15 +26,16 @@ SHAPES = [
 ]
 
 
-def median_ms(fn, repeats: int) -> float:
+def median_ms(repeats: int, fn, *args) -> float:
+    """The median time of fn(*args) over `repeats` calls, in ms (CUDA events)."""
     import torch
 
-    fn()  # compile / warm up
+    fn(*args)  # compile / warm up
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        fn(*args)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
@@ -53,10 +54,8 @@ def fp8_gemm(args) -> None:
         dense = weight.dequantize().to(torch.bfloat16)
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ours = median_ms(
-                lambda: fp8_block_mm(x, weight.qweight, weight.scales, 128), args.repeats
-            )
-            cublas = median_ms(lambda: torch.mm(x, dense.t()), args.repeats)
+            ours = median_ms(args.repeats, fp8_block_mm, x, weight.qweight, weight.scales, 128)
+            cublas = median_ms(args.repeats, torch.mm, x, dense.t())
             print(f"  {name:20s} N={n:5d} K={k:5d} M={m:5d}: fp8 {ours:7.3f}, bf16 {cublas:7.3f}, "
                   f"ratio {cublas / ours:5.2f}x")  # fmt: skip
 
@@ -76,8 +75,7 @@ def mla_bandwidth(args) -> None:
             q_latent = torch.randn(batch, 16, 512, device="cuda", dtype=torch.bfloat16)
             q_pe = torch.randn(batch, 16, 64, device="cuda", dtype=torch.bfloat16)
             ms = median_ms(
-                lambda: mla_decode_attention(q_latent, q_pe, cache, tables, lens, 0.1),
-                args.repeats,
+                args.repeats, mla_decode_attention, q_latent, q_pe, cache, tables, lens, 0.1
             )
             gb = batch * context * 576 * 2 / 1e9
             print(
