@@ -31,6 +31,7 @@ from llmctl.engine.attention.mla_layer import MLAAttention
 from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.distributed.parallel_state import get_tp_group
 from llmctl.engine.distributed.partition import PipelineShard, head_shards
+from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
 from llmctl.engine.layers.fused_moe import FusedMoE, expert_param
 from llmctl.engine.layers.layernorm import RMSNorm
 from llmctl.engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -38,7 +39,6 @@ from llmctl.engine.layers.moe_routing import Routing
 from llmctl.engine.layers.quantization.linear_method import set_quant_config
 from llmctl.engine.layers.rotary_embedding import RotaryEmbedding, rope_parameters, yarn_mscale
 from llmctl.engine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from llmctl.engine.model_loader.weights import CheckpointTensor
 from llmctl.engine.models.llama import LlamaMLP
 from llmctl.engine.models.utils import load_weights, make_layers
 

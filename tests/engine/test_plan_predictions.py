@@ -19,7 +19,7 @@ from llmctl.cluster.plan.planner import PlanOptions, make_plan
 from llmctl.engine import LLM
 from llmctl.engine.config.engine_config import parse_layer_partition
 from llmctl.engine.config.model_shape import ModelShape
-from llmctl.engine.model_loader.weights import CheckpointTensor
+from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
 
 
 def _hf_config(spec: ModelSpec):

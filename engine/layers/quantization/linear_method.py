@@ -5,7 +5,7 @@ vLLM's current config); a linear layer built under one gets a PackedLinearMethod
 - takes the rows this rank's weight loader narrowed (a GGUF QuantizedCheckpointTensor, decoded
   to q/scales/zeros; or float rows, quantized round-to-nearest for int8/int4), so each rank reads
   and packs only its slice; fused layers (QKV, gate/up) store each sub-matrix at its row offset;
-- packs them after loading (`kernels.pack_groups`); sub-matrices of different formats (a
+- packs them after loading (`quantized_matmul.pack_groups`); sub-matrices of different formats (a
   Q4_K_M file's Q6_K attn_v next to Q4_K q/k) stay separate packed weights, concatenated on output;
 - computes y = x W^T (+ b) with `packed.matmul`. Activations stay float.
 """
@@ -156,8 +156,8 @@ class PackedLinearMethod:
 def readable(loaded):
     """A checkpoint slice as store() takes it: a torch tensor, a QuantizedCheckpointTensor or
     an Fp8CheckpointTensor (a lazy float CheckpointTensor is read now)."""
-    from llmctl.engine.model_loader.fp8_checkpoint import Fp8CheckpointTensor
-    from llmctl.engine.model_loader.weights import QuantizedCheckpointTensor
+    from llmctl.engine.layers.checkpoint_tensor import QuantizedCheckpointTensor
+    from llmctl.engine.layers.fp8_checkpoint_tensor import Fp8CheckpointTensor
 
     if not isinstance(loaded, (torch.Tensor, QuantizedCheckpointTensor, Fp8CheckpointTensor)):
         loaded = loaded.load()  # a whole CheckpointTensor (a replicated layer's)
@@ -169,8 +169,8 @@ def decode_piece(config: QuantizationConfig, loaded) -> tuple:
     a GGUF QuantizedCheckpointTensor or an FP8 checkpoint's slice decoded as it is, float rows
     quantized round-to-nearest under int8/int4/fp8, or kept float (a GGUF file's float tensor,
     a float tensor of an FP8 checkpoint)."""
-    from llmctl.engine.model_loader.fp8_checkpoint import Fp8CheckpointTensor
-    from llmctl.engine.model_loader.weights import QuantizedCheckpointTensor
+    from llmctl.engine.layers.checkpoint_tensor import QuantizedCheckpointTensor
+    from llmctl.engine.layers.fp8_checkpoint_tensor import Fp8CheckpointTensor
 
     loaded = readable(loaded)
     if isinstance(loaded, (QuantizedCheckpointTensor, Fp8CheckpointTensor)):
