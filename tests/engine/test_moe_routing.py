@@ -46,3 +46,19 @@ def test_groups_that_do_not_divide_the_experts_are_refused():
     assert "top-5 experts from 1 groups of 2" in err.value.message
     with pytest.raises(ConfigError):
         Routing(top_k=2, renormalize=True, scoring_func="softplus")
+
+
+def test_float32_logits_cross_the_dp_gather_in_bfloat16_columns_exactly():
+    """Data-parallel dispatch gathers router logits in the hidden states' columns: float32
+    logits of a bfloat16 model travel as their bits (two columns each), not rounded to bfloat16,
+    so a replica routes another's tokens as that replica would."""
+    from llmctl.engine.layers.fused_moe import _as_columns, _from_columns
+
+    logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(0)) * 3
+    columns = _as_columns(logits, torch.bfloat16)
+    assert columns.dtype == torch.bfloat16 and columns.shape == (5, 16)
+    hidden = torch.zeros(5, 7, dtype=torch.bfloat16)
+    gathered = torch.cat([hidden, columns], dim=1)  # as the all-gather carries them
+    assert torch.equal(_from_columns(gathered[:, 7:], torch.float32), logits)
+    same = _as_columns(logits, torch.float32)  # a float32 model: the logits as they are
+    assert torch.equal(_from_columns(same, torch.float32), logits)
