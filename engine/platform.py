@@ -132,3 +132,20 @@ def release_free_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def check_fp8(device: str) -> None:
+    """UnsupportedQuantizationError saying what to change when block-FP8 weights cannot run
+    on `device` (this torch build, this GPU)."""
+    import torch
+
+    from llmctl.engine.errors import UnsupportedQuantizationError
+    from llmctl.engine.layers.quantization.fp8 import check_fp8_device
+
+    if not hasattr(torch, "float8_e4m3fn"):
+        raise UnsupportedQuantizationError(
+            f"this torch build ({torch.__version__}) has no float8_e4m3fn dtype for FP8 weights",
+            "install torch 2.1 or newer",
+        )
+    capability = torch.cuda.get_device_capability() if device == "cuda" else None
+    check_fp8_device(device, capability, triton_available())

@@ -100,6 +100,75 @@ def tiny_configs() -> dict:
     }
 
 
+def routed_configs() -> dict:
+    """DeepSeek-V2/V3 and GLM-4.5, tiny (tests/engine/test_deepseek_glm.py): layer 0 dense, layer 1
+    a mixture of 8 experts with shared experts, 4 heads. "deepseek-v3": low-rank queries
+    (q_lora_rank), YaRN with mscale, sigmoid routing over 2 of 4 groups with a correction bias
+    and a scaling factor; "deepseek-v3-no-q-lora": q_proj, plain rotary on unpaired halves
+    (rope_interleave false), one group; "deepseek-v2": softmax routing, group_limited_greedy;
+    "glm4-moe": QKV bias, q/k norm, half the head rotary, grouped sigmoid routing."""
+    from transformers import DeepseekV2Config, DeepseekV3Config, Glm4MoeConfig
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        first_k_dense_replace=1,
+        max_position_embeddings=256,
+    )
+    mla = dict(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24)
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
+    return {
+        "deepseek-v3": DeepseekV3Config(
+            **common, **mla, q_lora_rank=48, n_shared_experts=1, n_group=4, topk_group=2,
+            routed_scaling_factor=2.5, rope_parameters=yarn,
+        ),
+        "deepseek-v3-no-q-lora": DeepseekV3Config(
+            **common, **mla, q_lora_rank=None, n_shared_experts=2, n_group=1, topk_group=1,
+            rope_interleave=False,
+        ),
+        "deepseek-v2": DeepseekV2Config(
+            **common, **mla, q_lora_rank=48, n_shared_experts=2, n_group=4, topk_group=2,
+            topk_method="group_limited_greedy", routed_scaling_factor=2.0,
+        ),
+        "glm4-moe": Glm4MoeConfig(
+            **common, num_key_value_heads=2, head_dim=32, n_shared_experts=1, n_group=2,
+            topk_group=1, attention_bias=True, use_qk_norm=True, routed_scaling_factor=1.5,
+        ),
+    }  # fmt: skip
+
+
+ROUTED_FAMILIES = ["deepseek-v3", "deepseek-v3-no-q-lora", "deepseek-v2", "glm4-moe"]
+
+
+def spread_routers(model) -> None:
+    """Routers that choose decisively: transformers initializes a router's weights with std 0.02
+    and DeepSeek's correction bias with zeros, so on a random model every expert scores about
+    the same and a rounding difference could pick another; std 0.5, a bias in [-0.1, 0.1]."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.copy_(torch.randn(param.shape, generator=g) * 0.5)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.rand(buf.shape, generator=g) * 0.2 - 0.1)
+
+
 def mixtral_with_experts_of(features: int):
     """The tiny Mixtral config with experts of `features` features (64: whole groups or blocks
     of 32 on each of two tensor-parallel ranks)."""
@@ -169,7 +238,10 @@ class TinyModels:
             from transformers import AutoModelForCausalLM
 
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(tiny_configs()[family]).eval()
+            configs = {**tiny_configs(), **routed_configs()}
+            model = AutoModelForCausalLM.from_config(configs[family]).eval()
+            if family in ROUTED_FAMILIES:
+                spread_routers(model)
             path = self.root / f"{family}-{save}"
             if save == "safetensors":
                 model.save_pretrained(path)

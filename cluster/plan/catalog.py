@@ -1,6 +1,8 @@
 """Popular models' public config values, typed in so planning works offline.
 
-Values from each model's config.json on the Hugging Face hub.
+Values from each model's config.json on the Hugging Face hub; the models that need several nodes
+(DeepSeek-V3, Kimi-K2, GLM-4.5, Qwen3-235B-A22B-FP8) as the config.json keys themselves, read by
+ModelSpec.from_config as a downloaded checkpoint's are (their FP8 quantization_config included).
 """
 
 from __future__ import annotations
@@ -77,6 +79,58 @@ _MODELS = [
            tie_word_embeddings=True),
 ]  # fmt: skip
 
+_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128]}  # fmt: skip
+_DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc",
+    "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1,
+    "first_k_dense_replace": 3, "norm_topk_prob": True, "scoring_func": "sigmoid",
+    "max_position_embeddings": 163840, "rope_theta": 10000, "tie_word_embeddings": False,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "attention_bias": False, "rms_norm_eps": 1e-06, "torch_dtype": "bfloat16",
+    "quantization_config": _FP8,
+}  # fmt: skip
+_CONFIGS = {
+    "DeepSeek-V3": _DEEPSEEK_V3,
+    "Kimi-K2": {
+        **_DEEPSEEK_V3, "model_type": "kimi_k2", "vocab_size": 163840, "num_attention_heads": 64,
+        "num_key_value_heads": 64, "n_routed_experts": 384, "routed_scaling_factor": 2.827,
+        "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+        "max_position_embeddings": 131072, "rope_theta": 50000.0,
+        "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                         "type": "yarn"},
+    },
+    "GLM-4.5": {
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 151552,
+        "hidden_size": 5120, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+        "num_hidden_layers": 92, "num_attention_heads": 96, "num_key_value_heads": 8,
+        "head_dim": 128, "n_routed_experts": 160, "n_shared_experts": 1,
+        "num_experts_per_tok": 8, "first_k_dense_replace": 3, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "partial_rotary_factor": 0.5,
+        "attention_bias": True, "use_qk_norm": True, "max_position_embeddings": 131072,
+        "rope_theta": 1000000, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
+    "Qwen3-235B-A22B-FP8": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+        "moe_intermediate_size": 1536, "num_hidden_layers": 94, "num_attention_heads": 64,
+        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "quantization_config": _FP8,
+    },
+}  # fmt: skip
+_MODELS += [ModelSpec.from_config(config, name) for name, config in _CONFIGS.items()]
+
 CATALOG: dict[str, ModelSpec] = {m.name: m for m in _MODELS}
 # Names people type: hub ids and short forms.
 _ALIASES = {
@@ -98,6 +152,14 @@ _ALIASES = {
     "openai-community/gpt2": "GPT-2",
     "huggingfacetb/smollm2-135m-instruct": "SmolLM2-135M-Instruct",
     "smollm2-135m": "SmolLM2-135M-Instruct",
+    "deepseek-ai/deepseek-v3": "DeepSeek-V3",
+    "deepseek-ai/deepseek-v3-0324": "DeepSeek-V3",
+    "deepseek-ai/deepseek-r1": "DeepSeek-V3",
+    "deepseek-r1": "DeepSeek-V3",
+    "moonshotai/kimi-k2-instruct": "Kimi-K2",
+    "moonshotai/kimi-k2-base": "Kimi-K2",
+    "zai-org/glm-4.5": "GLM-4.5",
+    "qwen/qwen3-235b-a22b-fp8": "Qwen3-235B-A22B-FP8",
 }
 
 

@@ -158,7 +158,7 @@ class _Search:
                 f"({spec.num_kv_heads} KV heads)",
                 f"use one of {', '.join(map(str, valid))}",
             )
-        ctx.weights.check_split(spec.shape, tp, valid)
+        ctx.weights.check_split(spec.shape, tp, valid, options.enable_expert_parallel)
         spec.shape.check_tensor_parallel(tp, options.enable_expert_parallel)
         chosen = evaluate(ctx, tp, pp, options.pipeline_layer_partition)
         reasons = [f"{layout_label(tp, pp)} as asked"]

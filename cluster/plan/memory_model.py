@@ -64,11 +64,13 @@ def resolve_context(spec: ModelSpec, inventory: Inventory, options: PlanOptions)
     kv_bytes = dtype_bytes  # the KV cache is held in the model's dtype, as the engine holds it
     dense = dense_format(dtype, dtype_bytes)
     if spec.prequantized:
-        if options.quantization is not None:
+        fp8 = spec.weight_formats.source == "FP8 checkpoint"
+        if options.quantization is not None and not (fp8 and options.quantization == "fp8"):
+            own = "its FP8 blocks are" if fp8 else "the GGUF's own types are"
             raise ConfigError(
                 f"{spec.name} is already quantized ({spec.weight_formats.label()}); "
                 f"--quantization {options.quantization} quantizes float checkpoints",
-                "drop --quantization: the GGUF's own types are served as they are",
+                f"drop --quantization: {own} served as they are",
             )
         weights = spec.weight_formats.with_dense(dense)
     else:

@@ -92,13 +92,21 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config: dict, name: str) -> ModelSpec:
+        """From a config.json (a block-FP8 checkpoint's quantization_config included)."""
+        from llmctl.engine.errors import UnsupportedQuantizationError
+        from llmctl.engine.layers.quantization.quant_config import QuantizationConfig
+
         try:
             shape = ModelShape.from_hf_config(config)
-        except ConfigError as exc:
+            quant = QuantizationConfig.for_checkpoint(config)
+        except (ConfigError, UnsupportedQuantizationError) as exc:
             message = f"{name}: {exc.message}; it cannot be planned"
             raise UnknownModelError(message, exc.hint) from None
         dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
-        return cls(name=name, shape=shape, dtype=dtype)
+        formats = None
+        if quant is not None:  # FP8: its linear layers as the engine holds them
+            formats = WeightFormats.for_fp8_checkpoint(dense_format(dtype, 2))
+        return cls(name=name, shape=shape, dtype=dtype, weight_formats=formats)
 
 
 def load_model_spec(model: str | None) -> ModelSpec:

@@ -22,13 +22,19 @@ from dataclasses import dataclass
 from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.distributed.partition import column_shards
 from llmctl.engine.errors import ConfigError
-from llmctl.engine.layers.quantization.quant_config import QUANTIZATION_METHODS, RTN_GROUP_SIZE
+from llmctl.engine.layers.quantization.quant_config import (
+    FP8_METHOD,
+    QUANTIZATION_METHODS,
+    RTN_GROUP_SIZE,
+)
 
 # The roles of the matrices `--quantization` quantizes (weight-only: the decoder layers' linears;
 # the embedding, the LM head, norms and biases stay in the model's dtype, as in vLLM; so do a
 # mixture of experts' routers, "router" and "shared_expert_gate").
-LINEAR_ROLES = ("q", "k", "v", "qkv", "o", "gate", "up", "down")
+LINEAR_ROLES = ("q", "k", "v", "qkv", "o", "gate", "up", "down", "q_a", "q_b", "kv_a")
 SHARED_EXPERT_ROLES = ("shared_gate", "shared_up", "shared_down")  # Qwen2-MoE's shared expert
+# Held in float32 whatever the model's dtype: DeepSeek-V3's and GLM-4.5's routing bias.
+FLOAT32_ROLES = ("expert_bias",)
 # Scales and zeros of `--quantization`'s groups are float32 (engine/kernels/cpu/quantized_matmul.py:
 # the packed-weight contract); a kernel storing them in bfloat16 changes this one number.
 QUANTIZATION_SCALE_BYTES = 4
@@ -36,10 +42,13 @@ QUANTIZATION_SCALE_BYTES = 4
 
 @dataclass(frozen=True)
 class WeightFormat:
-    name: str  # "bfloat16", "Q4_1", "int4"
+    name: str  # "bfloat16", "Q4_1", "int4", "fp8"
     block_size: int  # weights per block (along a row: the matmul's input features)
     block_bytes: int  # bytes per block
     quantized: bool = False
+    # Of block_bytes, the block's scale: a partial block at a row's end holds its own weights
+    # and one scale (FP8); 0: every block is whole (GGUF, int8/int4)
+    scale_bytes: int = 0
 
     @property
     def bytes_per_weight(self) -> float:
@@ -47,7 +56,16 @@ class WeightFormat:
 
     def nbytes(self, rows: int, cols: int = 1) -> int:
         """A [rows, cols] tensor: rows of ceil(cols / block_size) blocks."""
-        return rows * math.ceil(cols / self.block_size) * self.block_bytes
+        blocks = math.ceil(cols / self.block_size)
+        if self.scale_bytes:
+            weight_bytes = (self.block_bytes - self.scale_bytes) // self.block_size
+            return rows * (cols * weight_bytes + blocks * self.scale_bytes)
+        return rows * blocks * self.block_bytes
+
+
+# Block FP8 as the engine holds it (kernels/cpu/fp8_matmul.py): a byte a weight, each row a
+# float32 scale per block of 128 inputs (its block's weight_scale_inv).
+FP8_FORMAT = WeightFormat("fp8", 128, 128 + 4, quantized=True, scale_bytes=4)
 
 
 @dataclass(frozen=True)
@@ -85,10 +103,12 @@ QUANTIZATION_SCHEMES = {
 
 def quantization_format(name: str) -> WeightFormat:
     """The storage of `--quantization NAME`; ConfigError naming the schemes for another name."""
+    if name == FP8_METHOD:
+        return FP8_FORMAT
     if name not in QUANTIZATION_SCHEMES:
         raise ConfigError(
             f"unknown quantization {name!r}",
-            f"use --quantization {' or '.join(QUANTIZATION_SCHEMES)}",
+            f"use --quantization {' or '.join([*QUANTIZATION_SCHEMES, FP8_METHOD])}",
         )
     return QUANTIZATION_SCHEMES[name].format
 
@@ -136,6 +156,13 @@ class WeightFormats:
         roles = LINEAR_ROLES + SHARED_EXPERT_ROLES
         return cls(dense, tuple(((None, role), fmt) for role in roles), quantization)
 
+    @classmethod
+    def for_fp8_checkpoint(cls, dense: WeightFormat) -> WeightFormats:
+        """A block-FP8 checkpoint: every linear layer in FP8 as the engine holds it (MLA's
+        kv_b_proj, dequantized at load, and the routers in the model's dtype)."""
+        roles = LINEAR_ROLES + SHARED_EXPERT_ROLES
+        return cls(dense, tuple(((None, role), FP8_FORMAT) for role in roles), "FP8 checkpoint")
+
     @property
     def quantized(self) -> bool:
         return any(fmt.quantized for _, fmt in self.by_role)
@@ -144,6 +171,8 @@ class WeightFormats:
         return WeightFormats(dense, self.by_role, self.source)
 
     def format_of(self, layer: int | None, tensor: Tensor) -> WeightFormat:
+        if tensor.role in FLOAT32_ROLES:
+            return dense_format("float32", 4)
         if tensor.is_vector:
             return self.dense  # a vector: norms and biases are held in the model's dtype
         table = self._table()
@@ -206,11 +235,9 @@ class WeightFormats:
         """Bytes one rank holds: its stage's layers [start, end), plus the embedding on the first
         stage and the final norm and LM head on the last (ModelShape.rank_params, in bytes).
         `expert_parallel`: a MoE model's experts are held whole, dealt out over the tp ranks."""
-        per_layer = layer_tensors(shape, tp_rank, tp, expert_parallel)
-        if self._layer_types():
-            total = sum(self.tensors_bytes(i, per_layer) for i in range(*layers))
-        else:  # every layer alike
-            total = (layers[1] - layers[0]) * self.tensors_bytes(None, per_layer)
+        total = sum(
+            self.layer_bytes(shape, i, tp_rank, tp, expert_parallel) for i in range(*layers)
+        )
         if is_first:
             total += self.tensors_bytes(None, embedding_tensors(shape, tp_rank, tp))
         if is_last:
@@ -222,11 +249,26 @@ class WeightFormats:
     def max_layer_bytes(
         self, shape: ModelShape, tp_rank: int, tp: int, expert_parallel: bool = False
     ) -> int:
-        """The largest decoder layer on `tp_rank` (GGUF files may mix types layer by layer)."""
-        per_layer = layer_tensors(shape, tp_rank, tp, expert_parallel)
-        if not self._layer_types():
-            return self.tensors_bytes(None, per_layer)
-        return max(self.tensors_bytes(i, per_layer) for i in range(shape.num_layers))
+        """The largest decoder layer on `tp_rank` (GGUF files may mix types layer by layer;
+        DeepSeek's first layers are dense)."""
+        return max(
+            self.layer_bytes(shape, i, tp_rank, tp, expert_parallel)
+            for i in range(shape.num_layers)
+        )
+
+    def layer_bytes(
+        self, shape: ModelShape, layer: int, tp_rank: int, tp: int, expert_parallel: bool = False
+    ) -> int:
+        """Decoder layer `layer` on `tp_rank` (memoized per kind of layer: dense or MoE, and per
+        layer where a GGUF file gives formats layer by layer)."""
+        moe = shape.is_moe_layer(layer) if shape.num_experts else None
+        which = layer if self._layer_types() else None
+        key = (id(shape), which, moe, tp_rank, tp, expert_parallel)
+        cache = self.__dict__.setdefault("_layer_bytes", {})
+        if key not in cache:
+            per_layer = layer_tensors(shape, tp_rank, tp, expert_parallel, layer)
+            cache[key] = self.tensors_bytes(which, per_layer)
+        return cache[key]
 
     def _head_format(self, shape: ModelShape, tensor: Tensor) -> WeightFormat:
         if tensor.role == "lm_head" and shape.tie_word_embeddings and self.source == "GGUF":
@@ -243,24 +285,44 @@ class WeightFormats:
         blocks = [fmt.block_size for _, fmt in self.by_role if fmt.quantized]
         if not blocks:
             return []
+        if any(fmt.scale_bytes for _, fmt in self.by_role):  # FP8: rows and inputs alike
+            from llmctl.engine.layers.quantization.fp8 import block_cuts
+
+            return block_cuts(shape, tp, (max(blocks), max(blocks)), expert_parallel)
         group = max(blocks)
         cuts: list[str] = []
         for tp_rank in range(tp):
-            for t in layer_tensors(shape, tp_rank, tp, expert_parallel):
-                if t.is_split and t.cols % group and not any(c.startswith(t.role) for c in cuts):
-                    cuts.append(f"{t.role} ({t.cols} of {t.full_cols} inputs; groups of {group})")
+            for layer in _one_layer_of_each_kind(shape):
+                for t in layer_tensors(shape, tp_rank, tp, expert_parallel, layer):
+                    if (
+                        t.is_split
+                        and t.cols % group
+                        and not any(c.startswith(t.role) for c in cuts)
+                    ):
+                        what = f"{t.cols} of {t.full_cols} inputs; groups of {group}"
+                        cuts.append(f"{t.role} ({what})")
         return cuts
 
-    def check_split(self, shape: ModelShape, tp: int, valid: Iterable[int]) -> None:
+    def check_split(
+        self, shape: ModelShape, tp: int, valid: Iterable[int], expert_parallel: bool = False
+    ) -> None:
         """ConfigError naming the tensor-parallel sizes that split whole blocks, when `tp` cuts
         one."""
-        cuts = self.cut_groups(shape, tp)
+        cuts = self.cut_groups(shape, tp, expert_parallel)
         if cuts:
-            ok = [str(t) for t in valid if not self.cut_groups(shape, t)]
+            ok = [str(t) for t in valid if not self.cut_groups(shape, t, expert_parallel)]
             raise ConfigError(
                 f"tensor_parallel_size={tp} cuts the quantization groups of {cuts[0]}",
                 f"use tensor_parallel_size {', '.join(ok)}, or pipeline parallel",
             )
+
+
+def _one_layer_of_each_kind(shape: ModelShape) -> list[int]:
+    """The first dense and the first MoE layer (those the model has)."""
+    first: dict[bool, int] = {}
+    for layer in range(shape.num_layers):
+        first.setdefault(shape.is_moe_layer(layer), layer)
+    return sorted(first.values())
 
 
 def gguf_weight_formats(
@@ -306,6 +368,9 @@ _GGUF_LAYER_ROLES = {
     "ffn_gate_exps": "gate",
     "ffn_up_exps": "up",
     "ffn_down_exps": "down",
+    "attn_q_a": "q_a",  # deepseek2's MLA (attn_k_b / attn_v_b: kv_b_proj, held in float)
+    "attn_q_b": "q_b",
+    "attn_kv_a_mqa": "kv_a",
     "ffn_gate_shexp": "shared_gate",
     "ffn_up_shexp": "shared_up",
     "ffn_down_shexp": "shared_down",
@@ -334,26 +399,35 @@ def gguf_tensor_role(name: str) -> tuple[int | None, str] | None:
 
 
 def layer_tensors(
-    shape: ModelShape, tp_rank: int, tp: int, expert_parallel: bool = False
+    shape: ModelShape,
+    tp_rank: int,
+    tp: int,
+    expert_parallel: bool = False,
+    layer: int | None = None,
 ) -> list[Tensor]:
-    """One decoder layer's weights on `tp_rank`: column-parallel matrices by their output rows,
-    row-parallel ones (o, down) by their inputs, their bias whole; norms replicated. A MoE
-    model's layers are all counted as MoE layers (ModelShape.moe_params)."""
+    """Decoder layer `layer`'s weights on `tp_rank`: column-parallel matrices by their output
+    rows, row-parallel ones (o, down) by their inputs, their bias whole; norms replicated. Its
+    MLP dense or MoE as ModelShape.is_moe_layer says (`layer` None: a MoE model's layer counted
+    as MoE)."""
     h, d = shape.hidden_size, shape.head_dim
     shard = shape.head_shard(tp_rank, tp)
     inter = shape.intermediate_shard(tp_rank, tp)
     q, kv = shard.num_q_heads * d, shard.num_kv_heads * d
     full_q, full_inter = shape.num_attention_heads * d, shape.intermediate_size
+    moe = shape.num_experts > 0 and (layer is None or shape.is_moe_layer(layer))
     if shape.family == "llama":
-        out = [Tensor("q", q, h), Tensor("k", kv, h), Tensor("v", kv, h)]
-        if shape.qkv_bias:
-            out += [Tensor("q_bias", q), Tensor("k_bias", kv), Tensor("v_bias", kv)]
-        out.append(Tensor("o", h, q, full_q))
-        if shape.o_bias:
-            out.append(Tensor("o_bias", h))
-        if shape.qk_norm:
-            out += [Tensor("q_norm", d), Tensor("k_norm", d)]
-        if shape.num_experts:
+        if shape.is_mla:
+            out = _mla_tensors(shape, shard.num_q_heads)
+        else:
+            out = [Tensor("q", q, h), Tensor("k", kv, h), Tensor("v", kv, h)]
+            if shape.qkv_bias:
+                out += [Tensor("q_bias", q), Tensor("k_bias", kv), Tensor("v_bias", kv)]
+            out.append(Tensor("o", h, q, full_q))
+            if shape.o_bias:
+                out.append(Tensor("o_bias", h))
+            if shape.qk_norm:
+                out += [Tensor("q_norm", d), Tensor("k_norm", d)]
+        if moe:
             out += _moe_tensors(shape, tp_rank, tp, expert_parallel)
         else:
             out += [
@@ -361,7 +435,7 @@ def layer_tensors(
                 Tensor("up", inter, h),
                 Tensor("down", h, inter, full_inter),
             ]
-        if not shape.num_experts and shape.mlp_bias:
+        if not moe and shape.mlp_bias:
             out += [Tensor("gate_bias", inter), Tensor("up_bias", inter), Tensor("down_bias", h)]
         return out + [Tensor("attn_norm", h), Tensor("ffn_norm", h)]
     # GPT-2 and OPT: fused q, k, v and the output projection with biases, a two-matrix MLP with
@@ -380,6 +454,29 @@ def layer_tensors(
     ]
 
 
+def _mla_tensors(shape: ModelShape, num_q_heads: int) -> list[Tensor]:
+    """Multi-head latent attention on a rank of `num_q_heads` heads (engine/config/mla_shape.py;
+    kv_b_proj is held in the model's dtype even when the rest is quantized: its rows are the
+    absorbed decode's weights)."""
+    h, heads, v = shape.hidden_size, shape.num_attention_heads, shape.v_head_dim
+    qk = shape.qk_nope_head_dim + shape.qk_rope_head_dim
+    latent, lora = shape.kv_lora_rank + shape.qk_rope_head_dim, shape.q_lora_rank
+    if lora:
+        out = [
+            Tensor("q_a", lora, h),
+            Tensor("q_a_norm", lora),
+            Tensor("q_b", num_q_heads * qk, lora),
+        ]
+        out += [Tensor("q_a_bias", lora)] if shape.qkv_bias else []
+    else:
+        out = [Tensor("q", num_q_heads * qk, h)]
+    out += [Tensor("kv_a", latent, h), Tensor("kv_a_norm", shape.kv_lora_rank)]
+    out += [Tensor("kv_a_bias", latent)] if shape.qkv_bias else []
+    out.append(Tensor("kv_b", num_q_heads * (shape.qk_nope_head_dim + v), shape.kv_lora_rank))
+    out.append(Tensor("o", h, num_q_heads * v, heads * v))
+    return out + ([Tensor("o_bias", h)] if shape.o_bias else [])
+
+
 def _moe_tensors(shape: ModelShape, tp_rank: int, tp: int, expert_parallel: bool) -> list[Tensor]:
     """A MoE layer's MLP on `tp_rank`, as FusedMoE holds it: every expert's slice of the
     features (tensor parallel) or this rank's whole experts (expert parallel); the router
@@ -396,6 +493,8 @@ def _moe_tensors(shape: ModelShape, tp_rank: int, tp: int, expert_parallel: bool
         Tensor("down", experts * h, inter, full),
         Tensor("router", shape.num_experts * h),
     ]
+    if shape.expert_score_bias:
+        out.append(Tensor("expert_bias", shape.num_experts))
     if shape.shared_expert_intermediate_size:
         full_shared = shape.shared_expert_intermediate_size
         shared = column_shards(full_shared, tp, "shared expert features")[tp_rank]
@@ -403,8 +502,9 @@ def _moe_tensors(shape: ModelShape, tp_rank: int, tp: int, expert_parallel: bool
             Tensor("shared_gate", shared, h),
             Tensor("shared_up", shared, h),
             Tensor("shared_down", h, shared, full_shared),
-            Tensor("shared_expert_gate", h),
         ]
+        if shape.shared_expert_gate:
+            out.append(Tensor("shared_expert_gate", h))
     return out
 
 

@@ -4,5 +4,8 @@ decode and prefill block tables and lengths, built once per step by the model ru
 forward context; `selector.get_attn_backend` picks one backend per model runner
 (LLMCTL_ATTENTION_BACKEND: Triton on CUDA, the torch backend with the C++ paged decode kernel on the
 CPU), which the runner binds to every layer with its cache (`backends/`), so model code never asks
-which kernel runs. The kernels themselves are in engine/kernels/.
+which kernel runs. `mla_layer.MLAAttention` is multi-head latent attention (DeepSeek): its cache
+one latent row a token (`kv_cache_shape`: what the runner allocates for each layer) and its own
+backends (`backends/mla_torch.py`, `backends/mla_triton.py`), chosen by the same selector. The
+kernels themselves are in engine/kernels/.
 """

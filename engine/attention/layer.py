@@ -31,6 +31,10 @@ class Attention(nn.Module):
         self.kv_cache = torch.empty(2, 0, 1, num_kv_heads, head_dim)
         self.backend: AttentionBackend | None = None
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The KV cache this layer needs for `num_blocks` blocks (the model runner allocates it)."""
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
     def bind(self, kv_cache: torch.Tensor, backend: AttentionBackend) -> None:
         self.kv_cache = kv_cache
         self.backend = backend

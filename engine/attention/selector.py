@@ -4,6 +4,9 @@ LLMCTL_ATTENTION_BACKEND   CPU                        CUDA
 auto (default)             cpu (C++ decode kernel)    triton (torch without Triton)
 torch                      cpu                        torch
 triton                     triton (TRITON_INTERPRET=1 runs it: the tests do)   triton
+
+A model with multi-head latent attention (attention/mla_layer.py) gets the MLA backend of the same
+row: torch-mla for cpu and torch, triton-mla for triton.
 """
 
 from __future__ import annotations
@@ -16,14 +19,19 @@ from llmctl.engine.errors import ConfigError
 from llmctl.engine.platform import triton_available
 
 
-def get_attn_backend(device: torch.device) -> AttentionBackend:
+def get_attn_backend(device: torch.device, use_mla: bool = False) -> AttentionBackend:
     choice = envs.LLMCTL_ATTENTION_BACKEND
     if choice == "triton" and not triton_available():
         raise ConfigError(
             "LLMCTL_ATTENTION_BACKEND=triton, but Triton is not installed",
             "pip install triton, or unset LLMCTL_ATTENTION_BACKEND",
         )
-    if choice == "triton" or (choice == "auto" and device.type != "cpu" and triton_available()):
+    triton = choice == "triton" or (
+        choice == "auto" and device.type != "cpu" and triton_available()
+    )
+    if use_mla:
+        return _mla_backend(triton)
+    if triton:
         from llmctl.engine.attention.backends.triton import TritonAttentionBackend
 
         return TritonAttentionBackend()
@@ -34,3 +42,13 @@ def get_attn_backend(device: torch.device) -> AttentionBackend:
     from llmctl.engine.attention.backends.torch_sdpa import TorchSDPABackend
 
     return TorchSDPABackend()
+
+
+def _mla_backend(triton: bool):
+    if triton:
+        from llmctl.engine.attention.backends.mla_triton import TritonMLABackend
+
+        return TritonMLABackend()
+    from llmctl.engine.attention.backends.mla_torch import TorchMLABackend
+
+    return TorchMLABackend()

@@ -48,7 +48,8 @@ from llmctl.engine.config.options import (
 )
 from llmctl.engine.errors import ConfigError
 from llmctl.engine.layers.quantization.quant_config import (
-    QUANTIZATION_METHODS,
+    FLAG_METHODS,
+    FP8_METHOD,
     RTN_GROUP_SIZE,
     QuantizationConfig,
     check_group_split,
@@ -106,11 +107,12 @@ class EngineArgs:
         commands=PLANNER,
     )
     quantization: str | None = option(
-        "Weight-only quantization of a float checkpoint: int8 or int4 (per-group of "
-        f"{RTN_GROUP_SIZE} weights, round-to-nearest; activations stay float). A quantized GGUF "
-        "file runs in its own format without it.",
+        "Quantization of a float checkpoint: int8 or int4 (weight-only, per-group of "
+        f"{RTN_GROUP_SIZE} weights, round-to-nearest; activations stay float), or fp8 (128x128 "
+        "blocks, round-to-nearest; on CUDA activations in FP8 per token and group of 128). A "
+        "quantized GGUF file or an FP8 checkpoint runs in its own format without it.",
         default=None,
-        default_help="none; a GGUF file's own",
+        default_help="none; a GGUF file's or FP8 checkpoint's own",
         commands=PLANNER,
     )
     enforce_eager: bool = option(
@@ -345,10 +347,10 @@ class EngineArgs:
                 f"max_restarts must be non-negative, got {self.max_restarts}",
                 "pass --max-restarts 3 (0: never restart)",
             )
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+        if self.quantization is not None and self.quantization not in FLAG_METHODS:
             raise ConfigError(
                 f"unknown quantization {self.quantization!r}",
-                f"use --quantization {' or '.join(QUANTIZATION_METHODS)}, or leave it out",
+                f"use --quantization {' or '.join(FLAG_METHODS)}, or leave it out",
             )
 
     def create_engine_config(self, progress=None) -> EngineConfig:
@@ -373,7 +375,9 @@ class EngineArgs:
         layer_partition = parse_layer_partition(
             self.pipeline_layer_partition or envs.LLMCTL_PP_LAYER_PARTITION
         )
-        quantization = self._check_split(shape, layer_partition, source.gguf_file)
+        quantization = self._check_split(shape, layer_partition, source.gguf_file, hf_config)
+        if quantization is not None and quantization.method == FP8_METHOD:
+            platform.check_fp8(device)
         resolved_dtype = platform.resolve_dtype(
             dtype, device, checkpoint_dtype(hf_config), quantized=quantization is not None
         )
@@ -419,7 +423,11 @@ class EngineArgs:
         )
 
     def _check_split(
-        self, shape: ModelShape, layer_partition: tuple[int, ...] | None, gguf_file: str | None
+        self,
+        shape: ModelShape,
+        layer_partition: tuple[int, ...] | None,
+        gguf_file: str | None,
+        hf_config,
     ) -> QuantizationConfig | None:
         """The layout and the weights' quantization, checked against the model's shape (typed
         errors naming the sizes that divide); returns the quantization."""
@@ -430,7 +438,7 @@ class EngineArgs:
             layer_partition,
             self.enable_expert_parallel,
         )
-        quantization = self._quantization(gguf_file)
+        quantization = self._quantization(gguf_file, hf_config)
         ep_size = self.tensor_parallel_size * (
             self.data_parallel_size if self.enable_expert_parallel else 1
         )
@@ -487,8 +495,12 @@ class EngineArgs:
             nnodes=self.nnodes,
         )
 
-    def _quantization(self, gguf_file: str | None) -> QuantizationConfig | None:
-        """--quantization, or a GGUF file's own (refusing the flag on a quantized file)."""
+    def _quantization(self, gguf_file: str | None, hf_config=None) -> QuantizationConfig | None:
+        """--quantization, or a GGUF file's or FP8 checkpoint's own (refusing an integer scheme
+        on an already quantized file)."""
+        if not gguf_file:
+            checkpoint = QuantizationConfig.for_checkpoint(hf_config)
+            return resolve_quantization(self.quantization, None, checkpoint)
         gguf_config = None
         if gguf_file:
             from llmctl.engine.model_loader.gguf_file import gguf_tensor_types

@@ -18,6 +18,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from llmctl.engine.config.mla_shape import (
+    MLA_ARCHITECTURES,
+    check_mla_shape,
+    mla_attention_params,
+    mla_gguf_values,
+    mla_hf_config_values,
+    mla_shape_values,
+)
 from llmctl.engine.distributed.partition import (
     HeadShard,
     column_shards,
@@ -34,6 +42,9 @@ FAMILIES = {
     "MixtralForCausalLM": "llama",
     "Qwen2MoeForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "llama",
+    "Glm4MoeForCausalLM": "llama",
+    "DeepseekV2ForCausalLM": "llama",  # multi-head latent attention: ModelShape.is_mla
+    "DeepseekV3ForCausalLM": "llama",
     "GPT2LMHeadModel": "gpt2",
     "OPTForCausalLM": "opt",
 }
@@ -45,6 +56,10 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "opt": "OPTForCausalLM",
 }
@@ -56,6 +71,7 @@ GGUF_ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    "deepseek2": "DeepseekV3ForCausalLM",  # V2 when its experts are gated by softmax
 }
 # GGUF metadata key (after the "<arch>." prefix) -> ModelShape field.
 GGUF_KEYS = {
@@ -74,7 +90,14 @@ GGUF_KEYS = {
     "attention.sliding_window": "sliding_window",
 }
 # Mixtures of experts: their MLPs are FusedMoE layers (engine/layers/fused_moe.py).
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = (
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Glm4MoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
 GGUF_TOKENS = "tokenizer.ggml.tokens"  # the vocabulary, when no <arch>.vocab_size is given
 DEFAULT_MAX_POSITION_EMBEDDINGS = 2048  # for configs that give no length
 _POSITIVE_FIELDS = (
@@ -113,6 +136,19 @@ class ModelShape:
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's query and key
     word_embed_proj_dim: int | None = None  # OPT's embedding width when it differs
     sliding_window: int | None = None  # Mistral/Qwen2: tokens each query sees
+    # Multi-head latent attention (DeepSeek-V2/V3, engine/config/mla_shape.py): keys and values
+    # come from a compressed latent of kv_lora_rank features plus one shared rope key of
+    # qk_rope_head_dim; head_dim is the query/key head (qk_nope_head_dim + qk_rope_head_dim).
+    kv_lora_rank: int = 0  # 0: not MLA
+    q_lora_rank: int = 0  # 0: queries straight from the hidden state (q_proj)
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # DeepSeek / GLM-4.5 mixtures: the first layers dense, a routing bias per expert
+    # (e_score_correction_bias, float32), shared experts without Qwen2-MoE's sigmoid gate.
+    first_k_dense_replace: int = 0
+    expert_score_bias: bool = False
+    shared_expert_gate: bool = True  # Qwen2-MoE's shared_expert_gate (with a shared expert)
 
     def __post_init__(self) -> None:
         if self.architecture not in FAMILIES:
@@ -133,6 +169,8 @@ class ModelShape:
                 f"multiple of {self.num_kv_heads} KV heads",
                 "fix num_key_value_heads in the model's config.json",
             )
+        if self.architecture in MLA_ARCHITECTURES:
+            check_mla_shape(self)
         if self.num_experts < 0:
             raise ConfigError(f"num_experts must not be negative, got {self.num_experts}")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -145,6 +183,11 @@ class ModelShape:
     @property
     def family(self) -> str:
         return FAMILIES[self.architecture]
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention: one latent KV "head" per token (DeepSeek-V2/V3)."""
+        return self.kv_lora_rank > 0
 
     @property
     def embedding_width(self) -> int:
@@ -161,6 +204,7 @@ class ModelShape:
             self.num_experts > 0
             and layer not in self.mlp_only_layers
             and (layer + 1) % self.decoder_sparse_step == 0
+            and layer >= self.first_k_dense_replace
         )
 
     def expert_shards(self, ep: int) -> list[int]:
@@ -193,6 +237,8 @@ class ModelShape:
                 mlp_bias=True,
             )
         hidden, heads = get("hidden_size"), get("num_attention_heads")
+        if arch in MLA_ARCHITECTURES:
+            return cls(architecture=arch, **mla_shape_values(get, arch))
         if arch == "OPTForCausalLM":
             bias = get("enable_bias", True) is not False
             return cls(
@@ -213,6 +259,7 @@ class ModelShape:
             )
         attention_bias = bool(get("attention_bias", False))
         moe = arch in MOE_ARCHITECTURES
+        glm = arch == "Glm4MoeForCausalLM"
         window = get("sliding_window")
         if get("use_sliding_window", True) is False:
             window = None
@@ -228,18 +275,21 @@ class ModelShape:
             max_position_embeddings=_max_positions(get),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             qkv_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or attention_bias,
-            o_bias=attention_bias,
+            o_bias=attention_bias and not glm,  # GLM-4.5's o_proj has no bias
             mlp_bias=bool(get("mlp_bias", False)),
-            num_experts=(_first(get, "num_local_experts", "num_experts") or 0) if moe else 0,
+            num_experts=(_first(get, "num_local_experts", "num_experts", "n_routed_experts") or 0)
+            if moe
+            else 0,
             num_experts_per_tok=(get("num_experts_per_tok") or 0) if moe else 0,
             moe_intermediate_size=(get("moe_intermediate_size") or 0) if moe else 0,
-            shared_expert_intermediate_size=(get("shared_expert_intermediate_size") or 0)
-            if arch == "Qwen2MoeForCausalLM"
-            else 0,
+            shared_expert_intermediate_size=_shared_expert_size(get, arch),
             decoder_sparse_step=(get("decoder_sparse_step") or 1) if moe else 1,
             mlp_only_layers=tuple(get("mlp_only_layers") or ()) if moe else (),
-            qk_norm=arch == "Qwen3MoeForCausalLM",
+            qk_norm=arch == "Qwen3MoeForCausalLM" or (glm and bool(get("use_qk_norm", False))),
             sliding_window=window if isinstance(window, int) and window > 0 else None,
+            first_k_dense_replace=(get("first_k_dense_replace") or 0) if glm else 0,
+            expert_score_bias=glm,
+            shared_expert_gate=not glm,
         )
 
     @classmethod
@@ -255,6 +305,12 @@ class ModelShape:
                 f"GGUF architecture {gguf_arch!r} is not supported",
                 f"llmctl reads GGUF files of {', '.join(sorted(GGUF_ARCHITECTURES))}",
             )
+        if gguf_arch == "deepseek2":
+            # llama.cpp: no gating function recorded means softmax (V2 and V2.5 files)
+            values = mla_gguf_values(metadata, tensor_names)
+            v3 = values["expert_score_bias"]  # sigmoid gating with e_score_correction_bias
+            arch = "DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"
+            return cls(architecture=arch, **values)
         values: dict[str, Any] = {}
         for key, name in GGUF_KEYS.items():
             value = metadata.get(f"{gguf_arch}.{key}")
@@ -289,6 +345,8 @@ class ModelShape:
 
     def hf_config_values(self) -> dict[str, Any]:
         """This shape in a Hugging Face config's keys (the GGUF converter writes these)."""
+        if self.is_mla:
+            return mla_hf_config_values(self)
         if self.family == "gpt2":
             return {
                 "n_layer": self.num_layers,
@@ -341,7 +399,8 @@ class ModelShape:
 
     def moe_params(self, tp_rank: int = 0, tp: int = 1, expert_parallel: bool = False) -> int:
         """A MoE layer's MLP on `tp_rank`: its experts (a slice of each, or whole experts with
-        `expert_parallel`), the router, and Qwen2-MoE's shared expert and its gate."""
+        `expert_parallel`), the router (and DeepSeek's float32 routing bias, counted as one
+        parameter per expert), and the shared expert (Qwen2-MoE's with its gate)."""
         h = self.hidden_size
         if expert_parallel:
             experts = self.expert_shards(tp)[tp_rank]
@@ -350,27 +409,39 @@ class ModelShape:
             experts = self.num_experts
             inter = column_shards(self.expert_intermediate_size, tp, "expert MLP features")[tp_rank]
         params = experts * 3 * h * inter + self.num_experts * h  # experts + router
+        params += self.num_experts if self.expert_score_bias else 0
         if self.shared_expert_intermediate_size:
             shared = column_shards(self.shared_expert_intermediate_size, tp, "shared features")
-            params += 3 * h * shared[tp_rank] + h  # shared expert + its gate
+            params += 3 * h * shared[tp_rank]
+            params += h if self.shared_expert_gate else 0
         return params
 
     # -- parameters per rank -------------------------------------------------------------------
 
-    def layer_params(self, tp_rank: int = 0, tp: int = 1, expert_parallel: bool = False) -> int:
-        """Parameters of one decoder layer on `tp_rank` of `tp` ranks (a MoE model's layers
-        all counted as MoE layers)."""
+    def layer_params(
+        self,
+        tp_rank: int = 0,
+        tp: int = 1,
+        expert_parallel: bool = False,
+        layer: int | None = None,
+    ) -> int:
+        """Parameters of decoder layer `layer` on `tp_rank` of `tp` ranks (its MLP dense or a
+        mixture as `is_moe_layer` says; `layer` None: a MoE model's layer counted as MoE)."""
         h, d = self.hidden_size, self.head_dim
         shard = self.head_shard(tp_rank, tp)
         inter = self.intermediate_shard(tp_rank, tp)
         q, kv = shard.num_q_heads * d, shard.num_kv_heads * d
         if self.family == "llama":
-            attn = h * (q + 2 * kv) + q * h
-            attn += (q + 2 * kv) if self.qkv_bias else 0
-            attn += h if self.o_bias else 0
-            attn += 2 * d if self.qk_norm else 0
+            if self.is_mla:
+                attn = mla_attention_params(self, shard.num_q_heads)
+            else:
+                attn = h * (q + 2 * kv) + q * h
+                attn += (q + 2 * kv) if self.qkv_bias else 0
+                attn += h if self.o_bias else 0
+                attn += 2 * d if self.qk_norm else 0
             mlp = 3 * h * inter + (2 * inter + h if self.mlp_bias else 0)
-            if self.num_experts:
+            moe = self.num_experts > 0 if layer is None else self.is_moe_layer(layer)
+            if moe:
                 mlp = self.moe_params(tp_rank, tp, expert_parallel)
             return attn + mlp + 2 * h  # two RMSNorms
         # GPT-2 and OPT: q, k, v and the output projection with biases, a two-matrix MLP with
@@ -404,11 +475,22 @@ class ModelShape:
         return norm + lm_head
 
     def rank_params(
-        self, layers: int, tp_rank: int, tp: int, *, is_first: bool, is_last: bool
+        self,
+        layers: int,
+        tp_rank: int,
+        tp: int,
+        *,
+        is_first: bool,
+        is_last: bool,
+        start: int = 0,
+        expert_parallel: bool = False,
     ) -> int:
-        """Parameters one rank holds: its stage's layers, plus the embedding on the first stage
-        and the final norm and LM head on the last."""
-        params = layers * self.layer_params(tp_rank, tp)
+        """Parameters one rank holds: its stage's layers [start, start + layers), plus the
+        embedding on the first stage and the final norm and LM head on the last."""
+        params = sum(
+            self.layer_params(tp_rank, tp, expert_parallel, layer)
+            for layer in range(start, start + layers)
+        )
         if is_first:
             params += self.embedding_params(tp_rank, tp)
         if is_last:
@@ -421,7 +503,10 @@ class ModelShape:
     # -- KV cache ------------------------------------------------------------------------------
 
     def kv_bytes_per_token(self, layers: int, tp_rank: int, tp: int, kv_dtype_bytes: int) -> int:
-        """K and V of one token across `layers` layers on one tensor-parallel rank."""
+        """K and V of one token across `layers` layers on one tensor-parallel rank. MLA: the
+        latent and the rope key (kv_lora_rank + qk_rope_head_dim), whole on every rank."""
+        if self.is_mla:
+            return layers * (self.kv_lora_rank + self.qk_rope_head_dim) * kv_dtype_bytes
         shard = self.head_shard(tp_rank, tp)
         return 2 * layers * shard.num_kv_heads * self.head_dim * kv_dtype_bytes
 
@@ -431,6 +516,16 @@ class ModelShape:
         """One KV cache block on one rank: as ModelRunner.kv_cache_bytes_per_block measures it
         from the attention layers it built."""
         return block_size * self.kv_bytes_per_token(layers, tp_rank, tp, kv_dtype_bytes)
+
+
+def _shared_expert_size(get, arch: str) -> int:
+    """Features of the shared expert(s): Qwen2-MoE's one, GLM-4.5's n_shared_experts of
+    moe_intermediate_size each (one MLP, as transformers builds it)."""
+    if arch == "Qwen2MoeForCausalLM":
+        return get("shared_expert_intermediate_size") or 0
+    if arch == "Glm4MoeForCausalLM":
+        return (get("moe_intermediate_size") or 0) * (get("n_shared_experts") or 0)
+    return 0
 
 
 def _getter(cfg: Any):

@@ -3,7 +3,9 @@ checkpoint tensor to this rank's shard, so model files read like Hugging Face's:
 row-, QKV-, merged-column-parallel and replicated; only row-parallel layers communicate),
 `vocab_embedding` (vocabulary-parallel embedding and LM head), `fused_moe` (FusedMoE: experts sliced
 over the tensor-parallel ranks, dealt out whole under expert parallelism, or shared across
-data-parallel replicas), `rotary_embedding`, `layernorm`, `activation`, and `quantization/` (the
-methods that keep weights packed: GGUF blocks and round-to-nearest int8/int4). Attention is in
+data-parallel replicas; `moe_routing`: DeepSeek's and GLM-4.5's grouped, biased routers),
+`rotary_embedding`, `layernorm`, `activation`, `checkpoint_tensor` and `fp8_checkpoint_tensor`
+(checkpoint tensors as the loaders hand them over), and `quantization/` (the methods that keep
+weights packed: GGUF blocks, round-to-nearest int8/int4, block FP8). Attention is in
 engine/attention/, the kernels these layers call in engine/kernels/.
 """

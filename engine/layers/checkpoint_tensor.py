@@ -3,8 +3,9 @@
 A tensor-parallel rank's `weight_loader` narrows it to its own slice (`narrow(dim, start, length)`)
 before anything is read from disk, then `load()`s it. QuantizedCheckpointTensor is a GGUF file's
 quantized tensor: raw blocks from the mapped file, narrowed the same way along whole blocks, then
-decoded or repacked. Readers that make them live in model_loader/ (weights.py: safetensors and
-pytorch_model.bin; gguf_file.py: GGUF); the layers only consume them.
+decoded or repacked; a block-FP8 weight and its scales are an Fp8CheckpointTensor
+(fp8_checkpoint_tensor.py). Readers that make them live in model_loader/ (weights.py:
+safetensors and pytorch_model.bin; gguf_file.py: GGUF); the layers only consume them.
 """
 
 from __future__ import annotations
@@ -17,15 +18,22 @@ from llmctl.engine.errors import ModelLoadError
 class CheckpointTensor:
     """One tensor of a checkpoint; `narrow` reads only the requested rows or columns."""
 
-    def __init__(self, name: str, shape: tuple[int, ...], reader, transposed: bool = False):
+    def __init__(
+        self, name: str, shape: tuple[int, ...], reader, transposed: bool = False, dtype=None
+    ):
         self.name = name
         self._shape = tuple(shape)
         self._reader = reader  # reader(index_tuple) -> torch.Tensor for that slice
         self._transposed = transposed
+        self.dtype = dtype  # the stored torch dtype, where known (float8_e4m3fn: block FP8)
 
     @classmethod
     def from_tensor(cls, name: str, tensor) -> CheckpointTensor:
-        return cls(name, tuple(tensor.shape), lambda index: tensor[index])
+        return cls(name, tuple(tensor.shape), lambda index: tensor[index], dtype=tensor.dtype)
+
+    def read(self, index: tuple):
+        """The stored tensor at `index` (a tuple of slices), reading only that part."""
+        return self._reader(index)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -35,7 +43,9 @@ class CheckpointTensor:
     def T(self) -> CheckpointTensor:  # noqa: N802 - mirrors torch.Tensor.T
         if len(self._shape) != 2:
             raise ValueError(f"{self.name}: only 2-D tensors can be transposed")
-        return CheckpointTensor(self.name, self._shape, self._reader, not self._transposed)
+        return CheckpointTensor(
+            self.name, self._shape, self._reader, not self._transposed, self.dtype
+        )
 
     def narrow(self, dim: int, start: int, length: int):
         dim = dim % len(self._shape)

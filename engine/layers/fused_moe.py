@@ -1,4 +1,5 @@
-"""FusedMoE: the routed experts of a mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE).
+"""FusedMoE: the routed experts of a mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE,
+DeepSeek-V2/V3, GLM-4.5).
 
 Every expert is a SiLU-gated MLP. The layer holds them stacked, as one tensor per role:
 `w13_weight` [num_local_experts, 2 * I, H] ([gate | up] rows, like MergedColumnParallelLinear)
@@ -6,6 +7,8 @@ and `w2_weight` [num_local_experts, H, I] (down). A forward routes each token to
 experts (softmax over the router logits, then top-k, renormalized or not as the model's config
 says), groups the tokens by expert, runs one gate_up matmul, SiLU-and-mul and down matmul per
 expert that received tokens, and adds the outputs back weighted by the routing probabilities.
+DeepSeek's and GLM-4.5's routers (grouped top-k, sigmoid scores with a correction bias, a scaling
+factor) are a `Routing` (layers/moe_routing.py) the model passes in.
 
 How the ranks of the tensor-parallel group share the experts:
 - tensor parallel (the default): every rank holds every expert, a slice of its I features
@@ -48,6 +51,7 @@ from llmctl.engine.distributed.partition import column_shards, expert_shards, of
 from llmctl.engine.forward_context import num_tokens_across_dp
 from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
 from llmctl.engine.layers.linear import _copy_into, _cpu_prepack_enabled
+from llmctl.engine.layers.moe_routing import Routing
 from llmctl.engine.layers.quantization.linear_method import current_quant_config
 from llmctl.engine.layers.quantization.moe_method import PackedMoEMethod, expert_matmul
 
@@ -144,6 +148,21 @@ def fused_experts(
     return out
 
 
+def _as_columns(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Router logits as columns of `dtype`: converted when they are of that dtype or narrower,
+    else their bits viewed in it (float32 logits of a bfloat16 model: 2 columns each)."""
+    if logits.element_size() <= torch.empty(0, dtype=dtype).element_size():
+        return logits.to(dtype)
+    return logits.contiguous().view(dtype)
+
+
+def _from_columns(columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """_as_columns undone: the logits in `dtype` again."""
+    if columns.element_size() >= torch.empty(0, dtype=dtype).element_size():
+        return columns.to(dtype)
+    return columns.contiguous().view(dtype)
+
+
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
@@ -159,11 +178,19 @@ class FusedMoE(nn.Module):
         intermediate_size: int,
         renormalize: bool,
         reduce_results: bool = True,
+        routing: Routing | None = None,
+        e_score_correction_bias: torch.Tensor | None = None,
     ):
         super().__init__()
         tp, ep = get_tp_group(), get_ep_group()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.reduce_results = reduce_results
+        # DeepSeek / GLM-4.5 routing (layers/moe_routing.py); None: softmax, top-k as Mixtral.
+        # The bias is the router's parameter (a reference: the router owns and loads it).
+        self.routing = routing
+        if routing is not None:
+            routing.check(num_experts, type(self).__name__)
+        self.__dict__["e_score_correction_bias"] = e_score_correction_bias
         # Across data-parallel replicas: tokens are exchanged over the DP group, the partial
         # sums reduced over the TP group.
         self.dp_group = get_dp_group() if ep is not None else None
@@ -255,7 +282,12 @@ class FusedMoE(nn.Module):
 
     def _experts(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """This rank's experts' partial sum for every token: [num_tokens, hidden_size]."""
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if self.routing is not None:
+            topk_weights, topk_ids = self.routing.select(
+                router_logits, self.__dict__["e_score_correction_bias"]
+            )
+        else:
+            topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         w13, w2, linear = self.w13_weight, self.w2_weight, F.linear
         if self.quant_method is not None:
             w13, w2, linear = self.quant_method.w13, self.quant_method.w2, expert_matmul
@@ -274,8 +306,11 @@ class FusedMoE(nn.Module):
         num_tokens, hidden = hidden_states.shape
         sizes = num_tokens_across_dp(num_tokens, dp, hidden_states.device)
         largest = max(sizes)
-        # [largest, hidden_size + num_experts]: one all-gather for both
-        both = torch.cat([hidden_states, router_logits.to(hidden_states.dtype)], dim=1)
+        # [largest, hidden_size + logit columns]: one all-gather for both. Float32 logits travel
+        # as their bits in the hidden dtype's columns (two bfloat16 columns a logit), so a
+        # replica routes every token as the token's own replica would have.
+        logits = _as_columns(router_logits, hidden_states.dtype)
+        both = torch.cat([hidden_states, logits], dim=1)
         if num_tokens < largest:
             both = torch.cat([both, both.new_zeros(largest - num_tokens, both.shape[1])])
         gathered = dp.all_gather(both)  # [dp_size * largest, hidden_size + num_experts]
@@ -285,7 +320,8 @@ class FusedMoE(nn.Module):
             ).to(gathered.device)
             gathered = gathered.index_select(0, rows)
         # [sum(sizes), hidden_size], every replica's tokens in DP rank order
-        out = self._experts(gathered[:, :hidden], gathered[:, hidden:])
+        logits = _from_columns(gathered[:, hidden:], router_logits.dtype)
+        out = self._experts(gathered[:, :hidden], logits)
         out = dp.all_reduce(out.contiguous())
         start = sum(sizes[: dp.rank_in_group])
         return out[start : start + num_tokens]

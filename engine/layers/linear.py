@@ -75,6 +75,8 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self._packed: torch.Tensor | None = None
+        # False: the plain weight stays (MLA's kv_b_proj, whose rows other code reads as views)
+        self.cpu_prepack = True
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, *args) -> None:
         self._store(param, 0, loaded, type(self).__name__, whole=True)
@@ -93,7 +95,7 @@ class LinearBase(nn.Module):
         if self.quant_method is not None:
             self.quant_method.process_weights_after_loading(self)
             return
-        if _cpu_prepack_enabled(self.weight):
+        if self.cpu_prepack and _cpu_prepack_enabled(self.weight):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 64)
             # The packed copy replaces the plain weight: keep one copy in memory.
             self.weight.data = self.weight.data.new_empty(0)

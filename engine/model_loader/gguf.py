@@ -143,6 +143,18 @@ _LLAMA_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# llama.cpp's deepseek2 (DeepSeek-V2/V3, Kimi-K2): multi-head latent attention. Newer files split
+# kv_b_proj into attn_k_b (each head's rows transposed) and attn_v_b; gguf_file.py joins them.
+_DEEPSEEK2_NAMES = {
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_k_b": "self_attn.k_b_proj",
+    "attn_v_b": "self_attn.v_b_proj",
+}
 _GPT2_NAMES = {
     "attn_norm": "ln_1",
     "ffn_norm": "ln_2",
@@ -167,6 +179,8 @@ def _hf_name(arch: str, name: str) -> str | None:
     else:
         top = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
         layer_prefix, names = "model.layers", _LLAMA_NAMES
+        if arch == "deepseek2":
+            names = {**_LLAMA_NAMES, **_DEEPSEEK2_NAMES}
     if base in top:
         return f"{top[base]}.{kind}"
     parts = base.split(".")

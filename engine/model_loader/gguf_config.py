@@ -36,6 +36,7 @@ _MODEL_TYPES = {
     "gpt2": ("gpt2", "GPT2Config"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeConfig"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeConfig"),
+    "deepseek2": ("deepseek_v3", "DeepseekV3Config"),
 }
 # A mixture of experts' model_type (gguf_moe.moe_config_values: a llama file with experts is
 # Mixtral) -> its config class.
@@ -102,6 +103,10 @@ class GGUFConfig:
         values["rms_norm_eps"] = float(eps) if eps is not None else _DEFAULT_RMS_NORM_EPS
         values["rope_parameters"] = _rope_parameters(arch, metadata)
         values["hidden_act"] = "silu"
+        if arch == "deepseek2":
+            values.update(_deepseek2_values(metadata, shape))
+            model_type = values["model_type"]
+            config_class = "DeepseekV3Config" if model_type == "deepseek_v3" else "DeepseekV2Config"
         if arch == "llama":  # LlamaConfig's options (Qwen2's bias is its architecture's)
             values["attention_bias"] = False
             values["mlp_bias"] = False
@@ -127,6 +132,43 @@ class GGUFConfig:
         write_config_view(self.view(), directory)
 
 
+def _deepseek2_values(metadata: Mapping[str, Any], shape: ModelShape) -> dict[str, Any]:
+    """DeepSeek-V2/V3's routing and YaRN as llama.cpp's deepseek2 records them: sigmoid gating
+    (expert_gating_func 2, with exp_probs_b: V3's noaux_tc) or softmax (V2; grouped when
+    expert_group_count > 1), expert_weights_scale/norm, and YaRN's mscale_all_dim from
+    rope.scaling.yarn_log_multiplier (0.1 x mscale_all_dim; mscale is taken equal to it, as
+    every DeepSeek checkpoint has them)."""
+    key = lambda name: metadata.get(f"deepseek2.{name}")  # noqa: E731
+    v3 = shape.architecture == "DeepseekV3ForCausalLM"
+    groups = int(key("expert_group_count") or 1)
+    values: dict[str, Any] = {
+        "model_type": "deepseek_v3" if v3 else "deepseek_v2",
+        "architectures": [shape.architecture],
+        "routed_scaling_factor": float(key("expert_weights_scale") or 1.0),
+        "norm_topk_prob": bool(key("expert_weights_norm") or False),
+        "n_group": groups,
+        "topk_group": int(key("expert_group_used_count") or groups),
+        "scoring_func": "sigmoid" if v3 else "softmax",
+        "topk_method": "noaux_tc" if v3 else ("group_limited_greedy" if groups > 1 else "greedy"),
+        "rope_interleave": True,  # llama.cpp's deepseek2 rotates adjacent pairs
+        "attention_bias": False,
+    }
+    if key("rope.scaling.type") == "yarn":
+        log_mul = key("rope.scaling.yarn_log_multiplier")
+        mscale = float(log_mul) / 0.1 if log_mul else 1.0
+        values["rope_parameters"] = {
+            "rope_type": "yarn",
+            "rope_theta": float(key("rope.freq_base") or _DEFAULT_ROPE_THETA),
+            "factor": float(key("rope.scaling.factor")),
+            "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+            "beta_fast": float(key("rope.scaling.yarn_beta_fast") or 32),
+            "beta_slow": float(key("rope.scaling.yarn_beta_slow") or 1),
+            "mscale": mscale,
+            "mscale_all_dim": mscale,
+        }
+    return values
+
+
 def _rope_parameters(arch: str, metadata: Mapping[str, Any]) -> dict[str, Any]:
     theta = metadata.get(f"{arch}.rope.freq_base")
     params: dict[str, Any] = {
@@ -137,7 +179,7 @@ def _rope_parameters(arch: str, metadata: Mapping[str, Any]) -> dict[str, Any]:
     factor = metadata.get(f"{arch}.rope.scaling.factor")
     if scaling == "linear" and factor is not None:
         params.update(rope_type="linear", factor=float(factor))
-    elif scaling not in (None, "none"):
+    elif scaling not in (None, "none") and arch != "deepseek2":  # deepseek2: _deepseek2_values
         # llama.cpp's yarn/longrope settings have no counterpart in the engine's rotary layer
         # (transformers' GGUF mapping drops them too): the model runs with plain rope.
         logger.warning("GGUF rope scaling %r is not applied: the model runs plain rope", scaling)

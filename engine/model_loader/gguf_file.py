@@ -213,9 +213,17 @@ def iterate_gguf_weights(
 
     tensors = read_gguf_tensors(path)
     QuantizationConfig.for_gguf([t.type_name for t in tensors])  # refuses unsupported types
+    halves: dict[str, dict[str, GGUFTensorInfo]] = {}  # deepseek2's attn_k_b / attn_v_b
     for t in tensors:
         hf_name = _hf_name(arch, t.name)
         if hf_name is None:
+            continue
+        if hf_name.endswith((".k_b_proj.weight", ".v_b_proj.weight")):
+            name = hf_name[: -len("k_b_proj.weight")] + "kv_b_proj.weight"
+            pair = halves.setdefault(name, {})
+            pair["k" if hf_name.endswith(".k_b_proj.weight") else "v"] = t
+            if len(pair) == 2:
+                yield name, _joined_kv_b(name, halves.pop(name))
             continue
         if EXPERT in hf_name or is_vector_shared_expert_gate(t):  # gguf_moe.py
             yield from moe_tensors(hf_name, t, lambda t: _float_reader(t, None), dequantize)
@@ -259,6 +267,31 @@ def _float_reader(t: GGUFTensorInfo, rows):
         return cache["w"][index]
 
     return read
+
+
+def _joined_kv_b(name: str, halves: dict[str, GGUFTensorInfo]):
+    """MLA's kv_b_proj [heads * (nope + v), kv_lora_rank] from llama.cpp's attn_k_b [heads,
+    kv_lora_rank, nope] (each head's rows transposed for the absorbed product) and attn_v_b
+    [heads, v, kv_lora_rank], read in float (the engine holds kv_b_proj in float)."""
+    import torch
+
+    from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
+
+    k_b, v_b = halves["k"], halves["v"]
+    heads, kv_lora_rank, nope = k_b.shape
+    v = v_b.shape[1]
+    read_k, read_v = _float_reader(k_b, None), _float_reader(v_b, None)
+    everything = (slice(None),) * 3
+    cache: dict = {}
+
+    def read(index):
+        if "w" not in cache:
+            k = read_k(everything).transpose(1, 2)  # [heads, nope, kv_lora_rank]
+            w = torch.cat((k, read_v(everything)), dim=1)
+            cache["w"] = w.reshape(heads * (nope + v), kv_lora_rank).contiguous()
+        return cache["w"][index]
+
+    return CheckpointTensor(name, (heads * (nope + v), kv_lora_rank), read)
 
 
 def _unpermuted_row_order(num_rows: int, num_heads: int):

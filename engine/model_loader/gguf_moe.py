@@ -1,7 +1,8 @@
 """Mixture-of-experts GGUF files: llama.cpp's stacked expert tensors under Hugging Face names.
 
-llama.cpp writes Mixtral as architecture `llama` with `llama.expert_count` set, and Qwen2-MoE /
-Qwen3-MoE as `qwen2moe` / `qwen3moe`. Per layer N it stores (PyTorch order):
+llama.cpp writes Mixtral as architecture `llama` with `llama.expert_count` set, Qwen2-MoE /
+Qwen3-MoE as `qwen2moe` / `qwen3moe`, and DeepSeek-V2/V3 as `deepseek2` (shared experts as
+ffn_*_shexp, V3's routing bias as exp_probs_b.bias). Per layer N it stores (PyTorch order):
 
     blk.N.ffn_gate_inp.weight        [E, H]       the router
     blk.N.ffn_gate_exps.weight       [E, I, H]    every expert's gate, stacked
@@ -25,12 +26,19 @@ from typing import Any
 from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.errors import UnsupportedArchitectureError
 
+_GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
 # GGUF architectures with experts -> (transformers model_type, architecture, MLP module, names of
 # an expert's gate / up / down)
 _MOE = {
     "llama": ("mixtral", "MixtralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2")),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek2": (
+        "deepseek_v3",
+        "DeepseekV3ForCausalLM",
+        "mlp",
+        ("gate_proj", "up_proj", "down_proj"),
+    ),
 }
 _STACKED = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 _SHARED = {
@@ -58,6 +66,10 @@ def moe_hf_name(arch: str, layer: str, part: str, kind: str) -> str | None:
         return f"{prefix}.mlp.{_SHARED[part]}.{kind}"
     if arch == "qwen3moe" and part in _QK_NORM:
         return f"{prefix}.{_QK_NORM[part]}.{kind}"
+    if arch == "deepseek2" and part in _SHARED:  # DeepSeek's shared experts, as one MLP
+        return f"{prefix}.mlp.{_SHARED[part].replace('shared_expert', 'shared_experts')}.{kind}"
+    if arch == "deepseek2" and part == "exp_probs_b":  # V3's routing bias
+        return f"{prefix}.mlp.gate.e_score_correction_bias"
     return None
 
 
@@ -83,7 +95,7 @@ def check_moe_tensors(gguf_path, arch: str, shape: ModelShape, tensor_names: tup
 def moe_config_values(arch: str, shape: ModelShape) -> dict[str, Any]:
     """The Hugging Face config keys of a MoE file beyond shape.hf_config_values(): model_type,
     architectures and the experts' sizes ({} for a dense model)."""
-    if not shape.num_experts:
+    if not shape.num_experts or arch == "deepseek2":  # gguf_config._deepseek2_values
         return {}
     model_type, architecture, _, _ = _MOE[arch]
     values: dict[str, Any] = {

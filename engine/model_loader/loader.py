@@ -74,7 +74,13 @@ def _checkpoint(model_config: ModelConfig) -> tuple[Iterator, int, str]:
         )
         return weights, gguf_tensor_count(path), path
     path = local_weights_path(model_config)
-    return iterate_weights(path), count_weights(path), path
+    weights = iterate_weights(path)
+    quant = model_config.quantization
+    if quant is not None and quant.checkpoint_fp8:  # each FP8 weight joined to its scales
+        from llmctl.engine.model_loader.fp8_checkpoint import pair_fp8_scales
+
+        weights = pair_fp8_scales(weights, quant.weight_block_size)
+    return weights, count_weights(path), path
 
 
 def load_model(
@@ -94,6 +100,10 @@ def load_model(
         from llmctl.engine.kernels.cpu.quantized_matmul import build_in_background
 
         build_in_background()  # a first run's kernel compile overlaps with reading the weights
+        if model_config.quantization.method == "fp8":
+            from llmctl.engine.kernels.cpu.fp8_matmul import kernel_available
+
+            kernel_available()  # built (or found) before the first matmul's timing
     weights, total, path = _checkpoint(model_config)
     if progress is not None:
         weights = _with_progress(weights, total, progress)

@@ -48,7 +48,9 @@ class ModelSource:
         from transformers import AutoConfig
 
         try:
-            config = AutoConfig.from_pretrained(self.path, local_files_only=True)
+            config = _builtin_config(self.path) or AutoConfig.from_pretrained(
+                self.path, local_files_only=True
+            )
         except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
             raise ModelLoadError(
                 f"cannot read {os.path.join(self.path, 'config.json')}: {exc}",
@@ -140,3 +142,24 @@ def _from_hf_cache(repo_id: str) -> ModelSource | None:
         return None
     _check_weights(Path(directory))
     return ModelSource(path=directory, display_name=repo_id)
+
+
+# model_type -> the transformers config that reads it: checkpoints whose config.json names a
+# model_type with custom code (auto_map) for a config transformers has under another name.
+# AutoConfig would ask to trust that code (and prompt on a terminal).
+BUILTIN_CONFIGS = {"kimi_k2": "deepseek_v3"}  # Kimi-K2 is DeepseekV3ForCausalLM
+
+
+def _builtin_config(path: str) -> Any | None:
+    """The config of a BUILTIN_CONFIGS checkpoint, read by transformers' own class; else None."""
+    config_file = Path(path, "config.json")
+    if not config_file.is_file():
+        return None
+    values = json.loads(config_file.read_text())
+    model_type = values.get("model_type")
+    if model_type not in BUILTIN_CONFIGS:
+        return None
+    from transformers import AutoConfig
+
+    values = {k: v for k, v in values.items() if k not in ("model_type", "auto_map")}
+    return AutoConfig.for_model(BUILTIN_CONFIGS[model_type], **values)

@@ -134,7 +134,7 @@ def _iterate_safetensors(file: Path) -> Iterator[tuple[str, CheckpointTensor]]:
         def reader(index, raw=raw, dtype=dtype, shape=shape):
             return torch.from_numpy(raw).view(dtype).reshape(shape)[index].clone()
 
-        yield name, CheckpointTensor(name, shape, reader)
+        yield name, CheckpointTensor(name, shape, reader, dtype=dtype)
         drop_mapped_pages(raw)  # the consumer holds its copy (a later read faults them back in)
 
 

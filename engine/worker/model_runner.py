@@ -14,6 +14,7 @@ unless enforce_eager is set.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch
 
 from llmctl.engine.attention.layer import Attention
 from llmctl.engine.attention.metadata import AttentionMetadata, PrefillChunk
+from llmctl.engine.attention.mla_layer import MLAAttention
 from llmctl.engine.attention.selector import get_attn_backend
 from llmctl.engine.config.engine_config import EngineConfig
 from llmctl.engine.core.model_runner_output import ModelRunnerOutput
@@ -85,7 +87,9 @@ class ModelRunner:
         self._buffers: dict[str, StagedBuffer] = {}
         self._copies_done = None  # CUDA: event after the last step's host-to-device copies
         self.sampler = Sampler(make_generator(self.device, mc.seed))
-        self.attn_backend = get_attn_backend(self.device)  # once: the layers never choose
+        use_mla = any(isinstance(m, MLAAttention) for m in model.modules())
+        # once: the layers never choose
+        self.attn_backend = get_attn_backend(self.device, use_mla=use_mla)
         self.fused_decode = _fused_decode(model, self.attn_backend)
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs = None  # CudaGraphRunner, once the KV cache exists (CUDA only)
@@ -93,13 +97,14 @@ class ModelRunner:
 
     # -- KV cache ------------------------------------------------------------------------------
 
-    def attention_layers(self) -> list[Attention]:
-        return [m for m in self.model.modules() if isinstance(m, Attention)]
+    def attention_layers(self) -> list[Attention | MLAAttention]:
+        """The layers with a KV cache; each says its cache's shape (`kv_cache_shape`)."""
+        return [m for m in self.model.modules() if isinstance(m, (Attention, MLAAttention))]
 
     def kv_cache_bytes_per_block(self) -> int:
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
         return sum(
-            2 * self.block_size * layer.num_kv_heads * layer.head_dim * itemsize
+            math.prod(layer.kv_cache_shape(1, self.block_size)) * itemsize
             for layer in self.attention_layers()
         )
 
@@ -118,7 +123,7 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []
         for layer in self.attention_layers():
-            shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            shape = layer.kv_cache_shape(num_blocks, self.block_size)
             cache = zeroed_kv_cache(shape, self.dtype, self.device)
             layer.bind(cache, self.attn_backend)
             self.kv_caches.append(cache)
@@ -395,11 +400,7 @@ class ModelRunner:
         layers = self.attention_layers()
         if self._scratch_kv is None:
             self._scratch_kv = [
-                zeroed_kv_cache(
-                    (2, 1, self.block_size, layer.num_kv_heads, layer.head_dim),
-                    self.dtype,
-                    self.device,
-                )
+                zeroed_kv_cache(layer.kv_cache_shape(1, self.block_size), self.dtype, self.device)
                 for layer in layers
             ]
         bound = [layer.kv_cache for layer in layers]

@@ -17,7 +17,12 @@ def test_builds_every_kernel_and_says_so():
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [f"CPU {name} kernel: ready" for name in cpu_kernels.KERNELS]
     assert done.stdout.splitlines() == lines
-    assert list(cpu_kernels.KERNELS) == ["paged attention", "quantized matmul", "fused decode"]
+    assert list(cpu_kernels.KERNELS) == [
+        "paged attention",
+        "quantized matmul",
+        "fused decode",
+        "FP8 matmul",
+    ]
 
 
 def test_a_kernel_that_does_not_build_fails_the_command(monkeypatch, capsys):

@@ -36,27 +36,34 @@ def _stages(num_layers: int, pp: int) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("name", list(CATALOG))
 def test_float_bytes_are_the_parameter_count_times_the_dtype(name):
+    """Two bytes a parameter of each stage's layers, DeepSeek's and GLM-4.5's routing biases
+    (float32 whatever the dtype) four."""
     shape = CATALOG[name].shape
     weights = WeightFormats(BF16)
     for tp in valid_tp_sizes(shape.num_attention_heads, shape.num_kv_heads)[:4]:
         for pp in (1, 3):
             for stage, span in enumerate(_stages(shape.num_layers, pp)):
                 first, last = stage == 0, stage == pp - 1
+                moe_layers = sum(shape.is_moe_layer(i) for i in range(*span))
+                biases = moe_layers * shape.num_experts if shape.expert_score_bias else 0
                 for tp_rank in range(tp):
                     params = shape.rank_params(
-                        span[1] - span[0], tp_rank, tp, is_first=first, is_last=last
+                        span[1] - span[0], tp_rank, tp, is_first=first, is_last=last, start=span[0]
                     )
                     got = weights.rank_bytes(shape, span, tp_rank, tp, is_first=first, is_last=last)
-                    assert got == 2 * params, (tp, pp, stage, tp_rank)
+                    assert got == 2 * params + 2 * biases, (tp, pp, stage, tp_rank)
 
 
 def test_quantization_bytes_per_weight():
     # Nibbles + a float32 scale and zero per 32 weights; bytes + a float32 scale per 32 weights.
     assert quantization_format("int4").bytes_per_weight == 0.5 + 8 / 32
     assert quantization_format("int8").bytes_per_weight == 1 + 4 / 32
+    # FP8: a byte a weight, each row a float32 scale per block of 128 inputs (a partial block too)
+    fp8 = quantization_format("fp8")
+    assert fp8.nbytes(300, 200) == 300 * 200 + 300 * 2 * 4
     with pytest.raises(ConfigError) as err:
         quantization_format("fp4")
-    assert err.value.hint == "use --quantization int8 or int4"
+    assert err.value.hint == "use --quantization int8 or int4 or fp8"
 
 
 def test_quantization_holds_the_linears_in_groups_and_the_rest_in_the_dtype():

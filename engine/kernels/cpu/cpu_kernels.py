@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 
-from llmctl.engine.kernels.cpu import fused_decode, paged_attention_cpu
+from llmctl.engine.kernels.cpu import fp8_matmul, fused_decode, paged_attention_cpu
 from llmctl.engine.kernels.cpu import quantized_matmul as quantized_matmul
 
 KERNELS = {
     "paged attention": paged_attention_cpu,
     "quantized matmul": quantized_matmul,
     "fused decode": fused_decode,
+    "FP8 matmul": fp8_matmul,
 }
 
 

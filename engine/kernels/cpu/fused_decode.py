@@ -250,9 +250,15 @@ def _fusable(layer: nn.Module) -> bool:
         return False
     if attn.rotary_emb.cos_cache.dtype != torch.float32 or attn.head_dim % 2:
         return False
+    if attn.rotary_emb.rotary_dim != attn.head_dim or attn.rotary_emb.interleaved:
+        return False  # partial or interleaved rotary (GLM-4.5, DeepSeek): not in the C++ layer
     for linear in _linears(layer):
         if linear.quant_method is None and linear.weight.dtype != torch.float32:  # bf16
             return False
+        if linear.quant_method is not None and any(
+            type(p).__name__ == "Fp8LinearWeight" for p in linear.quant_method.parts
+        ):
+            return False  # block FP8: the C++ stack's matmuls are the integer formats
         for part in _parts(linear):
             if part.bits == 0 and part.q.dtype != torch.float32:
                 return False

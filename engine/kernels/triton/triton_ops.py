@@ -114,3 +114,56 @@ def group_quantized_mm(
 @group_quantized_mm.register_fake
 def _(x, qweight, scales, zeros, bits, group_size):
     return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+# -- multi-head latent attention (triton_mla.py) ----------------------------------------------
+
+
+@torch.library.custom_op("llmctl::mla_write_cache", mutates_args=("cache",))
+def mla_write_cache(
+    latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    from llmctl.engine.kernels.triton.triton_mla import mla_write_cache as write
+
+    write(latent, k_pe, cache, slot_mapping)
+
+
+@mla_write_cache.register_fake
+def _(latent, k_pe, cache, slot_mapping) -> None:
+    return None
+
+
+@torch.library.custom_op("llmctl::mla_decode_attention", mutates_args=())
+def mla_decode_attention(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    from llmctl.engine.kernels.triton.triton_mla import mla_decode_attention as decode
+
+    return decode(q_latent, q_pe, cache, block_tables, seq_lens, scale)
+
+
+@mla_decode_attention.register_fake
+def _(q_latent, q_pe, cache, block_tables, seq_lens, scale):
+    return torch.empty_like(q_latent)
+
+
+# -- block FP8 (triton_fp8_gemm.py) -------------------------------------------------------------
+
+
+@torch.library.custom_op("llmctl::fp8_block_mm", mutates_args=())
+def fp8_block_mm(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    from llmctl.engine.kernels.triton.triton_fp8_gemm import fp8_block_mm as mm
+
+    return mm(x, qweight, scales, group_size)
+
+
+@fp8_block_mm.register_fake
+def _(x, qweight, scales, group_size):
+    return x.new_empty(x.shape[0], qweight.shape[0])

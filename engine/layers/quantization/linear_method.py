@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from llmctl.engine.errors import ConfigError, ModelLoadError
-from llmctl.engine.kernels.cpu.quantized_matmul import PackedLinearWeight, pack_groups
+from llmctl.engine.kernels.cpu.quantized_matmul import pack_groups
 from llmctl.engine.layers.quantization.quant_config import QuantizationConfig
 
 _current: QuantizationConfig | None = None
@@ -154,24 +154,31 @@ class PackedLinearMethod:
 
 
 def readable(loaded):
-    """A checkpoint slice as store() takes it: a torch tensor or a QuantizedCheckpointTensor
-    (a lazy float CheckpointTensor is read now)."""
+    """A checkpoint slice as store() takes it: a torch tensor, a QuantizedCheckpointTensor or
+    an Fp8CheckpointTensor (a lazy float CheckpointTensor is read now)."""
     from llmctl.engine.layers.checkpoint_tensor import QuantizedCheckpointTensor
+    from llmctl.engine.layers.fp8_checkpoint_tensor import Fp8CheckpointTensor
 
-    if not isinstance(loaded, (torch.Tensor, QuantizedCheckpointTensor)):
+    if not isinstance(loaded, (torch.Tensor, QuantizedCheckpointTensor, Fp8CheckpointTensor)):
         loaded = loaded.load()  # a whole CheckpointTensor (a replicated layer's)
     return loaded
 
 
 def decode_piece(config: QuantizationConfig, loaded) -> tuple:
-    """("packed", PackedLinearWeight) or ("float", tensor) of checkpoint rows: a GGUF
-    QuantizedCheckpointTensor decoded as it is, float rows quantized round-to-nearest under
-    int8/int4, or kept float (a GGUF file's float tensor)."""
+    """("packed", PackedLinearWeight or Fp8LinearWeight) or ("float", tensor) of checkpoint rows:
+    a GGUF QuantizedCheckpointTensor or an FP8 checkpoint's slice decoded as it is, float rows
+    quantized round-to-nearest under int8/int4/fp8, or kept float (a GGUF file's float tensor,
+    a float tensor of an FP8 checkpoint)."""
     from llmctl.engine.layers.checkpoint_tensor import QuantizedCheckpointTensor
+    from llmctl.engine.layers.fp8_checkpoint_tensor import Fp8CheckpointTensor
 
     loaded = readable(loaded)
-    if isinstance(loaded, QuantizedCheckpointTensor):
+    if isinstance(loaded, (QuantizedCheckpointTensor, Fp8CheckpointTensor)):
         return ("packed", loaded.decode())
+    if config.method == "fp8" and not config.checkpoint_fp8:
+        from llmctl.engine.layers.quantization.fp8 import quantize_rows
+
+        return ("packed", quantize_rows(loaded, config.weight_block_size))
     if config.bits is not None:
         bits, group = config.bits, config.group_size
         q, scales, zeros = quantize_rtn(loaded, bits, group)
@@ -199,7 +206,7 @@ def _format(piece: tuple) -> tuple:
     if piece[0] == "float":
         return ("float",)
     w = piece[1]
-    return ("packed", w.bits, w.group_size, w.zeros is None)
+    return ("packed", type(w).__name__, w.bits, w.group_size, w.zeros is None)
 
 
 def _to(piece: tuple, device: torch.device) -> tuple:
@@ -209,4 +216,4 @@ def _to(piece: tuple, device: torch.device) -> tuple:
 def _pack(run: list[tuple]):
     if run[0][0] == "float":
         return _FloatRows(torch.cat([p[1] for p in run]) if len(run) > 1 else run[0][1])
-    return PackedLinearWeight.cat([p[1] for p in run])
+    return type(run[0][1]).cat([p[1] for p in run])
