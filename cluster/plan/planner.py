@@ -487,7 +487,7 @@ def _activation_bytes(ctx: _Ctx, tp_rank: int, tp: int, is_last_stage: bool) -> 
         vocab_shard=shape.vocab_shard(tp_rank, tp),
         vocab_size=shape.vocab_size,
         dtype_bytes=ctx.dtype_bytes,
-        gated_mlp=shape.family == "llama",
+        gated_mlp=shape.family in ("llama", "gemma3"),
         is_last_stage=is_last_stage,
         samples=is_last_stage and tp_rank == 0,
     )

@@ -344,7 +344,7 @@ def layer_tensors(
     inter = shape.intermediate_shard(tp_rank, tp)
     q, kv = shard.num_q_heads * d, shard.num_kv_heads * d
     full_q, full_inter = shape.num_attention_heads * d, shape.intermediate_size
-    if shape.family == "llama":
+    if shape.family in ("llama", "gemma3"):
         out = [Tensor("q", q, h), Tensor("k", kv, h), Tensor("v", kv, h)]
         if shape.qkv_bias:
             out += [Tensor("q_bias", q), Tensor("k_bias", kv), Tensor("v_bias", kv)]
@@ -353,6 +353,8 @@ def layer_tensors(
             out.append(Tensor("o_bias", h))
         if shape.qk_norm:
             out += [Tensor("q_norm", d), Tensor("k_norm", d)]
+        if shape.attention_sinks:
+            out.append(Tensor("sinks", shard.num_q_heads))
         if shape.num_experts:
             out += _moe_tensors(shape, tp_rank, tp, expert_parallel)
         else:
@@ -363,7 +365,10 @@ def layer_tensors(
             ]
         if not shape.num_experts and shape.mlp_bias:
             out += [Tensor("gate_bias", inter), Tensor("up_bias", inter), Tensor("down_bias", h)]
-        return out + [Tensor("attn_norm", h), Tensor("ffn_norm", h)]
+        out += [Tensor("attn_norm", h), Tensor("ffn_norm", h)]
+        if shape.family == "gemma3":
+            out += [Tensor("post_attention_norm", h), Tensor("post_ffw_norm", h)]
+        return out
     # GPT-2 and OPT: fused q, k, v and the output projection with biases, a two-matrix MLP with
     # biases, two LayerNorms (weight and bias).
     return [
@@ -396,6 +401,12 @@ def _moe_tensors(shape: ModelShape, tp_rank: int, tp: int, expert_parallel: bool
         Tensor("down", experts * h, inter, full),
         Tensor("router", shape.num_experts * h),
     ]
+    if shape.moe_bias:  # gpt-oss
+        out += [
+            Tensor("gate_up_bias", experts * 2 * inter),
+            Tensor("down_bias", experts * h),
+            Tensor("router_bias", shape.num_experts),
+        ]
     if shape.shared_expert_intermediate_size:
         full_shared = shape.shared_expert_intermediate_size
         shared = column_shards(full_shared, tp, "shared expert features")[tp_rank]
@@ -431,7 +442,7 @@ def head_tensors(
     if shape.family == "opt" and width != h:
         out = [Tensor("project_out", width, h)]  # opt-350m drops the final norm
     else:
-        out = [Tensor("output_norm", h if shape.family == "llama" else 2 * h)]
+        out = [Tensor("output_norm", h if shape.family in ("llama", "gemma3") else 2 * h)]
     if not (shape.tie_word_embeddings and with_embedding):
         out.append(Tensor("lm_head", shape.vocab_shard(tp_rank, tp), width))
     return out

@@ -34,6 +34,10 @@ FAMILIES = {
     "MixtralForCausalLM": "llama",
     "Qwen2MoeForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+    "Phi3ForCausalLM": "llama",
+    "GptOssForCausalLM": "llama",
+    "Gemma3ForCausalLM": "gemma3",
     "GPT2LMHeadModel": "gpt2",
     "OPTForCausalLM": "opt",
 }
@@ -45,6 +49,10 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "opt": "OPTForCausalLM",
 }
@@ -55,6 +63,9 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
 }
 # GGUF metadata key (after the "<arch>." prefix) -> ModelShape field.
@@ -74,7 +85,15 @@ GGUF_KEYS = {
     "attention.sliding_window": "sliding_window",
 }
 # Mixtures of experts: their MLPs are FusedMoE layers (engine/layers/fused_moe.py).
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = (
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "GptOssForCausalLM",
+)
+QK_NORM_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
+# Hugging Face's names for a layer's attention (config.layer_types).
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 GGUF_TOKENS = "tokenizer.ggml.tokens"  # the vocabulary, when no <arch>.vocab_size is given
 DEFAULT_MAX_POSITION_EMBEDDINGS = 2048  # for configs that give no length
 _POSITIVE_FIELDS = (
@@ -113,6 +132,11 @@ class ModelShape:
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's query and key
     word_embed_proj_dim: int | None = None  # OPT's embedding width when it differs
     sliding_window: int | None = None  # Mistral/Qwen2: tokens each query sees
+    # Each layer's attention, FULL_ATTENTION or SLIDING_ATTENTION (Gemma 3, gpt-oss alternate);
+    # () : every layer alike, sliding when sliding_window is set.
+    layer_types: tuple[str, ...] = ()
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax
+    moe_bias: bool = False  # gpt-oss: the router and every expert's matrices have biases
 
     def __post_init__(self) -> None:
         if self.architecture not in FAMILIES:
@@ -132,6 +156,16 @@ class ModelShape:
                 f"{self.architecture}: {self.num_attention_heads} attention heads are not a "
                 f"multiple of {self.num_kv_heads} KV heads",
                 "fix num_key_value_heads in the model's config.json",
+            )
+        if self.layer_types and (
+            len(self.layer_types) != self.num_layers
+            or not set(self.layer_types) <= {FULL_ATTENTION, SLIDING_ATTENTION}
+        ):
+            raise ConfigError(
+                f"{self.architecture}: layer_types must name {FULL_ATTENTION!r} or "
+                f"{SLIDING_ATTENTION!r} for each of the {self.num_layers} layers, got "
+                f"{list(self.layer_types)}",
+                "fix layer_types in the model's config.json",
             )
         if self.num_experts < 0:
             raise ConfigError(f"num_experts must not be negative, got {self.num_experts}")
@@ -154,6 +188,12 @@ class ModelShape:
     def expert_intermediate_size(self) -> int:
         """One routed expert's MLP features."""
         return self.moe_intermediate_size or self.intermediate_size
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The tokens decoder layer `layer`'s queries see (None: the whole sequence)."""
+        if self.layer_types and self.layer_types[layer] != SLIDING_ATTENTION:
+            return None
+        return self.sliding_window
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` routes to experts (Qwen MoE may keep some dense)."""
@@ -216,9 +256,11 @@ class ModelShape:
         window = get("sliding_window")
         if get("use_sliding_window", True) is False:
             window = None
+        window = window if isinstance(window, int) and window > 0 else None
+        num_layers = get("num_hidden_layers")
         return cls(
             architecture=arch,
-            num_layers=get("num_hidden_layers"),
+            num_layers=num_layers,
             hidden_size=hidden,
             num_attention_heads=heads,
             num_kv_heads=get("num_key_value_heads") or heads,
@@ -226,7 +268,7 @@ class ModelShape:
             intermediate_size=get("intermediate_size"),
             vocab_size=get("vocab_size"),
             max_position_embeddings=_max_positions(get),
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(get("tie_word_embeddings", arch == "Gemma3ForCausalLM")),
             qkv_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or attention_bias,
             o_bias=attention_bias,
             mlp_bias=bool(get("mlp_bias", False)),
@@ -238,8 +280,11 @@ class ModelShape:
             else 0,
             decoder_sparse_step=(get("decoder_sparse_step") or 1) if moe else 1,
             mlp_only_layers=tuple(get("mlp_only_layers") or ()) if moe else (),
-            qk_norm=arch == "Qwen3MoeForCausalLM",
-            sliding_window=window if isinstance(window, int) and window > 0 else None,
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
+            sliding_window=window,
+            layer_types=_layer_types(get, arch, num_layers, window),
+            attention_sinks=arch == "GptOssForCausalLM",
+            moe_bias=arch == "GptOssForCausalLM",
         )
 
     @classmethod
@@ -283,7 +328,8 @@ class ModelShape:
             qkv_bias=bias or arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"),
             o_bias=bias,
             mlp_bias=bias,
-            qk_norm=arch == "Qwen3MoeForCausalLM",
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
+            layer_types=_gguf_layer_types(gguf_arch, values),
             **values,
         )
 
@@ -350,6 +396,8 @@ class ModelShape:
             experts = self.num_experts
             inter = column_shards(self.expert_intermediate_size, tp, "expert MLP features")[tp_rank]
         params = experts * 3 * h * inter + self.num_experts * h  # experts + router
+        if self.moe_bias:  # gpt-oss: each expert's gate, up and down biases; the router's
+            params += experts * (2 * inter + h) + self.num_experts
         if self.shared_expert_intermediate_size:
             shared = column_shards(self.shared_expert_intermediate_size, tp, "shared features")
             params += 3 * h * shared[tp_rank] + h  # shared expert + its gate
@@ -364,15 +412,17 @@ class ModelShape:
         shard = self.head_shard(tp_rank, tp)
         inter = self.intermediate_shard(tp_rank, tp)
         q, kv = shard.num_q_heads * d, shard.num_kv_heads * d
-        if self.family == "llama":
+        if self.family in ("llama", "gemma3"):
             attn = h * (q + 2 * kv) + q * h
             attn += (q + 2 * kv) if self.qkv_bias else 0
             attn += h if self.o_bias else 0
             attn += 2 * d if self.qk_norm else 0
+            attn += shard.num_q_heads if self.attention_sinks else 0
             mlp = 3 * h * inter + (2 * inter + h if self.mlp_bias else 0)
             if self.num_experts:
                 mlp = self.moe_params(tp_rank, tp, expert_parallel)
-            return attn + mlp + 2 * h  # two RMSNorms
+            # two RMSNorms; Gemma 3 adds one after attention and one after the MLP
+            return attn + mlp + (4 if self.family == "gemma3" else 2) * h
         # GPT-2 and OPT: q, k, v and the output projection with biases, a two-matrix MLP with
         # biases, two LayerNorms (weight and bias).
         attn = h * 3 * q + 3 * q + q * h + h
@@ -395,7 +445,7 @@ class ModelShape:
         """The last stage's final norm and LM head (shared with the embedding when tied and on
         the same stage)."""
         width = self.embedding_width
-        norm = self.hidden_size if self.family == "llama" else 2 * self.hidden_size
+        norm = self.hidden_size if self.family in ("llama", "gemma3") else 2 * self.hidden_size
         if self.family == "opt" and width != self.hidden_size:
             norm = width * self.hidden_size  # project_out (opt-350m drops the final norm)
         lm_head = self.vocab_shard(tp_rank, tp) * width
@@ -450,6 +500,42 @@ def _architecture(get) -> str:
         f"the model's config names no architectures (model_type {model_type!r})",
         'add "architectures": ["LlamaForCausalLM"] (or the right class) to config.json',
     )
+
+
+def _layer_types(get, arch: str, num_layers: Any, window: int | None) -> tuple[str, ...]:
+    """Each layer's attention type as transformers 5 derives it: config.layer_types when given,
+    else Qwen's sliding layers from max_window_layers on, Gemma 3's sliding_window_pattern
+    (every 6th layer global), gpt-oss's alternation; () when every layer is alike."""
+    if window is None or not isinstance(num_layers, int) or num_layers < 1:
+        return ()
+    given = get("layer_types")
+    if given:
+        return tuple(given)
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and get("max_window_layers") is not None:
+        first = get("max_window_layers")
+        return tuple(SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers))
+    if arch == "Gemma3ForCausalLM":
+        period = _first(get, "sliding_window_pattern", "_sliding_window_pattern") or 6
+        return _every_nth_global(period, num_layers)
+    if arch == "GptOssForCausalLM":
+        return _every_nth_global(2, num_layers)
+    return ()
+
+
+def _every_nth_global(period: int, num_layers: int) -> tuple[str, ...]:
+    """Sliding layers with every `period`-th one global (layers period - 1, 2 * period - 1...)."""
+    return tuple(
+        FULL_ATTENTION if (i + 1) % period == 0 else SLIDING_ATTENTION for i in range(num_layers)
+    )
+
+
+def _gguf_layer_types(gguf_arch: str, values: dict) -> tuple[str, ...]:
+    """llama.cpp's fixed pattern for a Gemma 3 GGUF, which stores no per-layer list: every 6th
+    layer global."""
+    num_layers = values.get("num_layers")
+    if gguf_arch != "gemma3" or not values.get("sliding_window") or not num_layers:
+        return ()
+    return _every_nth_global(6, num_layers)
 
 
 def _first(get, *names):

@@ -59,9 +59,9 @@ def _steps(vocab: int) -> list[SchedulerOutput]:
     tokens = [(i * 37) % (vocab - 10) + 5 for i in range(40)]
     first = SchedulerOutput(
         scheduled_new_reqs=[
-            NewRequestData("hit", tokens[:20], 20, plain, [5, 3], 16),
-            NewRequestData("chunked", tokens, 40, seeded, [7, 1, 9], 0),
-            NewRequestData("fancy", tokens[:9], 9, fancy, [11], 0),
+            NewRequestData("hit", tokens[:20], 20, plain, [[5, 3]], 16),
+            NewRequestData("chunked", tokens, 40, seeded, [[7, 1, 9]], 0),
+            NewRequestData("fancy", tokens[:9], 9, fancy, [[11]], 0),
         ],
         scheduled_cached_reqs=[],
         num_scheduled_tokens={"hit": 4, "chunked": 24, "fancy": 9},
@@ -70,9 +70,9 @@ def _steps(vocab: int) -> list[SchedulerOutput]:
     second = SchedulerOutput(
         scheduled_new_reqs=[],
         scheduled_cached_reqs=[
-            CachedRequestData("hit", [42], [], 20),
-            CachedRequestData("chunked", [], [], 24),
-            CachedRequestData("fancy", [43], [], 9),
+            CachedRequestData("hit", [42], [[]], 20),
+            CachedRequestData("chunked", [], [[]], 24),
+            CachedRequestData("fancy", [43], [[]], 9),
         ],
         num_scheduled_tokens={"hit": 1, "chunked": 16, "fancy": 1},
         total_num_scheduled_tokens=18,
@@ -80,9 +80,9 @@ def _steps(vocab: int) -> list[SchedulerOutput]:
     third = SchedulerOutput(
         scheduled_new_reqs=[],
         scheduled_cached_reqs=[
-            CachedRequestData("hit", [44], [2], 21),
-            CachedRequestData("chunked", [45], [4], 40),
-            CachedRequestData("fancy", [46], [], 10),
+            CachedRequestData("hit", [44], [[2]], 21),
+            CachedRequestData("chunked", [45], [[4]], 40),
+            CachedRequestData("fancy", [46], [[]], 10),
         ],
         num_scheduled_tokens={"hit": 1, "chunked": 1, "fancy": 1},
         total_num_scheduled_tokens=3,

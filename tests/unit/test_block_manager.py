@@ -14,12 +14,12 @@ def request(rid: str, tokens: list[int]) -> Request:
 def test_allocates_blocks_for_tokens_and_frees_them():
     bm = BlockManager(num_blocks=10, block_size=4)
     r = request("a", list(range(10)))
-    assert bm.allocate_slots(r, 10) == [0, 1, 2]
+    assert bm.allocate_slots(r, 10) == [[0, 1, 2]]
     assert bm.num_free_blocks == 7
     r.num_computed_tokens = 10
-    assert bm.allocate_slots(r, 2) == []  # slots 10 and 11 fit in block 2
+    assert bm.allocate_slots(r, 2) == [[]]  # slots 10 and 11 fit in block 2
     r.num_computed_tokens = 12
-    assert bm.allocate_slots(r, 1) == [3]
+    assert bm.allocate_slots(r, 1) == [[3]]
     bm.free(r)
     assert bm.num_free_blocks == 10 and bm.usage == 0.0
 
@@ -35,14 +35,14 @@ def test_shared_prefix_is_found_and_refcounted():
     bm = BlockManager(num_blocks=8, block_size=4)
     a = request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     blocks, hit = bm.get_computed_blocks(a)
-    assert (blocks, hit) == ([], 0)
+    assert (blocks, hit) == ([[]], 0)
     bm.allocate_slots(a, 9)
     b = request("b", [1, 2, 3, 4, 5, 6, 7, 8, 42, 43])
     blocks, hit = bm.get_computed_blocks(b)
-    assert hit == 8 and [x.block_id for x in blocks] == bm.block_ids("a")[:2]
+    assert hit == 8 and [x.block_id for x in blocks[0]] == bm.block_ids("a")[0][:2]
     new = bm.allocate_slots(b, 2, blocks)
-    assert len(new) == 1
-    assert [x.ref_cnt for x in blocks] == [2, 2]
+    assert len(new[0]) == 1
+    assert [x.ref_cnt for x in blocks[0]] == [2, 2]
     assert bm.stats.hits == 8 and bm.stats.queries == 19
 
 
@@ -86,7 +86,7 @@ def test_caching_off():
     bm = BlockManager(num_blocks=8, block_size=4, enable_caching=False)
     a = request("a", list(range(9)))
     bm.allocate_slots(a, 9)
-    assert bm.get_computed_blocks(request("b", list(range(9)))) == ([], 0)
+    assert bm.get_computed_blocks(request("b", list(range(9)))) == ([[]], 0)
     assert not bm.cached
 
 
@@ -100,18 +100,18 @@ def test_written_blocks_are_reused_before_fresh_ones_where_memory_is_committed_o
     bm.free(a)
     assert bm.num_written_blocks == 3 and bm.num_free_blocks == 8
     b = request("b", list(range(100, 109)))  # another 3 blocks: a's, not fresh ones
-    assert sorted(bm.allocate_slots(b, 9)) == [0, 1, 2]
+    assert sorted(bm.allocate_slots(b, 9)[0]) == [0, 1, 2]
     assert bm.num_written_blocks == 3
-    b_blocks = bm.block_ids("b")
+    b_blocks = bm.block_ids("b")[0]
     bm.free(b)
     c = request("c", list(range(100, 108)) + [7, 7])  # b's first two blocks are cached
     hits, tokens = bm.get_computed_blocks(c)
-    assert tokens == 8 and [x.block_id for x in hits] == b_blocks[:2]
+    assert tokens == 8 and [x.block_id for x in hits[0]] == b_blocks[:2]
     bm.allocate_slots(c, 2, hits)
     assert bm.num_written_blocks == 3
     # c holds all 3 written blocks (its third evicted b's last one): d's 4 must be fresh
     d = request("d", list(range(200, 213)))
-    assert sorted(bm.allocate_slots(d, 13)) == [3, 4, 5, 6]
+    assert sorted(bm.allocate_slots(d, 13)[0]) == [3, 4, 5, 6]
     assert bm.num_written_blocks == 7 and bm.num_free_blocks == 1
 
 
@@ -121,5 +121,5 @@ def test_fresh_blocks_go_first_by_default_keeping_cached_blocks_longer():
     bm.allocate_slots(a, 9)
     bm.free(a)
     b = request("b", list(range(100, 109)))
-    assert bm.allocate_slots(b, 9) == [3, 4, 5]
+    assert bm.allocate_slots(b, 9) == [[3, 4, 5]]
     assert bm.get_computed_blocks(request("a2", list(range(9))))[1] == 8  # a's still cached
