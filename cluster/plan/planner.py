@@ -62,6 +62,7 @@ from llmctl.engine.config.engine_config import (
     normalize_dtype,
     resolve_max_num_batched_tokens,
 )
+from llmctl.engine.config.kv_cache_layout import KVCacheLayout
 from llmctl.engine.config.memory_profile import (
     CUDA_CONTEXT_BYTES,
     DEFAULT_CPU_KV_CACHE_SPACE_GIB,
@@ -189,6 +190,9 @@ class Plan:
     weight_format_detail: str = ""  # by role, when quantized
     data_parallel_size: int = 1  # replicas of this layout (the ranks above are one replica's)
     num_experts: int = 0  # a mixture of experts' routed experts per MoE layer (0: dense)
+    # How the layers share the KV cache (sliding-window groups freed beyond their window), as
+    # the engine builds it; None: every layer holds every token.
+    kv_layout: KVCacheLayout | None = None
 
     @property
     def weight_line(self) -> str:
@@ -197,10 +201,18 @@ class Plan:
 
     @property
     def kv_cache_tokens(self) -> int:
+        if self.kv_layout is not None:
+            return self.kv_layout.cache_tokens(self.num_kv_blocks)
         return self.num_kv_blocks * self.block_size
 
     @property
     def max_concurrency(self) -> float:
+        """Requests of max_model_len the cache holds at once, as the engine logs it (a sliding
+        group holding its window and a step's tokens, not the whole request)."""
+        if self.kv_layout is not None:
+            return self.kv_layout.max_concurrency(
+                self.num_kv_blocks, self.max_model_len, self.profile_num_tokens
+            )
         return self.kv_cache_tokens / self.max_model_len
 
     @property
@@ -340,6 +352,15 @@ class _Ctx:
     nodes: int
     num_tokens: int  # the engine's profile step: tokens ...
     num_sampled: int  # ... and sampled rows
+    kv_layout: KVCacheLayout  # how the layers share the KV cache, as the engine has it
+
+    def needed_blocks(self) -> int:
+        """Blocks min_concurrency requests of max_model_len hold at most."""
+        opts = self.options
+        if not any(self.kv_layout.sliding_windows):
+            return -(-self.max_model_len * opts.min_concurrency // opts.block_size)
+        per_request = self.kv_layout.request_blocks(self.max_model_len, self.num_tokens)
+        return per_request * opts.min_concurrency
 
 
 def _resolve(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> _Ctx:
@@ -403,6 +424,7 @@ def _resolve(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> _Ct
         nodes=len([g for g in gpus if g]) or len(gpus),
         num_tokens=num_tokens,
         num_sampled=len(requests),
+        kv_layout=KVCacheLayout.for_shape(spec.shape, max_len, options.block_size),
     )
 
 
@@ -431,8 +453,11 @@ def _rank_memory(ctx: _Ctx, tp: int, pp: int, parts: list[int]) -> list[RankMemo
                 is_last=last,
                 expert_parallel=opts.enable_expert_parallel,
             )
+            # one block: a slot range of each KV tensor of the stage (one per layer, or
+            # shared by the layers of several KV cache groups)
+            tensors = ctx.kv_layout.num_tensors(*span)
             block = shape.kv_cache_bytes_per_block(
-                layers, tp_rank, tp, ctx.kv_bytes, opts.block_size
+                tensors, tp_rank, tp, ctx.kv_bytes, opts.block_size
             )
             if opts.device == "cpu":
                 # The engine's own arithmetic: the KV budget over this rank's block bytes.
@@ -506,8 +531,7 @@ class _Eval:
         return min(r.num_blocks for r in self.ranks)
 
     def fits(self, ctx: _Ctx) -> bool:
-        needed = ctx.max_model_len * ctx.options.min_concurrency
-        return self.blocks * ctx.options.block_size >= needed
+        return self.blocks >= ctx.needed_blocks()
 
 
 def _evaluate(ctx: _Ctx, tp: int, pp: int, explicit: tuple[int, ...] | None = None) -> _Eval:
@@ -546,6 +570,8 @@ def _balanced_partition(ctx: _Ctx, tp: int, pp: int) -> list[int] | None:
             room = usable - _activation_bytes(ctx, t, tp, last) - non_torch - fixed
             layer_bytes = ctx.weights.max_layer_bytes(shape, t, tp, opts.enable_expert_parallel)
             block = shape.kv_cache_bytes_per_block(1, t, tp, ctx.kv_bytes, opts.block_size)
+            # layers sharing KV tensors (several KV cache groups): about this much per layer
+            block = block * ctx.kv_layout.num_tensors(0, spec.num_layers) // spec.num_layers
             per_rank.append((room, layer_bytes, block))
         stages.append(per_rank)
 
@@ -1147,6 +1173,7 @@ def _finish(ctx: _Ctx, chosen: _Eval, reasons, rejected, alternatives) -> Plan:
         weight_format=ctx.weights.label(),
         weight_format_detail=ctx.weights.detail(spec.shape) if ctx.weights.quantized else "",
         num_experts=spec.shape.num_experts or 0,
+        kv_layout=ctx.kv_layout if ctx.kv_layout.num_groups > 1 else None,
     )
 
 
@@ -1158,6 +1185,10 @@ def _too_big(ctx: _Ctx, tried: list[_Eval], what: str) -> PlanError:
         spec.shape, (0, spec.num_layers), 0, 1, is_first=True, is_last=True
     )
     kv = need_tokens * spec.shape.kv_bytes_per_token(spec.num_layers, 0, 1, ctx.kv_bytes)
+    if any(ctx.kv_layout.sliding_windows):  # sliding groups hold their window, not every token
+        tensors = ctx.kv_layout.num_tensors(0, spec.num_layers)
+        block = spec.shape.kv_cache_bytes_per_block(tensors, 0, 1, ctx.kv_bytes, opts.block_size)
+        kv = ctx.needed_blocks() * block
     if opts.device == "cpu":
         best = max(tried, key=lambda e: e.blocks) if tried else None
         held = best.blocks * opts.block_size if best else 0

@@ -264,13 +264,15 @@ class WeightFormats:
 
 
 def gguf_weight_formats(
-    dense: WeightFormat, tensor_types: Iterable[tuple[str, str]]
+    dense: WeightFormat, tensor_types: Iterable[tuple[str, str]], arch: str = ""
 ) -> WeightFormats:
     """The formats of a GGUF file's quantized tensors as the engine holds them: `tensor_types`
     gives (tensor name, GGML type name); each quantized type is repacked at load into groups of
     `bits`-bit values with scales (and zeros for 4 bits), PACKED_FORMATS in
     engine/layers/quantization/gguf_quants.py. Float tensors (F32, F16, BF16) are left to
-    `dense`: the engine holds them in the model's dtype. A format's block is the file's (a
+    `dense`: the engine holds them in the model's dtype. `arch`: the file's
+    general.architecture (Phi-3's fused tensors give their parts' formats). A format's block
+    is the file's (a
     tensor-parallel split must fall on whole blocks: the engine narrows the raw blocks before
     decoding them), its bytes what the engine holds for one block."""
     from llmctl.engine.layers.quantization.gguf_quants import (
@@ -289,7 +291,19 @@ def gguf_weight_formats(
         scales = scale_bytes(type_name) * (2 if bits == 4 else 1)
         held = block * bits // 8 + block // group * scales
         by_role.append((key, WeightFormat(type_name, block, held, quantized=True)))
-    return WeightFormats(dense, tuple(by_role), "GGUF")
+    fused = _fused_parts(by_role) if arch == "phi3" else []
+    return WeightFormats(dense, tuple(by_role + fused), "GGUF")
+
+
+def _fused_parts(by_role: list) -> list:
+    """Phi-3's fused tensors give their parts' formats: attn_qkv q, k and v; ffn_up (its
+    [gate | up] rows) the gate."""
+    roles = {key: fmt for key, fmt in by_role}
+    out = []
+    for (layer, role), fmt in roles.items():
+        parts = {"qkv": ("q", "k", "v"), "up": ("gate",)}.get(role, ())
+        out += [((layer, part), fmt) for part in parts if (layer, part) not in roles]
+    return out
 
 
 _GGUF_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")

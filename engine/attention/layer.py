@@ -41,12 +41,8 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
         self.sliding_window = sliding_window
-        # [num_heads] float32, this rank's heads (the model gives it a weight loader)
-        self.sinks = (
-            nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False)
-            if sinks
-            else None
-        )
+        # [num_heads] in the model's dtype, this rank's heads (the model gives it a loader)
+        self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
         # [2, num_blocks, block_size, num_kv_heads, head_dim] and the backend, bound by the runner
         self.kv_cache = torch.empty(2, 0, 1, num_kv_heads, head_dim)
         self.kv_cache_group = 0

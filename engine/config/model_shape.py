@@ -305,6 +305,8 @@ class ModelShape:
             value = metadata.get(f"{gguf_arch}.{key}")
             if value is not None:
                 values[name] = int(value)
+        if not values.get("sliding_window"):
+            values.pop("sliding_window", None)  # Phi-4's 0: no window
         if "vocab_size" not in values and GGUF_TOKENS in metadata:
             tokens = metadata[GGUF_TOKENS]
             values["vocab_size"] = tokens if isinstance(tokens, int) else len(tokens)

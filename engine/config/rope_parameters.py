@@ -17,9 +17,9 @@ def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict:
     if layer_type is not None and isinstance(params.get(layer_type), dict):
         params = dict(params[layer_type])
     elif layer_type == "sliding_attention":
-        local = getattr(hf_config, "rope_local_base_freq", None)  # older Gemma 3 configs
-        if local is not None:
-            params = {"rope_theta": local, "rope_type": "default"}
+        params = {"rope_type": "default"}
+    if layer_type == "sliding_attention" and "rope_theta" not in params:
+        params["rope_theta"] = getattr(hf_config, "rope_local_base_freq", None) or 10000.0
     scaling = getattr(hf_config, "rope_scaling", None)
     if isinstance(scaling, dict) and layer_type != "sliding_attention":
         params = {**scaling, **params}
