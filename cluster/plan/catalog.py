@@ -91,7 +91,8 @@ _MODELS = [
            num_heads=40, num_kv_heads=10, head_dim=128, intermediate_size=17920,
            vocab_size=100352, max_position_embeddings=16384),
     # gpt-oss: 128-token windows on every other layer, sinks, biased experts; its published
-    # checkpoints hold the experts in MXFP4 (planned here at the serving dtype).
+    # checkpoints hold the experts in MXFP4, which the engine dequantizes as it reads them
+    # (planned here at the dtype it serves them in).
     _llama("gpt-oss-20b", **_GPT_OSS, num_layers=24, num_experts=32,
            layer_types=_alternating(24)),
     _llama("gpt-oss-120b", **_GPT_OSS, num_layers=36, num_experts=128,

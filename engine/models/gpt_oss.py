@@ -9,6 +9,11 @@ alternating (ModelShape.layer_types), YaRN RoPE, and a mixture of experts as eve
   interleaved in its columns (gate 2j, up 2j + 1), gate clamped above at `limit`, up to
   [-limit, limit], glu = gate * sigmoid(alpha gate), out = ((up + 1) glu) W_down + b_down.
 
+OpenAI's published checkpoints hold the experts in MXFP4 (`*_blocks`: two e2m1 values a byte,
+the low nibble first, 32 to a group; `*_scales`: one e8m0 exponent per group, bias 127); they are
+dequantized as they are read, exactly (every value is representable in bfloat16), and run in the
+model's dtype.
+
 The experts are held in the checkpoint's own layout, as transformers multiplies them:
 gate_up_proj [E, H, 2I], down_proj [E, I, H]. Under tensor parallelism a rank holds features
 [s, s + I_r) of every expert: gate_up columns [2s, 2s + 2I_r), a contiguous run thanks to the
@@ -18,7 +23,7 @@ all-reduce adds it once. Under expert parallelism a rank holds whole experts (Fu
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -33,6 +38,12 @@ from llmctl.engine.layers.quantization.linear_method import (
 )
 from llmctl.engine.model_loader.weights import CheckpointTensor
 from llmctl.engine.models.llama import LlamaForCausalLM
+from llmctl.engine.models.utils import layer_index
+
+# e2m1: the 16 values of a 4-bit MXFP4 code (sign bit highest)
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_FP4_VALUES += tuple(-v for v in _FP4_VALUES)
+_MXFP4_PARTS = ("_blocks", "_scales")
 
 
 class GptOssExperts(FusedMoE):
@@ -126,6 +137,39 @@ class GptOssForCausalLM(LlamaForCausalLM):
         # The sinks are the attention layer's own weight.
         renamed = (
             (name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), tensor)
-            for name, tensor in weights
+            for name, tensor in self._dequantized(weights)
         )
         return super().load_weights(renamed)
+
+    def _dequantized(
+        self, weights: Iterable[tuple[str, CheckpointTensor]]
+    ) -> Iterator[tuple[str, CheckpointTensor]]:
+        """The checkpoint's tensors, an MXFP4 expert tensor's blocks and scales (in either
+        order) as one float tensor in transformers' layout; other stages' layers unread."""
+        pending: dict[str, dict[str, CheckpointTensor]] = {}
+        for name, tensor in weights:
+            part = next((p for p in _MXFP4_PARTS if name.endswith(p)), None)
+            if part is None:
+                yield name, tensor
+                continue
+            base = name.removesuffix(part)
+            index = layer_index(base, "layers")
+            if index is not None and not self.shard.start_layer <= index < self.shard.end_layer:
+                continue
+            parts = pending.setdefault(base, {})
+            parts[part] = tensor
+            if len(parts) == len(_MXFP4_PARTS):
+                del pending[base]
+                blocks, scales = parts["_blocks"].load(), parts["_scales"].load()
+                yield base, CheckpointTensor.from_tensor(base, dequantize_mxfp4(blocks, scales))
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks [E, rows, G, 16] uint8, scales [E, rows, G] uint8 -> [E, G * 32, rows] float32:
+    each byte's low nibble then its high one, times 2 ** (scale - 127); transposed to the layout
+    transformers multiplies by (gate_up_proj [E, H, 2I], down_proj [E, I, H])."""
+    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32)
+    codes = blocks.to(torch.uint8)
+    values = torch.stack([lut[(codes & 0x0F).long()], lut[(codes >> 4).long()]], dim=-1)
+    values = values.flatten(-2) * torch.exp2(scales.to(torch.float32) - 127)[..., None]
+    return values.flatten(-2).transpose(1, 2).contiguous()

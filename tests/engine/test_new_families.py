@@ -18,6 +18,7 @@ import logging
 import os
 
 import pytest
+import torch
 from support import NEW_FAMILIES, live_pids, random_prompts, token_ids
 
 from llmctl.engine import LLM, SamplingParams
@@ -135,3 +136,58 @@ def test_prefix_hits_and_preemption_with_sliding_groups(tiny_models, hf_greedy):
     assert llm.llm_engine.get_stats().num_preemptions > 0
     assert token_ids(first) == [hf_greedy(hf_model, batch[0], 1)]
     assert token_ids(rest) == [hf_greedy(hf_model, p, 24) for p in batch[1:]]
+
+
+def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, in, out] float -> MXFP4 blocks [E, out, in / 32, 16] and scales [E, out, in / 32], as
+    OpenAI's checkpoints store an expert matrix (each group's largest value at most 6 x 2^e)."""
+    from llmctl.engine.models.gpt_oss import _FP4_VALUES
+
+    lut = torch.tensor(_FP4_VALUES)
+    groups = w.transpose(1, 2).reshape(*w.shape[:1], w.shape[2], -1, 32)  # [E, out, G, 32]
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6))
+    codes = (groups / torch.exp2(exponent)[..., None] - lut[:8].view(8, 1, 1, 1, 1)).abs()
+    codes = codes.argmin(0) + 8 * (groups < 0)  # the nearest magnitude, the sign bit
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def test_an_mxfp4_checkpoint_runs_as_its_dequantized_weights(tiny_models, tmp_path):
+    """gpt-oss as OpenAI publishes it: the experts as MXFP4 blocks and scales (quantized here
+    from the tiny model). The engine dequantizes them as it reads them: the tokens of a float
+    checkpoint holding the dequantized values, alone and over 2 expert-parallel ranks."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from llmctl.engine.models.gpt_oss import dequantize_mxfp4
+
+    source = tiny_models.path("gpt-oss")
+    state = load_file(str(source / "model.safetensors"))
+    packed, dequantized = dict(state), dict(state)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = _mxfp4(state[name])
+        del packed[name]
+        packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
+        dequantized[name] = dequantize_mxfp4(blocks, scales)
+    for directory, tensors in (("mxfp4", packed), ("float", dequantized)):
+        shutil.copytree(
+            source, tmp_path / directory, ignore=shutil.ignore_patterns("*.safetensors")
+        )
+        save_file(tensors, str(tmp_path / directory / "model.safetensors"))
+    config = json.loads((tmp_path / "mxfp4" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(config))
+
+    short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    few = prompts()[3:6]
+    ran = {}
+    for name, kwargs in [
+        ("float", {}),
+        ("mxfp4", {}),
+        ("mxfp4-ep2", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+    ]:
+        with _llm(tmp_path / name.split("-")[0], **kwargs) as llm:
+            ran[name] = token_ids(llm.generate(few, short, use_tqdm=False))
+    assert ran["mxfp4"] == ran["float"] == ran["mxfp4-ep2"]
