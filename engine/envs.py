@@ -8,7 +8,8 @@ worker process's inherited environment, is what the code sees; a value that does
 ConfigError naming the variable and what it accepts. Nothing else in llmctl reads `os.environ` for
 an LLMCTL_* name (tests/unit/test_envs.py checks the sources). Other programs' variables
 (CUDA_VISIBLE_DEVICES, RAY_ADDRESS, NCCL_*, TORCH_EXTENSIONS_DIR) are read where they are used:
-they are not our knobs. docs/serving.md's table of them is `describe()`'s output.
+they are not our knobs; nor are run_cluster.sh's own, which the shell script reads.
+docs/serving.md's table of them is `markdown_table()`'s output.
 """
 
 from __future__ import annotations
@@ -96,6 +97,11 @@ _VARIABLES = (
         "~/.cache/llmctl for the former, torch's extension directory for the latter.",
     ),
     EnvVar(
+        "LLMCTL_CONFIGURE_LOGGING", True, _flag, _FLAG,
+        "`LLM()` shows the engine's INFO lines on stderr when the program configured no logging "
+        "(vLLM's VLLM_CONFIGURE_LOGGING); 0: leave logging alone.",
+    ),
+    EnvVar(
         "LLMCTL_CPU_DEVICES", None, _positive(int), "a positive integer",
         "On the CPU, how many ranks this node may host for the executor backend rule (mp when "
         "tp x pp fits, else Ray). Default: the cores this process may use.",
@@ -162,3 +168,9 @@ def __dir__() -> list[str]:
 def describe() -> list[tuple[str, str, str]]:
     """(name, default, help) of every variable, for the docs."""
     return [(v.name, "unset" if v.default is None else str(v.default), v.help) for v in _VARIABLES]
+
+
+def markdown_table() -> str:
+    """docs/serving.md's table of the variables (tests/unit/test_envs.py keeps the two equal)."""
+    rows = [f"| `{name}` | {default} | {text} |" for name, default, text in describe()]
+    return "\n".join(["| variable | default | meaning |", "|---|---|---|", *rows])

@@ -36,10 +36,6 @@ class GroupCoordinator:
     def is_first_rank(self) -> bool:
         return self.rank_in_group == 0
 
-    @property
-    def is_last_rank(self) -> bool:
-        return self.rank_in_group == self.world_size - 1
-
     def all_reduce(self, tensor):
         if self.world_size == 1:
             return tensor

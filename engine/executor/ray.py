@@ -55,9 +55,6 @@ class RayWorker:
     def free_port(self) -> int:
         return free_port("")  # the master's port: other nodes connect to it
 
-    def environment(self, names: list[str]) -> dict[str, str | None]:
-        return {name: os.environ.get(name) for name in names}
-
     def gpu_ids(self) -> list[str]:
         import ray
 

@@ -22,11 +22,11 @@ from torch import nn
 from llmctl.engine import envs
 from llmctl.engine.distributed.parallel_state import get_tp_group
 from llmctl.engine.distributed.partition import HeadShard, column_shards, head_shards, offsets
+from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
 from llmctl.engine.layers.quantization.linear_method import (
     PackedLinearMethod,
     current_quant_config,
 )
-from llmctl.engine.model_loader.weights import CheckpointTensor
 
 
 def _cpu_prepack_enabled(weight: torch.Tensor) -> bool:

@@ -19,6 +19,7 @@ from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.distributed.parallel_state import get_tp_group
 from llmctl.engine.distributed.partition import PipelineShard, head_shards
 from llmctl.engine.layers.activation import SiluAndMul, gated_act_fn
+from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
 from llmctl.engine.layers.fused_moe import expert_param
 from llmctl.engine.layers.layernorm import RMSNorm
 from llmctl.engine.layers.linear import (
@@ -28,7 +29,6 @@ from llmctl.engine.layers.linear import (
 )
 from llmctl.engine.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters
 from llmctl.engine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from llmctl.engine.model_loader.weights import CheckpointTensor
 from llmctl.engine.models.utils import IntermediateTensors, load_weights, make_layers
 
 

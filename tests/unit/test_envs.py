@@ -66,3 +66,12 @@ def test_a_value_that_does_not_parse_is_refused_by_name(monkeypatch, name, value
 def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError):
         envs.LLMCTL_NO_SUCH_KNOB  # noqa: B018
+
+
+def test_the_docs_table_is_the_declarations():
+    text = (ROOT / "docs" / "serving.md").read_text()
+    begin, end = "<!-- envs.describe() begin -->\n", "\n<!-- envs.describe() end -->"
+    table = text[text.index(begin) + len(begin) : text.index(end)]
+    assert table == envs.markdown_table(), (
+        "regenerate it: python -c 'from llmctl.engine import envs; print(envs.markdown_table())'"
+    )
