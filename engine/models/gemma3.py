@@ -25,9 +25,9 @@ from torch import nn
 from llmctl.engine.config.model_shape import FULL_ATTENTION, SLIDING_ATTENTION, ModelShape
 from llmctl.engine.distributed.partition import PipelineShard
 from llmctl.engine.errors import UnsupportedArchitectureError
+from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
 from llmctl.engine.layers.rotary_embedding import get_rope, rope_parameters
 from llmctl.engine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from llmctl.engine.model_loader.weights import CheckpointTensor
 from llmctl.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from llmctl.engine.models.utils import IntermediateTensors, load_weights, make_layers
 

@@ -30,13 +30,13 @@ from torch import nn
 
 from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.errors import UnsupportedArchitectureError
+from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
 from llmctl.engine.layers.fused_moe import FusedMoE, dispatch_experts
 from llmctl.engine.layers.linear import ReplicatedLinear, _copy_into
 from llmctl.engine.layers.quantization.linear_method import (
     current_quant_config,
     router_quant_config,
 )
-from llmctl.engine.model_loader.weights import CheckpointTensor
 from llmctl.engine.models.llama import LlamaForCausalLM
 from llmctl.engine.models.utils import layer_index
 
