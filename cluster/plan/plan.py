@@ -170,6 +170,22 @@ class Plan:
 
     def memory_lines(self) -> list[str]:
         """How the KV cache of the rank with the fewest blocks was estimated."""
+        return self._kv_memory_lines() + self._kv_layout_lines()
+
+    def _kv_layout_lines(self) -> list[str]:
+        """Several KV cache groups: what they are and what one request holds at most."""
+        layout = self.kv_layout
+        if layout is None:
+            return []
+        held = layout.request_blocks(self.max_model_len, self.profile_num_tokens)
+        return [
+            f"KV cache groups: {layout.num_groups} ({layout.describe()}), a block holds "
+            f"{self.block_size} tokens of {layout.num_tensors(0, layout.num_layers)} layers; "
+            f"blocks beyond a sliding window are freed: a request of {self.max_model_len:,} "
+            f"tokens holds {held:,} blocks at most"
+        ]
+
+    def _kv_memory_lines(self) -> list[str]:
         worst = min(self.ranks, key=lambda r: r.num_blocks)
         if self.device == "cpu":
             return [

@@ -72,6 +72,18 @@ class KVCacheLayout:
         return len(self.groups)
 
     @property
+    def num_layers(self) -> int:
+        return sum(len(g.layers) for g in self.groups)
+
+    def describe(self) -> str:
+        """ "12 layers window 128, 12 layers full": each group, in order."""
+        return ", ".join(
+            f"{len(g.layers)} layers "
+            + ("full" if g.sliding_window is None else f"window {g.sliding_window}")
+            for g in self.groups
+        )
+
+    @property
     def sliding_windows(self) -> tuple[int | None, ...]:
         """Each group's window, in group order (what the block manager frees blocks by)."""
         return tuple(g.sliding_window for g in self.groups)

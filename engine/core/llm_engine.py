@@ -302,11 +302,7 @@ class LLMEngine:
             logger.info(
                 "KV cache groups: %d (%s), blocks beyond a sliding window freed",
                 layout.num_groups,
-                ", ".join(
-                    f"{len(g.layers)} layers {'full' if g.sliding_window is None else 'window '}"
-                    f"{g.sliding_window or ''}".rstrip()
-                    for g in layout.groups
-                ),
+                layout.describe(),
             )
         logger.info("%sKV cache size: %s tokens", where, f"{tokens:,}")
         logger.info(

@@ -171,3 +171,5 @@ def test_the_plan_counts_sliding_layers_by_their_window(name, gain):
     assert hybrid.ranks[0].kv_bytes == plain.ranks[0].kv_bytes  # the same memory for the KV
     assert round(hybrid.max_concurrency / plain.max_concurrency, 2) == gain
     assert f"{hybrid.max_concurrency:.2f}x" in hybrid.log_lines()[2]
+    assert hybrid.memory_lines()[-1].startswith("KV cache groups: ")
+    assert "blocks beyond a sliding window are freed" in hybrid.memory_lines()[-1]
