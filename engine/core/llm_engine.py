@@ -292,7 +292,7 @@ class LLMEngine:
     def _log_kv_cache(self) -> None:
         bs = self.config.cache_config.block_size
         max_len = self.config.model_config.max_model_len
-        layout = self.kv_layout
+        layout = KVCacheLayout.for_shape(self.config.model_config.shape, max_len, bs)
         tokens = layout.cache_tokens(self.num_blocks)
         chunk = self.config.scheduler_config.max_num_batched_tokens
         # vLLM's words on CUDA ("GPU KV cache size"); the plan prints the same lines.
