@@ -187,6 +187,92 @@ _MOE_COMMON = dict(
 )
 MOE_FAMILIES = ["mixtral", "qwen2-moe", "qwen3-moe"]
 FAMILIES = ["llama", "mistral", "qwen2", "gpt2", "opt", "opt-350m-style"]
+# Issue 34's families (tests/engine/test_new_families.py): each tiny config exercises what its
+# family adds; windows of 12 tokens, so 8 prompts of up to 40 tokens plus 24 generated pass them
+# and free sliding blocks of 16.
+NEW_FAMILIES = ["qwen3", "gemma3", "phi3", "gpt-oss"]
+
+
+def new_family_configs() -> dict:
+    from transformers import Gemma3TextConfig, GptOssConfig, Phi3Config, Qwen3Config
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
+    return {
+        "qwen3": Qwen3Config(**common, intermediate_size=128, num_hidden_layers=4),
+        # Sliding, sliding, global (x2); scores scaled by 24 ** -0.5; the global layers' rope
+        # linearly scaled from base 1e6, the local ones at base 1e4 (as Gemma-3-27B's).
+        "gemma3": Gemma3TextConfig(
+            **common,
+            intermediate_size=128,
+            num_hidden_layers=6,
+            query_pre_attn_scalar=24,
+            sliding_window=12,
+            sliding_window_pattern=3,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+        # LongRoPE past 32 tokens (prompts of 40 start long, shorter ones cross it while they
+        # generate), rotating half of each head (Phi-4-mini's partial rotary).
+        "phi3": Phi3Config(
+            **common,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            original_max_position_embeddings=32,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.1, 1.3, 1.6],
+                "long_factor": [30.0, 60.0, 90.0, 200.0],
+                "original_max_position_embeddings": 32,
+            },
+        ),
+        # Sliding and full alternating, sinks, 8 experts of 32 features (top-2), YaRN.
+        "gpt-oss": GptOssConfig(
+            **common,
+            intermediate_size=32,
+            num_hidden_layers=4,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=12,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    }
+
+
+def _perturb(model) -> None:
+    """Give the weights a random init leaves constant (norms at 1 or 0, zero biases, small
+    sinks) random values, so a test sees each of them used: seeded, in place."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn(param.shape, generator=g) * 0.2)
+            elif name.endswith("bias") or name.endswith("sinks"):
+                scale = 1.0 if "sinks" in name else 0.1
+                param.copy_(torch.randn(param.shape, generator=g) * scale)
 
 
 def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -238,10 +324,12 @@ class TinyModels:
             from transformers import AutoModelForCausalLM
 
             torch.manual_seed(0)
-            configs = {**tiny_configs(), **routed_configs()}
+            configs = {**tiny_configs(), **routed_configs(), **new_family_configs()}
             model = AutoModelForCausalLM.from_config(configs[family]).eval()
             if family in ROUTED_FAMILIES:
                 spread_routers(model)
+            if family in NEW_FAMILIES:
+                _perturb(model)
             path = self.root / f"{family}-{save}"
             if save == "safetensors":
                 model.save_pretrained(path)

@@ -8,7 +8,7 @@ ModelSpec.from_config as a downloaded checkpoint's are (their FP8 quantization_c
 from __future__ import annotations
 
 from llmctl.cluster.plan.model_spec import ModelSpec
-from llmctl.engine.config.model_shape import ModelShape
+from llmctl.engine.config.model_shape import FULL_ATTENTION, SLIDING_ATTENTION, ModelShape
 
 
 def _model(name: str, architecture: str, dtype: str, **shape) -> ModelSpec:
@@ -21,6 +21,24 @@ def _llama(name: str, **kw) -> ModelSpec:
     values = dict(architecture="LlamaForCausalLM", tie_word_embeddings=False, dtype="bfloat16")
     values.update(kw)
     return _model(name, **values)
+
+
+def _every_6th_global(num_layers: int) -> tuple[str, ...]:
+    return tuple(
+        FULL_ATTENTION if (i + 1) % 6 == 0 else SLIDING_ATTENTION for i in range(num_layers)
+    )
+
+
+def _alternating(num_layers: int) -> tuple[str, ...]:
+    return tuple(SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers))
+
+
+_GPT_OSS = dict(
+    architecture="GptOssForCausalLM", hidden_size=2880, num_heads=64, num_kv_heads=8,
+    head_dim=64, intermediate_size=2880, vocab_size=201088, max_position_embeddings=131072,
+    num_experts_per_tok=4, qkv_bias=True, o_bias=True, sliding_window=128,
+    attention_sinks=True, moe_bias=True,
+)  # fmt: skip
 
 
 _MODELS = [
@@ -60,6 +78,27 @@ _MODELS = [
            num_heads=32, num_kv_heads=4, head_dim=128, intermediate_size=6144,
            vocab_size=151936, max_position_embeddings=40960, num_experts=128,
            num_experts_per_tok=8, moe_intermediate_size=768, qk_norm=True),
+    _llama("Qwen3-8B", architecture="Qwen3ForCausalLM", num_layers=36, hidden_size=4096,
+           num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=12288,
+           vocab_size=151936, max_position_embeddings=40960, qk_norm=True),
+    _llama("Qwen3-32B", architecture="Qwen3ForCausalLM", num_layers=64, hidden_size=5120,
+           num_heads=64, num_kv_heads=8, head_dim=128, intermediate_size=25600,
+           vocab_size=151936, max_position_embeddings=40960, qk_norm=True),
+    # Gemma 3's text decoder: 1024-token windows, every 6th of its 62 layers global.
+    _llama("Gemma-3-27B", architecture="Gemma3ForCausalLM", num_layers=62, hidden_size=5376,
+           num_heads=32, num_kv_heads=16, head_dim=128, intermediate_size=21504,
+           vocab_size=262208, max_position_embeddings=131072, tie_word_embeddings=True,
+           qk_norm=True, sliding_window=1024, layer_types=_every_6th_global(62)),
+    _llama("Phi-4", architecture="Phi3ForCausalLM", num_layers=40, hidden_size=5120,
+           num_heads=40, num_kv_heads=10, head_dim=128, intermediate_size=17920,
+           vocab_size=100352, max_position_embeddings=16384),
+    # gpt-oss: 128-token windows on every other layer, sinks, biased experts; its published
+    # checkpoints hold the experts in MXFP4, which the engine dequantizes as it reads them
+    # (planned here at the dtype it serves them in).
+    _llama("gpt-oss-20b", **_GPT_OSS, num_layers=24, num_experts=32,
+           layer_types=_alternating(24)),
+    _llama("gpt-oss-120b", **_GPT_OSS, num_layers=36, num_experts=128,
+           layer_types=_alternating(36)),
     _llama("Qwen2.5-7B", architecture="Qwen2ForCausalLM", num_layers=28, hidden_size=3584,
            num_heads=28, num_kv_heads=4, head_dim=128, intermediate_size=18944,
            vocab_size=152064, max_position_embeddings=32768, qkv_bias=True),
@@ -145,6 +184,13 @@ _ALIASES = {
     "mistralai/mixtral-8x22b-v0.1": "Mixtral-8x22B",
     "qwen/qwen1.5-moe-a2.7b": "Qwen1.5-MoE-A2.7B",
     "qwen/qwen3-30b-a3b": "Qwen3-30B-A3B",
+    "qwen/qwen3-8b": "Qwen3-8B",
+    "qwen/qwen3-32b": "Qwen3-32B",
+    "google/gemma-3-27b-it": "Gemma-3-27B",
+    "google/gemma-3-27b-pt": "Gemma-3-27B",
+    "microsoft/phi-4": "Phi-4",
+    "openai/gpt-oss-20b": "gpt-oss-20b",
+    "openai/gpt-oss-120b": "gpt-oss-120b",
     "qwen/qwen2.5-7b": "Qwen2.5-7B",
     "qwen/qwen2.5-72b": "Qwen2.5-72B",
     "facebook/opt-13b": "OPT-13B",

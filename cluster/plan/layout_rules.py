@@ -343,6 +343,7 @@ def _finish(ctx: PlanContext, chosen: Evaluation, reasons, rejected, alternative
         weight_format=ctx.weights.label(),
         weight_format_detail=ctx.weights.detail(spec.shape) if ctx.weights.quantized else "",
         num_experts=spec.shape.num_experts or 0,
+        kv_layout=ctx.kv_layout if ctx.kv_layout.num_groups > 1 else None,
     )
 
 
@@ -389,6 +390,10 @@ def _too_big(ctx: PlanContext, tried: list[Evaluation], what: str) -> PlanError:
         spec.shape, (0, spec.num_layers), 0, 1, is_first=True, is_last=True
     )
     kv = need_tokens * spec.shape.kv_bytes_per_token(spec.num_layers, 0, 1, ctx.kv_bytes)
+    if any(ctx.kv_layout.sliding_windows):  # sliding groups hold their window, not every token
+        tensors = ctx.kv_layout.num_tensors(0, spec.num_layers)
+        block = spec.shape.kv_cache_bytes_per_block(tensors, 0, 1, ctx.kv_bytes, opts.block_size)
+        kv = ctx.needed_blocks() * block
     if opts.device == "cpu":
         best = max(tried, key=lambda e: e.blocks) if tried else None
         held = best.blocks * opts.block_size if best else 0

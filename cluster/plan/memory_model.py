@@ -21,6 +21,7 @@ from llmctl.engine.config.engine_config import (
     normalize_dtype,
     resolve_max_num_batched_tokens,
 )
+from llmctl.engine.config.kv_cache_layout import KVCacheLayout
 from llmctl.engine.config.memory_profile import (
     DEFAULT_CPU_KV_CACHE_SPACE_GIB,
     GIB,
@@ -51,6 +52,15 @@ class PlanContext:
     nodes: int
     num_tokens: int  # the engine's profile step: tokens ...
     num_sampled: int  # ... and sampled rows
+    kv_layout: KVCacheLayout  # how the layers share the KV cache, as the engine has it
+
+    def needed_blocks(self) -> int:
+        """Blocks min_concurrency requests of max_model_len hold at most."""
+        opts = self.options
+        if not any(self.kv_layout.sliding_windows):
+            return -(-self.max_model_len * opts.min_concurrency // opts.block_size)
+        per_request = self.kv_layout.request_blocks(self.max_model_len, self.num_tokens)
+        return per_request * opts.min_concurrency
 
 
 def resolve_context(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> PlanContext:
@@ -116,6 +126,7 @@ def resolve_context(spec: ModelSpec, inventory: Inventory, options: PlanOptions)
         nodes=len([g for g in gpus if g]) or len(gpus),
         num_tokens=num_tokens,
         num_sampled=len(requests),
+        kv_layout=KVCacheLayout.for_shape(spec.shape, max_len, options.block_size),
     )
 
 
@@ -144,8 +155,11 @@ def rank_memory(ctx: PlanContext, tp: int, pp: int, parts: list[int]) -> list[Ra
                 is_last=last,
                 expert_parallel=opts.enable_expert_parallel,
             )
+            # one block: a slot range of each KV tensor of the stage (one per layer, or
+            # shared by the layers of several KV cache groups)
+            tensors = ctx.kv_layout.num_tensors(*span)
             block = shape.kv_cache_bytes_per_block(
-                layers, tp_rank, tp, ctx.kv_bytes, opts.block_size
+                tensors, tp_rank, tp, ctx.kv_bytes, opts.block_size
             )
             if opts.device == "cpu":
                 # The engine's own arithmetic: the KV budget over this rank's block bytes.
@@ -200,7 +214,7 @@ def activation_bytes(ctx: PlanContext, tp_rank: int, tp: int, is_last_stage: boo
         vocab_shard=shape.vocab_shard(tp_rank, tp),
         vocab_size=shape.vocab_size,
         dtype_bytes=ctx.dtype_bytes,
-        gated_mlp=shape.family == "llama",
+        gated_mlp=shape.family in ("llama", "gemma3"),
         is_last_stage=is_last_stage,
         samples=is_last_stage and tp_rank == 0,
     )
@@ -219,8 +233,7 @@ class Evaluation:
         return min(r.num_blocks for r in self.ranks)
 
     def fits(self, ctx: PlanContext) -> bool:
-        needed = ctx.max_model_len * ctx.options.min_concurrency
-        return self.blocks * ctx.options.block_size >= needed
+        return self.blocks >= ctx.needed_blocks()
 
 
 def evaluate(
@@ -261,6 +274,8 @@ def balanced_partition(ctx: PlanContext, tp: int, pp: int) -> list[int] | None:
             room = usable - activation_bytes(ctx, t, tp, last) - non_torch - fixed
             layer_bytes = ctx.weights.max_layer_bytes(shape, t, tp, opts.enable_expert_parallel)
             block = shape.kv_cache_bytes_per_block(1, t, tp, ctx.kv_bytes, opts.block_size)
+            # layers sharing KV tensors (several KV cache groups): about this much per layer
+            block = block * ctx.kv_layout.num_tensors(0, spec.num_layers) // spec.num_layers
             per_rank.append((room, layer_bytes, block))
         stages.append(per_rank)
 

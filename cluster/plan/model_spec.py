@@ -155,5 +155,6 @@ def spec_from_gguf(path: str | Path, name: str) -> ModelSpec:
     except ConfigError as exc:
         raise UnknownModelError(f"{name}: {exc.message}; it cannot be planned", exc.hint) from None
     QuantizationConfig.for_gguf([type_name for _, type_name in types])  # types the engine reads
-    formats = gguf_weight_formats(dense_format("float32", 4), types)
+    arch = str(metadata.get("general.architecture", ""))
+    formats = gguf_weight_formats(dense_format("float32", 4), types, arch)
     return ModelSpec(name=name, shape=shape, dtype="float32", weight_formats=formats)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
+from llmctl.engine.config.kv_cache_layout import KVCacheLayout
 from llmctl.engine.config.memory_profile import (
     CUDA_CONTEXT_BYTES,
     GIB,
@@ -78,6 +79,9 @@ class Plan:
     weight_format_detail: str = ""  # by role, when quantized
     data_parallel_size: int = 1  # replicas of this layout (the ranks above are one replica's)
     num_experts: int = 0  # a mixture of experts' routed experts per MoE layer (0: dense)
+    # How the layers share the KV cache (sliding-window groups freed beyond their window), as
+    # the engine builds it; None: every layer holds every token.
+    kv_layout: KVCacheLayout | None = None
 
     @property
     def commands(self) -> dict[str, str]:
@@ -94,10 +98,18 @@ class Plan:
 
     @property
     def kv_cache_tokens(self) -> int:
+        if self.kv_layout is not None:
+            return self.kv_layout.cache_tokens(self.num_kv_blocks)
         return self.num_kv_blocks * self.block_size
 
     @property
     def max_concurrency(self) -> float:
+        """Requests of max_model_len the cache holds at once, as the engine logs it (a sliding
+        group holding its window and a step's tokens, not the whole request)."""
+        if self.kv_layout is not None:
+            return self.kv_layout.max_concurrency(
+                self.num_kv_blocks, self.max_model_len, self.profile_num_tokens
+            )
         return self.kv_cache_tokens / self.max_model_len
 
     @property
@@ -158,6 +170,22 @@ class Plan:
 
     def memory_lines(self) -> list[str]:
         """How the KV cache of the rank with the fewest blocks was estimated."""
+        return self._kv_memory_lines() + self._kv_layout_lines()
+
+    def _kv_layout_lines(self) -> list[str]:
+        """Several KV cache groups: what they are and what one request holds at most."""
+        layout = self.kv_layout
+        if layout is None:
+            return []
+        held = layout.request_blocks(self.max_model_len, self.profile_num_tokens)
+        return [
+            f"KV cache groups: {layout.num_groups} ({layout.describe()}), a block holds "
+            f"{self.block_size} tokens of {layout.num_tensors(0, layout.num_layers)} layers; "
+            f"blocks beyond a sliding window are freed: a request of {self.max_model_len:,} "
+            f"tokens holds {held:,} blocks at most"
+        ]
+
+    def _kv_memory_lines(self) -> list[str]:
         worst = min(self.ranks, key=lambda r: r.num_blocks)
         if self.device == "cpu":
             return [

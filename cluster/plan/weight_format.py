@@ -326,13 +326,15 @@ def _one_layer_of_each_kind(shape: ModelShape) -> list[int]:
 
 
 def gguf_weight_formats(
-    dense: WeightFormat, tensor_types: Iterable[tuple[str, str]]
+    dense: WeightFormat, tensor_types: Iterable[tuple[str, str]], arch: str = ""
 ) -> WeightFormats:
     """The formats of a GGUF file's quantized tensors as the engine holds them: `tensor_types`
     gives (tensor name, GGML type name); each quantized type is repacked at load into groups of
     `bits`-bit values with scales (and zeros for 4 bits), PACKED_FORMATS in
     engine/layers/quantization/gguf_quants.py. Float tensors (F32, F16, BF16) are left to
-    `dense`: the engine holds them in the model's dtype. A format's block is the file's (a
+    `dense`: the engine holds them in the model's dtype. `arch`: the file's
+    general.architecture (Phi-3's fused tensors give their parts' formats). A format's block
+    is the file's (a
     tensor-parallel split must fall on whole blocks: the engine narrows the raw blocks before
     decoding them), its bytes what the engine holds for one block."""
     from llmctl.engine.layers.quantization.gguf_quants import (
@@ -351,7 +353,19 @@ def gguf_weight_formats(
         scales = scale_bytes(type_name) * (2 if bits == 4 else 1)
         held = block * bits // 8 + block // group * scales
         by_role.append((key, WeightFormat(type_name, block, held, quantized=True)))
-    return WeightFormats(dense, tuple(by_role), "GGUF")
+    fused = _fused_parts(by_role) if arch == "phi3" else []
+    return WeightFormats(dense, tuple(by_role + fused), "GGUF")
+
+
+def _fused_parts(by_role: list) -> list:
+    """Phi-3's fused tensors give their parts' formats: attn_qkv q, k and v; ffn_up (its
+    [gate | up] rows) the gate."""
+    roles = {key: fmt for key, fmt in by_role}
+    out = []
+    for (layer, role), fmt in roles.items():
+        parts = {"qkv": ("q", "k", "v"), "up": ("gate",)}.get(role, ())
+        out += [((layer, part), fmt) for part in parts if (layer, part) not in roles]
+    return out
 
 
 _GGUF_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
@@ -415,7 +429,7 @@ def layer_tensors(
     q, kv = shard.num_q_heads * d, shard.num_kv_heads * d
     full_q, full_inter = shape.num_attention_heads * d, shape.intermediate_size
     moe = shape.num_experts > 0 and (layer is None or shape.is_moe_layer(layer))
-    if shape.family == "llama":
+    if shape.family in ("llama", "gemma3"):
         if shape.is_mla:
             out = _mla_tensors(shape, shard.num_q_heads)
         else:
@@ -427,6 +441,8 @@ def layer_tensors(
                 out.append(Tensor("o_bias", h))
             if shape.qk_norm:
                 out += [Tensor("q_norm", d), Tensor("k_norm", d)]
+            if shape.attention_sinks:
+                out.append(Tensor("sinks", shard.num_q_heads))
         if moe:
             out += _moe_tensors(shape, tp_rank, tp, expert_parallel)
         else:
@@ -437,7 +453,10 @@ def layer_tensors(
             ]
         if not moe and shape.mlp_bias:
             out += [Tensor("gate_bias", inter), Tensor("up_bias", inter), Tensor("down_bias", h)]
-        return out + [Tensor("attn_norm", h), Tensor("ffn_norm", h)]
+        out += [Tensor("attn_norm", h), Tensor("ffn_norm", h)]
+        if shape.family == "gemma3":
+            out += [Tensor("post_attention_norm", h), Tensor("post_ffw_norm", h)]
+        return out
     # GPT-2 and OPT: fused q, k, v and the output projection with biases, a two-matrix MLP with
     # biases, two LayerNorms (weight and bias).
     return [
@@ -495,6 +514,12 @@ def _moe_tensors(shape: ModelShape, tp_rank: int, tp: int, expert_parallel: bool
     ]
     if shape.expert_score_bias:
         out.append(Tensor("expert_bias", shape.num_experts))
+    if shape.moe_bias:  # gpt-oss
+        out += [
+            Tensor("gate_up_bias", experts * 2 * inter),
+            Tensor("down_bias", experts * h),
+            Tensor("router_bias", shape.num_experts),
+        ]
     if shape.shared_expert_intermediate_size:
         full_shared = shape.shared_expert_intermediate_size
         shared = column_shards(full_shared, tp, "shared expert features")[tp_rank]
@@ -531,7 +556,7 @@ def head_tensors(
     if shape.family == "opt" and width != h:
         out = [Tensor("project_out", width, h)]  # opt-350m drops the final norm
     else:
-        out = [Tensor("output_norm", h if shape.family == "llama" else 2 * h)]
+        out = [Tensor("output_norm", h if shape.family in ("llama", "gemma3") else 2 * h)]
     if not (shape.tie_word_embeddings and with_embedding):
         out.append(Tensor("lm_head", shape.vocab_shard(tp_rank, tp), width))
     return out

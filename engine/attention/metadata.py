@@ -6,6 +6,10 @@ Token t of a sequence lives in slot block_table[t // block_size] * block_size + 
 A step's tokens are laid out decodes first (one token per sequence), then prefill chunks (a run of
 one sequence's tokens each; a chunk after a prefix-cache hit or an earlier chunk starts at
 context_len > 0).
+
+A model with several KV cache groups (config/kv_cache_layout.py) has one block table per group
+and request: the step's metadata is group 0's, and `for_group(g)` gives group g's (the same
+tokens and lengths, that group's slot mapping and block tables).
 """
 
 from __future__ import annotations
@@ -34,12 +38,20 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, width] int64
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64, the new token included
-    sliding_window: int | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     prefill_block_tables: torch.Tensor | None = None  # [num_prefills, width] int64
     prefill_query_start_loc: torch.Tensor | None = None  # [num_prefills + 1], from 0
     prefill_seq_lens: torch.Tensor | None = None  # [num_prefills] int64
     prefill_context_lens: torch.Tensor | None = None  # [num_prefills] int64
     max_prefill_query_len: int = 0
-    # torch backends: a chunk's [query_len, seq_len] mask, built by the first layer needing it
-    masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # torch backends: a chunk's [query_len, seq_len] mask per (chunk, window), built by the
+    # first layer needing it; shared by every group's metadata
+    masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
+    # LongRoPE (Phi-3): [num_tokens] int64, 1 where the token's request is longer than
+    # original_max_position_embeddings (the long factors' angles), else 0
+    long_rope: torch.Tensor | None = None
+    # KV cache groups 1, 2, ...: the same step through their own block tables
+    other_groups: tuple[AttentionMetadata, ...] = ()
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        return self if group == 0 else self.other_groups[group - 1]

@@ -53,6 +53,7 @@ class MLAAttention(nn.Module):
         self.__dict__["kv_b_proj"] = kv_b_proj
         self.kv_cache = torch.empty(0, 1, self.latent_dim)
         self.backend = None
+        self.kv_cache_group = 0  # MLA models have one KV cache group
 
     @property
     def latent_dim(self) -> int:
@@ -62,9 +63,11 @@ class MLAAttention(nn.Module):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.latent_dim)
 
-    def bind(self, kv_cache: torch.Tensor, backend) -> None:
+    def bind(self, kv_cache: torch.Tensor, backend, group: int = 0) -> None:
+        """`group`: the KV cache group (core/kv_cache_layout.py); MLA models have one."""
         self.kv_cache = kv_cache
         self.backend = backend
+        self.kv_cache_group = group
 
     # -- the two ways through kv_b_proj ---------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmctl.engine.config.kv_cache_layout import KVCacheLayout
 from llmctl.engine.config.memory_profile import check_gpu_memory_utilization
 from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.errors import ConfigError, KVCacheTooSmallError
@@ -373,13 +374,31 @@ def resolve_max_model_len(shape: ModelShape, requested: int | None) -> int:
     return requested
 
 
-def check_kv_cache_fits(num_blocks: int, block_size: int, max_model_len: int, knob: str) -> None:
-    """Raise KVCacheTooSmallError when the cache cannot hold one max_model_len request."""
-    tokens = num_blocks * block_size
-    if tokens >= max_model_len:
+def check_kv_cache_fits(
+    num_blocks: int,
+    block_size: int,
+    max_model_len: int,
+    knob: str,
+    layout: KVCacheLayout | None = None,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+) -> None:
+    """Raise KVCacheTooSmallError when the cache cannot hold one max_model_len request (with
+    `layout`: the blocks its KV cache groups hold at most, sliding windows counted)."""
+    if layout is None or not any(layout.sliding_windows):
+        tokens = num_blocks * block_size
+        if tokens >= max_model_len:
+            return
+        raise KVCacheTooSmallError(
+            f"the KV cache holds {tokens} tokens ({num_blocks} blocks of {block_size}), fewer "
+            f"than one request of max_model_len={max_model_len} tokens",
+            f"raise {knob}, or lower --max-model-len to {tokens} or less",
+        )
+    needed = layout.request_blocks(max_model_len, max_num_batched_tokens)
+    if num_blocks >= needed:
         return
     raise KVCacheTooSmallError(
-        f"the KV cache holds {tokens} tokens ({num_blocks} blocks of {block_size}), fewer than one "
-        f"request of max_model_len={max_model_len} tokens",
-        f"raise {knob}, or lower --max-model-len to {tokens} or less",
+        f"the KV cache holds {num_blocks} blocks of {block_size}, fewer than the {needed} one "
+        f"request of max_model_len={max_model_len} tokens needs in its {layout.num_groups} KV "
+        "cache groups",
+        f"raise {knob}, or lower --max-model-len",
     )

@@ -45,6 +45,10 @@ FAMILIES = {
     "Glm4MoeForCausalLM": "llama",
     "DeepseekV2ForCausalLM": "llama",  # multi-head latent attention: ModelShape.is_mla
     "DeepseekV3ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+    "Phi3ForCausalLM": "llama",
+    "GptOssForCausalLM": "llama",
+    "Gemma3ForCausalLM": "gemma3",
     "GPT2LMHeadModel": "gpt2",
     "OPTForCausalLM": "opt",
 }
@@ -60,6 +64,10 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "opt": "OPTForCausalLM",
 }
@@ -70,6 +78,9 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "deepseek2": "DeepseekV3ForCausalLM",  # V2 when its experts are gated by softmax
 }
@@ -97,7 +108,11 @@ MOE_ARCHITECTURES = (
     "Glm4MoeForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "GptOssForCausalLM",
 )
+QK_NORM_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
+# Hugging Face's names for a layer's attention (config.layer_types).
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 GGUF_TOKENS = "tokenizer.ggml.tokens"  # the vocabulary, when no <arch>.vocab_size is given
 DEFAULT_MAX_POSITION_EMBEDDINGS = 2048  # for configs that give no length
 _POSITIVE_FIELDS = (
@@ -149,6 +164,11 @@ class ModelShape:
     first_k_dense_replace: int = 0
     expert_score_bias: bool = False
     shared_expert_gate: bool = True  # Qwen2-MoE's shared_expert_gate (with a shared expert)
+    # Each layer's attention, FULL_ATTENTION or SLIDING_ATTENTION (Gemma 3, gpt-oss alternate);
+    # () : every layer alike, sliding when sliding_window is set.
+    layer_types: tuple[str, ...] = ()
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax
+    moe_bias: bool = False  # gpt-oss: the router and every expert's matrices have biases
 
     def __post_init__(self) -> None:
         if self.architecture not in FAMILIES:
@@ -171,6 +191,16 @@ class ModelShape:
             )
         if self.architecture in MLA_ARCHITECTURES:
             check_mla_shape(self)
+        if self.layer_types and (
+            len(self.layer_types) != self.num_layers
+            or not set(self.layer_types) <= {FULL_ATTENTION, SLIDING_ATTENTION}
+        ):
+            raise ConfigError(
+                f"{self.architecture}: layer_types must name {FULL_ATTENTION!r} or "
+                f"{SLIDING_ATTENTION!r} for each of the {self.num_layers} layers, got "
+                f"{list(self.layer_types)}",
+                "fix layer_types in the model's config.json",
+            )
         if self.num_experts < 0:
             raise ConfigError(f"num_experts must not be negative, got {self.num_experts}")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -197,6 +227,12 @@ class ModelShape:
     def expert_intermediate_size(self) -> int:
         """One routed expert's MLP features."""
         return self.moe_intermediate_size or self.intermediate_size
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The tokens decoder layer `layer`'s queries see (None: the whole sequence)."""
+        if self.layer_types and self.layer_types[layer] != SLIDING_ATTENTION:
+            return None
+        return self.sliding_window
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` routes to experts (Qwen MoE may keep some dense)."""
@@ -263,9 +299,11 @@ class ModelShape:
         window = get("sliding_window")
         if get("use_sliding_window", True) is False:
             window = None
+        window = window if isinstance(window, int) and window > 0 else None
+        num_layers = get("num_hidden_layers")
         return cls(
             architecture=arch,
-            num_layers=get("num_hidden_layers"),
+            num_layers=num_layers,
             hidden_size=hidden,
             num_attention_heads=heads,
             num_kv_heads=get("num_key_value_heads") or heads,
@@ -273,7 +311,7 @@ class ModelShape:
             intermediate_size=get("intermediate_size"),
             vocab_size=get("vocab_size"),
             max_position_embeddings=_max_positions(get),
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(get("tie_word_embeddings", arch == "Gemma3ForCausalLM")),
             qkv_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or attention_bias,
             o_bias=attention_bias and not glm,  # GLM-4.5's o_proj has no bias
             mlp_bias=bool(get("mlp_bias", False)),
@@ -285,8 +323,11 @@ class ModelShape:
             shared_expert_intermediate_size=_shared_expert_size(get, arch),
             decoder_sparse_step=(get("decoder_sparse_step") or 1) if moe else 1,
             mlp_only_layers=tuple(get("mlp_only_layers") or ()) if moe else (),
-            qk_norm=arch == "Qwen3MoeForCausalLM" or (glm and bool(get("use_qk_norm", False))),
-            sliding_window=window if isinstance(window, int) and window > 0 else None,
+            qk_norm=arch in QK_NORM_ARCHITECTURES or (glm and bool(get("use_qk_norm", False))),
+            sliding_window=window,
+            layer_types=_layer_types(get, arch, num_layers, window),
+            attention_sinks=arch == "GptOssForCausalLM",
+            moe_bias=arch == "GptOssForCausalLM",
             first_k_dense_replace=(get("first_k_dense_replace") or 0) if glm else 0,
             expert_score_bias=glm,
             shared_expert_gate=not glm,
@@ -316,6 +357,8 @@ class ModelShape:
             value = metadata.get(f"{gguf_arch}.{key}")
             if value is not None:
                 values[name] = int(value)
+        if not values.get("sliding_window"):
+            values.pop("sliding_window", None)  # Phi-4's 0: no window
         if "vocab_size" not in values and GGUF_TOKENS in metadata:
             tokens = metadata[GGUF_TOKENS]
             values["vocab_size"] = tokens if isinstance(tokens, int) else len(tokens)
@@ -339,7 +382,8 @@ class ModelShape:
             qkv_bias=bias or arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"),
             o_bias=bias,
             mlp_bias=bias,
-            qk_norm=arch == "Qwen3MoeForCausalLM",
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
+            layer_types=_gguf_layer_types(gguf_arch, values),
             **values,
         )
 
@@ -410,6 +454,8 @@ class ModelShape:
             inter = column_shards(self.expert_intermediate_size, tp, "expert MLP features")[tp_rank]
         params = experts * 3 * h * inter + self.num_experts * h  # experts + router
         params += self.num_experts if self.expert_score_bias else 0
+        if self.moe_bias:  # gpt-oss: each expert's gate, up and down biases; the router's
+            params += experts * (2 * inter + h) + self.num_experts
         if self.shared_expert_intermediate_size:
             shared = column_shards(self.shared_expert_intermediate_size, tp, "shared features")
             params += 3 * h * shared[tp_rank]
@@ -431,7 +477,7 @@ class ModelShape:
         shard = self.head_shard(tp_rank, tp)
         inter = self.intermediate_shard(tp_rank, tp)
         q, kv = shard.num_q_heads * d, shard.num_kv_heads * d
-        if self.family == "llama":
+        if self.family in ("llama", "gemma3"):
             if self.is_mla:
                 attn = mla_attention_params(self, shard.num_q_heads)
             else:
@@ -439,11 +485,13 @@ class ModelShape:
                 attn += (q + 2 * kv) if self.qkv_bias else 0
                 attn += h if self.o_bias else 0
                 attn += 2 * d if self.qk_norm else 0
+                attn += shard.num_q_heads if self.attention_sinks else 0
             mlp = 3 * h * inter + (2 * inter + h if self.mlp_bias else 0)
             moe = self.num_experts > 0 if layer is None else self.is_moe_layer(layer)
             if moe:
                 mlp = self.moe_params(tp_rank, tp, expert_parallel)
-            return attn + mlp + 2 * h  # two RMSNorms
+            # two RMSNorms; Gemma 3 adds one after attention and one after the MLP
+            return attn + mlp + (4 if self.family == "gemma3" else 2) * h
         # GPT-2 and OPT: q, k, v and the output projection with biases, a two-matrix MLP with
         # biases, two LayerNorms (weight and bias).
         attn = h * 3 * q + 3 * q + q * h + h
@@ -466,7 +514,7 @@ class ModelShape:
         """The last stage's final norm and LM head (shared with the embedding when tied and on
         the same stage)."""
         width = self.embedding_width
-        norm = self.hidden_size if self.family == "llama" else 2 * self.hidden_size
+        norm = self.hidden_size if self.family in ("llama", "gemma3") else 2 * self.hidden_size
         if self.family == "opt" and width != self.hidden_size:
             norm = width * self.hidden_size  # project_out (opt-350m drops the final norm)
         lm_head = self.vocab_shard(tp_rank, tp) * width
@@ -545,6 +593,42 @@ def _architecture(get) -> str:
         f"the model's config names no architectures (model_type {model_type!r})",
         'add "architectures": ["LlamaForCausalLM"] (or the right class) to config.json',
     )
+
+
+def _layer_types(get, arch: str, num_layers: Any, window: int | None) -> tuple[str, ...]:
+    """Each layer's attention type as transformers 5 derives it: config.layer_types when given,
+    else Qwen's sliding layers from max_window_layers on, Gemma 3's sliding_window_pattern
+    (every 6th layer global), gpt-oss's alternation; () when every layer is alike."""
+    if window is None or not isinstance(num_layers, int) or num_layers < 1:
+        return ()
+    given = get("layer_types")
+    if given:
+        return tuple(given)
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and get("max_window_layers") is not None:
+        first = get("max_window_layers")
+        return tuple(SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers))
+    if arch == "Gemma3ForCausalLM":
+        period = _first(get, "sliding_window_pattern", "_sliding_window_pattern") or 6
+        return _every_nth_global(period, num_layers)
+    if arch == "GptOssForCausalLM":
+        return _every_nth_global(2, num_layers)
+    return ()
+
+
+def _every_nth_global(period: int, num_layers: int) -> tuple[str, ...]:
+    """Sliding layers with every `period`-th one global (layers period - 1, 2 * period - 1...)."""
+    return tuple(
+        FULL_ATTENTION if (i + 1) % period == 0 else SLIDING_ATTENTION for i in range(num_layers)
+    )
+
+
+def _gguf_layer_types(gguf_arch: str, values: dict) -> tuple[str, ...]:
+    """llama.cpp's fixed pattern for a Gemma 3 GGUF, which stores no per-layer list: every 6th
+    layer global."""
+    num_layers = values.get("num_layers")
+    if gguf_arch != "gemma3" or not values.get("sliding_window") or not num_layers:
+        return ()
+    return _every_nth_global(6, num_layers)
 
 
 def _first(get, *names):

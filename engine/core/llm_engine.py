@@ -17,6 +17,8 @@ from typing import Any
 
 from llmctl.engine.config.engine_args import EngineArgs
 from llmctl.engine.config.engine_config import EngineConfig, check_kv_cache_fits
+from llmctl.engine.config.kv_cache_layout import KVCacheLayout
+from llmctl.engine.config.rope_parameters import long_rope_threshold
 from llmctl.engine.core.batch_queue import BatchQueue
 from llmctl.engine.core.model_runner_output import ModelRunnerOutput
 from llmctl.engine.core.output_processor import OutputProcessor
@@ -61,6 +63,8 @@ class LLMEngine:
         self.tokenizer = None if mc.skip_tokenizer_init else get_tokenizer(mc.tokenizer)
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc.path)
         self.vocab_size = mc.shape.vocab_size
+        # How the attention layers share the KV cache (sliding-window groups free blocks).
+        self.kv_layout = KVCacheLayout.for_shape(mc.shape, mc.max_model_len, cc.block_size)
         self.executor = Executor.get_class(engine_config)(engine_config, progress)
         try:
             self.num_blocks = self.executor.determine_num_available_blocks()
@@ -69,7 +73,14 @@ class LLMEngine:
                 if engine_config.device_config.device == "cpu"
                 else "--gpu-memory-utilization or use more GPUs (-tp/-pp)"
             )
-            check_kv_cache_fits(self.num_blocks, cc.block_size, mc.max_model_len, knob)
+            check_kv_cache_fits(
+                self.num_blocks,
+                cc.block_size,
+                mc.max_model_len,
+                knob,
+                self.kv_layout,
+                engine_config.scheduler_config.max_num_batched_tokens,
+            )
             self.executor.initialize_cache(self.num_blocks)
         except BaseException:
             self.executor.shutdown()
@@ -80,6 +91,8 @@ class LLMEngine:
             cc,
             self.num_blocks,
             reuse_written_first=engine_config.device_config.device == "cpu",
+            sliding_windows=self.kv_layout.sliding_windows,
+            long_rope_threshold=long_rope_threshold(mc.hf_config),
         )
         # The pipeline's batches in flight: one per stage unless max_concurrent_batches says.
         sc = engine_config.scheduler_config
@@ -279,13 +292,21 @@ class LLMEngine:
     def _log_kv_cache(self) -> None:
         bs = self.config.cache_config.block_size
         max_len = self.config.model_config.max_model_len
-        tokens = self.num_blocks * bs
+        layout = KVCacheLayout.for_shape(self.config.model_config.shape, max_len, bs)
+        tokens = layout.cache_tokens(self.num_blocks)
+        chunk = self.config.scheduler_config.max_num_batched_tokens
         # vLLM's words on CUDA ("GPU KV cache size"); the plan prints the same lines.
         where = "GPU " if self.config.device_config.device == "cuda" else ""
         logger.info("# KV cache blocks: %d (block size %d)", self.num_blocks, bs)
+        if layout.num_groups > 1:
+            logger.info(
+                "KV cache groups: %d (%s), blocks beyond a sliding window freed",
+                layout.num_groups,
+                layout.describe(),
+            )
         logger.info("%sKV cache size: %s tokens", where, f"{tokens:,}")
         logger.info(
             "Maximum concurrency for %s tokens per request: %.2fx",
             f"{max_len:,}",
-            tokens / max_len,
+            layout.max_concurrency(self.num_blocks, max_len, chunk),
         )

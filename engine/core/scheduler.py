@@ -6,6 +6,11 @@ a prompt longer than the remaining budget is prefilled in chunks over several st
 request needs a block and none is free, the newest running request is preempted: its blocks are
 freed and it goes back to the front of the queue, to be recomputed from its prompt and the tokens
 it already produced, so nothing it generated is lost.
+
+A LongRoPE model (Phi-3) computes a request's KV with its short factors while the request holds
+at most `long_rope_threshold` tokens and with its long ones past that, as transformers does: the
+request that grows past it is sent back to the front of the queue to be computed again, whole,
+with the long factors (not counted as a preemption).
 """
 
 from __future__ import annotations
@@ -49,9 +54,13 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         reuse_written_first: bool = False,
+        sliding_windows: tuple[int | None, ...] = (None,),
+        long_rope_threshold: int | None = None,
     ) -> None:
         """`reuse_written_first`: the KV cache's memory is committed as it is first written (the
-        CPU's): reuse written blocks before fresh ones (block_manager.py)."""
+        CPU's): reuse written blocks before fresh ones (block_manager.py). `sliding_windows`:
+        each KV cache group's window (KVCacheLayout.sliding_windows). `long_rope_threshold`:
+        see the module doc (config/rope_parameters.py)."""
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.block_manager = BlockManager(
@@ -59,7 +68,10 @@ class Scheduler:
             cache_config.block_size,
             cache_config.enable_prefix_caching,
             reuse_written_first=reuse_written_first,
+            sliding_windows=sliding_windows,
+            long_rope_threshold=long_rope_threshold,
         )
+        self.long_rope_threshold = long_rope_threshold
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -115,7 +127,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         cap = self._batch_size_cap()
         num_scheduled: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
+        new_block_ids: dict[str, list[list[int]]] = {}  # per KV cache group
         preempted = False
 
         # Running requests first, oldest first.
@@ -195,6 +207,8 @@ class Scheduler:
             if finished:
                 self.running.remove(request)
                 self._free(request)
+            elif request.num_tokens - 1 == self.long_rope_threshold:
+                self._recompute(request)  # its KV so far has the short factors
             outputs.append(
                 EngineCoreOutput(
                     request_id=request_id,
@@ -245,6 +259,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _recompute(self, request: Request) -> None:
+        """Free the request's KV and queue it first, to be computed again from its tokens."""
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.block_hashes.clear()  # named again, as a long request's
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+
     def _free(self, request: Request) -> None:
         self.block_manager.free(request)
         self.finished_req_ids.add(request.request_id)
@@ -253,7 +276,7 @@ class Scheduler:
     def _make_output(
         self,
         num_scheduled: dict[str, int],
-        new_block_ids: dict[str, list[int]],
+        new_block_ids: dict[str, list[list[int]]],
         new_requests: list[Request],
     ) -> SchedulerOutput:
         new_reqs = []

@@ -15,7 +15,7 @@ class NewRequestData:
     token_ids: list[int]  # prompt, then any tokens generated before a preemption
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
 
 
@@ -25,7 +25,7 @@ class CachedRequestData:
 
     req_id: str
     new_token_ids: list[int]  # tokens sampled since the workers last saw it
-    new_block_ids: list[int]
+    new_block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int
 
 

@@ -1,4 +1,5 @@
-"""MLP activations: SiLU-gated (Llama), GELU variants (GPT-2, OPT), ReLU (OPT)."""
+"""MLP activations: SiLU-gated (Llama), GELU-tanh-gated (Gemma 3), GELU variants (GPT-2, OPT),
+ReLU (OPT)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,26 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
+
+
+class GeluAndMul(nn.Module):
+    """x: [num_tokens, 2 * d] as [gate | up] -> gelu_tanh(gate) * up (Gemma 3's MLP)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+def gated_act_fn(name: str) -> nn.Module:
+    """The [gate | up] activation of a gated MLP whose gate runs `name`."""
+    if name.lower() in ("silu", "swish"):
+        return SiluAndMul()
+    if name.lower() in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
+        return GeluAndMul()
+    raise UnsupportedArchitectureError(
+        f"gated MLP activation {name!r} is not supported",
+        "supported: silu, gelu_pytorch_tanh",
+    )
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """FusedMoE: the routed experts of a mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE,
-DeepSeek-V2/V3, GLM-4.5).
+DeepSeek-V2/V3, GLM-4.5; gpt-oss's experts, models/gpt_oss.py, share its placement and dispatch).
 
 Every expert is a SiLU-gated MLP. The layer holds them stacked, as one tensor per role:
 `w13_weight` [num_local_experts, 2 * I, H] ([gate | up] rows, like MergedColumnParallelLinear)
@@ -112,8 +112,27 @@ def fused_experts(
     per call (0.3 ms for one [1, 512] row on 2 threads of a busy machine, 5 us on one), which
     made a single decode stream 2x slower than transformers.
     """
+
+    def mlp(expert: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up = linear(x, w13[expert])  # [n, 2I]
+        inter = gate_up.shape[-1] // 2
+        return linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[expert])  # [n, H]
+
+    return dispatch_experts(hidden_states, len(w13), mlp, topk_weights, topk_ids, first_expert)
+
+
+def dispatch_experts(
+    hidden_states: torch.Tensor,
+    num_local: int,
+    mlp: Callable[[int, torch.Tensor], torch.Tensor],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int = 0,
+) -> torch.Tensor:
+    """sum over each token's top-k experts e held here of weight * mlp(e - first_expert, x):
+    fused_experts' grouping, weighting and ordered sum around any expert MLP
+    (`mlp(local_expert, x [n, H]) -> [n, H]`)."""
     num_tokens, top_k = topk_ids.shape
-    num_local = len(w13)
     # Slots sorted by expert within each token: the sum below then adds in expert order.
     topk_ids, slot_order = torch.sort(topk_ids, dim=-1)
     topk_weights = topk_weights.gather(-1, slot_order)
@@ -129,10 +148,8 @@ def fused_experts(
     for expert, count in enumerate(counts[:num_local]):
         if count == 0:
             continue
-        gate_up = linear(x[start : start + count], w13[expert])  # [n, 2I]
+        ys.append(mlp(expert, x[start : start + count]))  # [n, H]
         start += count
-        inter = gate_up.shape[-1] // 2
-        ys.append(linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[expert]))  # [n, H]
     # [num_held + 1, H]: the outputs in sorted order, then a zero row for the pairs not held
     ys.append(hidden_states.new_zeros(1, hidden_states.shape[-1]))
     y = torch.cat(ys)
@@ -182,7 +199,6 @@ class FusedMoE(nn.Module):
         e_score_correction_bias: torch.Tensor | None = None,
     ):
         super().__init__()
-        tp, ep = get_tp_group(), get_ep_group()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.reduce_results = reduce_results
         # DeepSeek / GLM-4.5 routing (layers/moe_routing.py); None: softmax, top-k as Mixtral.
@@ -191,9 +207,17 @@ class FusedMoE(nn.Module):
         if routing is not None:
             routing.check(num_experts, type(self).__name__)
         self.__dict__["e_score_correction_bias"] = e_score_correction_bias
+        self.hidden_size = hidden_size
+        self._place_experts(num_experts, intermediate_size)
+        self._create_weights(hidden_size)
+
+    def _place_experts(self, num_experts: int, intermediate_size: int) -> None:
+        """Which experts and features this rank holds (see the module doc)."""
+        tp, ep = get_tp_group(), get_ep_group()
         # Across data-parallel replicas: tokens are exchanged over the DP group, the partial
         # sums reduced over the TP group.
         self.dp_group = get_dp_group() if ep is not None else None
+        self.expert_parallel = ep is not None
         if ep is not None:  # whole experts per rank
             self.group = ep if self.dp_group is None else tp
             sizes = expert_shards(num_experts, ep.world_size)
@@ -206,8 +230,9 @@ class FusedMoE(nn.Module):
             self.first_expert, self.num_local_experts = 0, num_experts
             self.intermediate_start = offsets(shards)[tp.rank_in_group]
             self.intermediate_size_per_partition = shards[tp.rank_in_group]
+
+    def _create_weights(self, hidden_size: int) -> None:
         inter = self.intermediate_size_per_partition
-        self.hidden_size = hidden_size
         quant = current_quant_config()
         self.quant_method: PackedMoEMethod | None = None
         if quant is not None:

@@ -146,17 +146,28 @@ class MergedColumnParallelLinear(LinearBase):
     """Several column-parallel matrices stacked in one matmul, e.g. gate_proj and up_proj.
 
     The checkpoint stores each separately; `weight_loader(param, w, shard_id)` places this rank's
-    slice of sub-matrix `shard_id` at its offset.
+    slice of sub-matrix `shard_id` at its offset. A fused checkpoint tensor (Phi-3's
+    gate_up_proj: the sub-matrices' rows one after another) loads with shard_id "fused": each
+    sub-matrix is narrowed to this rank's slice alike.
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         tp = get_tp_group()
+        self.output_sizes = list(output_sizes)
         self.shards = [column_shards(size, tp.world_size, "MLP features") for size in output_sizes]
         per_rank = [s[tp.rank_in_group] for s in self.shards]
         super().__init__(input_size, sum(per_rank), bias)
         self.output_sizes_per_partition = per_rank
 
-    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | str
+    ) -> None:
+        if shard_id == "fused":
+            start = 0
+            for i, rows in enumerate(self.output_sizes):
+                self.weight_loader(param, _RowSlice(loaded, start, rows), i)
+                start += rows
+            return
         size = self.output_sizes_per_partition[shard_id]
         start = offsets(self.shards[shard_id])[self.tp_rank]
         dest_start = sum(self.output_sizes_per_partition[:shard_id])

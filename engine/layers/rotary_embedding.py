@@ -1,48 +1,59 @@
 """Rotary position embedding (RoPE) with a precomputed cos/sin cache, in Hugging Face's
 "rotate half" layout, or on interleaved pairs (DeepSeek's `rope_interleave`: pairs (x0, x1),
-(x2, x3), ... each rotated by one frequency, written back as [evens | odds] as transformers does).
-Scaling: default, linear, llama3 and yarn (with its attention factor on cos/sin). A
-`partial_rotary_factor` (GLM-4.5) rotates the first head_dim * factor features of each head and
-passes the rest through."""
+(x2, x3), ... each rotated by one frequency, written back as [evens | odds] as transformers does),
+computed as transformers computes it (float32 frequencies and tables).
+
+Scaling: default, linear, llama3, yarn (gpt-oss, DeepSeek-V3: NTK-by-parts frequencies, cos and
+sin scaled by its attention factor, DeepSeek's mscale ratio) and longrope (Phi-3: per-frequency
+short and long factors). A `partial_rotary_factor` below 1 (GLM-4.5, Phi-4) rotates the first
+dims of each head and passes the rest. Models
+with a rope per layer type (Gemma 3: local base 10,000 on sliding layers, global 1,000,000 on
+full ones) make one instance per type (`rope_parameters(config, layer_type)`).
+
+LongRoPE uses its long factors for a request longer than original_max_position_embeddings and
+its short ones otherwise, for every token of the request, as transformers generates one
+sequence: there the whole KV cache is computed again with the long factors when the sequence
+crosses that length, and the scheduler does the same (engine/core/scheduler.py,
+`long_rope_threshold`). The model runner says per token which table it reads
+(AttentionMetadata.long_rope).
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import nn
 
+from llmctl.engine.config.rope_parameters import long_rope_threshold, rope_parameters
 from llmctl.engine.errors import UnsupportedArchitectureError
-from llmctl.engine.forward_context import pass_memo
+from llmctl.engine.forward_context import get_attn_metadata, pass_memo
 
-_SUPPORTED = ("default", "linear", "llama3", "yarn")
-
-
-def rope_parameters(hf_config: Any) -> dict:
-    """The rope settings whichever transformers version wrote the config."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    scaling = getattr(hf_config, "rope_scaling", None)
-    if isinstance(scaling, dict):
-        params = {**scaling, **params}
-    if "rope_theta" not in params:
-        params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
-    factor = getattr(hf_config, "partial_rotary_factor", None)
-    if factor is not None and "partial_rotary_factor" not in params:
-        params["partial_rotary_factor"] = factor
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    return params
+_SUPPORTED = ("default", "linear", "llama3", "yarn", "longrope")
+__all__ = ["RotaryEmbedding", "get_rope", "long_rope_threshold", "rope_parameters", "yarn_mscale"]
 
 
-def _inv_freq(dim: int, params: dict, max_position: int) -> torch.Tensor:
+def get_rope(head_dim: int, max_position: int, params: dict) -> RotaryEmbedding:
+    if params["rope_type"] == "longrope":
+        return LongRopeRotaryEmbedding(head_dim, max_position, params)
+    return RotaryEmbedding(head_dim, max_position, params)
+
+
+def _base_inv_freq(dim: int, base: float) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _inv_freq(dim: int, params: dict, max_position: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [dim / 2], the factor cos and sin are scaled by), as transformers'
+    ROPE_INIT_FUNCTIONS compute them."""
     base = float(params["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = _base_inv_freq(dim, base)
     kind = params["rope_type"]
-    if kind == "yarn":
-        inv_freq = _yarn_inv_freq(dim, base, params, max_position)
-    elif kind == "linear":
-        inv_freq = inv_freq / float(params["factor"])
-    elif kind == "llama3":
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / float(params["factor"]), 1.0
+    if kind == "llama3":
         factor = float(params["factor"])
         low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
         old_len = float(params["original_max_position_embeddings"])
@@ -52,21 +63,13 @@ def _inv_freq(dim: int, params: dict, max_position: int) -> torch.Tensor:
         smooth = (old_len / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    elif kind != "default":
-        raise UnsupportedArchitectureError(
-            f"rope scaling type {kind!r} is not supported",
-            f"supported rope types: {', '.join(_SUPPORTED)}",
-        )
-    return inv_freq
-
-
-def _yarn_factor(params: dict, max_position: int) -> tuple[float, float]:
-    """(factor, original_max_position_embeddings) of a yarn config (DeepSeek-V3 may give the
-    factor only as max_position_embeddings over the original length)."""
-    original = float(params.get("original_max_position_embeddings") or max_position)
-    factor = params.get("factor")
-    return (float(factor) if factor is not None else max_position / original), original
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(dim, base, params, max_position)
+    raise UnsupportedArchitectureError(
+        f"rope scaling type {kind!r} is not supported",
+        f"supported rope types: {', '.join(_SUPPORTED)}",
+    )
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -74,12 +77,26 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _yarn_inv_freq(dim: int, base: float, params: dict, max_position: int) -> torch.Tensor:
-    """YaRN: interpolated frequencies below the correction range, extrapolated above it, a
-    linear ramp between (transformers' _compute_yarn_parameters)."""
-    factor, original = _yarn_factor(params, max_position)
-    beta_fast = float(params.get("beta_fast") or 32)
-    beta_slow = float(params.get("beta_slow") or 1)
+def _yarn_inv_freq(
+    dim: int, base: float, params: dict, max_position: int
+) -> tuple[torch.Tensor, float]:
+    """YaRN: frequencies interpolated by `factor` below the beta_slow rotations, kept above
+    beta_fast, ramped between; cos and sin scaled by 0.1 ln(factor) + 1 (or the config's; with
+    DeepSeek's mscale and mscale_all_dim, their ratio). A config may give the factor only as
+    max_position_embeddings over the original length (DeepSeek-V3)."""
+    original = float(params.get("original_max_position_embeddings") or max_position)
+    factor = float(params.get("factor") or max_position / original)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, float(mscale)) / yarn_mscale(
+                factor, float(mscale_all_dim)
+            )
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
@@ -89,24 +106,20 @@ def _yarn_inv_freq(dim: int, base: float, params: dict, max_position: int) -> to
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
-        high += 0.001  # no zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        high += 0.001  # no singularity
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
-    extrapolation = 1 - ramp
-    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
 
 
-def attention_factor(params: dict, max_position: int) -> float:
-    """The factor a rope type multiplies cos and sin by: yarn's mscale ratio, else 1."""
-    if params["rope_type"] != "yarn":
-        return 1.0
-    if params.get("attention_factor") is not None:
-        return float(params["attention_factor"])
-    factor, _ = _yarn_factor(params, max_position)
-    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-    if mscale and mscale_all_dim:
-        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
-    return yarn_mscale(factor)
+def _tables(inv_freq: torch.Tensor, max_position: int, scale: float):
+    """cos and sin [max_position, 2 * len(inv_freq)] (the frequencies twice), times `scale`."""
+    t = torch.arange(max_position, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)  # [max_position, rotary_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scale, emb.sin() * scale
 
 
 class RotaryEmbedding(nn.Module):
@@ -116,26 +129,38 @@ class RotaryEmbedding(nn.Module):
         # the features of each head that rotate (GLM-4.5: the first half)
         self.rotary_dim = int(head_dim * float(params.get("partial_rotary_factor") or 1.0))
         self.interleaved = interleaved
-        inv_freq = _inv_freq(self.rotary_dim, params, max_position)
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [max_position, rotary_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        scale = attention_factor(params, max_position)
-        self.register_buffer("cos_cache", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin_cache", emb.sin() * scale, persistent=False)
+        self.max_position = max_position
+        cos, sin = self._make_tables(params)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
+
+    @property
+    def plain(self) -> bool:
+        """One cos/sin row per position over the whole head (what the fused decode stack
+        reads)."""
+        plain = type(self) is RotaryEmbedding and self.rotary_dim == self.head_dim
+        return plain and not self.interleaved
+
+    def _make_tables(self, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq, scale = _inv_freq(self.rotary_dim, params, self.max_position)
+        return _tables(inv_freq, self.max_position, scale)
+
+    def _rows(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        # One instance serves every layer of a model, and a pass's layers share one positions
-        # tensor: look the rows up once per forward pass, not once per layer. The memo is the
-        # pass's own (a module attribute would outlive it: a CUDA graph captured after an eager
-        # warm-up on the same inputs then replays that warm-up's freed cos/sin tensors).
+        # One instance serves every layer of a model (of a layer type), and a pass's layers share
+        # one positions tensor: look the rows up once per forward pass, not once per layer. The
+        # memo is the pass's own (a module attribute would outlive it: a CUDA graph captured
+        # after an eager warm-up on the same inputs then replays that warm-up's freed tensors).
         memo = pass_memo()
         key = ("rotary", id(self), id(positions), dtype)
         hit = memo.get(key)
         if hit is not None and hit[0] is positions:
             return hit[1], hit[2]
-        cos = self.cos_cache.index_select(0, positions).unsqueeze(1).to(dtype)
-        sin = self.sin_cache.index_select(0, positions).unsqueeze(1).to(dtype)
+        rows = self._rows(positions)
+        cos = self.cos_cache.index_select(0, rows).unsqueeze(1).to(dtype)
+        sin = self.sin_cache.index_select(0, rows).unsqueeze(1).to(dtype)
         memo[key] = (positions, cos, sin)
         return cos, sin
 
@@ -150,12 +175,37 @@ class RotaryEmbedding(nn.Module):
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rd = self.rotary_dim
-        rotated = _apply_interleaved(x[..., :rd], cos, sin) if self.interleaved else None
-        if rotated is None:
-            rotated = _apply(x[..., :rd], cos, sin)
+        apply = _apply_interleaved if self.interleaved else _apply
+        rotated = apply(x[..., :rd], cos, sin)
         if rd == x.shape[-1]:
             return rotated
         return torch.cat((rotated, x[..., rd:]), dim=-1)
+
+
+class LongRopeRotaryEmbedding(RotaryEmbedding):
+    """Phi-3's LongRoPE: rows [0, max_position) of the tables hold the short factors' angles,
+    rows [max_position, 2 max_position) the long factors'; a token reads the long half when its
+    request is longer than original_max_position_embeddings (AttentionMetadata.long_rope)."""
+
+    def _make_tables(self, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        original = int(params["original_max_position_embeddings"])
+        factor = params.get("factor") or self.max_position / original
+        scale = params.get("attention_factor")
+        if scale is None:
+            scale = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        shape = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).float() / self.rotary_dim
+        base = float(params["rope_theta"])
+        halves = []
+        for name in ("short_factor", "long_factor"):
+            ext = torch.tensor(params[name], dtype=torch.float32)
+            halves.append(_tables(1.0 / (ext * base**shape), self.max_position, float(scale)))
+        return torch.cat([halves[0][0], halves[1][0]]), torch.cat([halves[0][1], halves[1][1]])
+
+    def _rows(self, positions: torch.Tensor) -> torch.Tensor:
+        long_rope = get_attn_metadata().long_rope
+        if long_rope is None:
+            return positions
+        return positions + long_rope[: positions.shape[0]] * self.max_position
 
 
 def _apply_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -90,7 +90,7 @@ def _convert(gguf_path: Path, out: Path, progress: ProgressFn | None) -> None:
         raise ModelLoadError(f"{gguf_path}: {exc.message}", exc.hint) from exc
     if shape.num_experts:  # stacked expert tensors only (gguf_moe.py)
         check_moe_tensors(gguf_path, arch, shape, tensor_names)
-    GGUFConfig.from_metadata(metadata, tensor_names, shape).save(out)
+    GGUFConfig.from_metadata(metadata, tensor_names, shape, _config_tensors(gguf_path)).save(out)
 
     tokenizer = GGUFTokenizer.from_metadata(metadata)
     if tokenizer is None:
@@ -112,6 +112,18 @@ def _convert(gguf_path: Path, out: Path, progress: ProgressFn | None) -> None:
         reason,
     )
     _convert_tokenizer_with_transformers(gguf_path, out)
+
+
+def _config_tensors(gguf_path: Path) -> dict[str, list[float]]:
+    """The small float tensors a config carries (Phi-3's LongRoPE factors), by name."""
+    from llmctl.engine.model_loader.gguf_file import read_gguf_tensors
+
+    wanted = ("rope_factors_long.weight", "rope_factors_short.weight")
+    return {
+        t.name: [float(x) for x in t.data.reshape(-1)]
+        for t in read_gguf_tensors(gguf_path)
+        if t.name in wanted and t.data is not None
+    }
 
 
 def _convert_tokenizer_with_transformers(gguf_path: Path, out: Path) -> None:
@@ -139,6 +151,8 @@ _LLAMA_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3, Gemma 3
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -155,6 +169,26 @@ _DEEPSEEK2_NAMES = {
     "attn_k_b": "self_attn.k_b_proj",
     "attn_v_b": "self_attn.v_b_proj",
 }
+# Architectures whose layer tensors are named apart from Llama's.
+_ARCH_NAMES = {
+    # Gemma 3's four norms per layer (its ffn_norm is the one before the MLP)
+    "gemma3": _LLAMA_NAMES
+    | {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    # Phi-3's fused projections, as its Hugging Face checkpoints hold them: [q | k | v] and
+    # [gate | up] rows
+    "phi3": _LLAMA_NAMES | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # DeepSeek-V2/V3, Kimi-K2: multi-head latent attention
+    "deepseek2": {**_LLAMA_NAMES, **_DEEPSEEK2_NAMES},
+}
+# llama.cpp's converter stores Gemma 3's norm weights plus one (its RMSNorm scales by 1 + w):
+# the loader takes the one off again.
+NORM_SHIFT = {"gemma3": 1.0}
+# Tensors whose values the config carries (gguf_config.py), not the model.
+_CONFIG_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 _GPT2_NAMES = {
     "attn_norm": "ln_1",
     "ffn_norm": "ln_2",
@@ -178,9 +212,7 @@ def _hf_name(arch: str, name: str) -> str | None:
         layer_prefix, names = "transformer.h", _GPT2_NAMES
     else:
         top = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-        layer_prefix, names = "model.layers", _LLAMA_NAMES
-        if arch == "deepseek2":
-            names = {**_LLAMA_NAMES, **_DEEPSEEK2_NAMES}
+        layer_prefix, names = "model.layers", _ARCH_NAMES.get(arch, _LLAMA_NAMES)
     if base in top:
         return f"{top[base]}.{kind}"
     parts = base.split(".")
@@ -188,8 +220,8 @@ def _hf_name(arch: str, name: str) -> str | None:
         return f"{layer_prefix}.{parts[1]}.{names[parts[2]]}.{kind}"
     if len(parts) == 3 and parts[0] == "blk" and (moe := moe_hf_name(arch, *parts[1:], kind)):
         return moe  # a mixture of experts' router, experts or shared expert
-    if base == "rope_freqs":
-        return None  # recomputed from the config's rope scaling
+    if base in _CONFIG_TENSORS:
+        return None  # the config's rope scaling (recomputed, or read into the config)
     raise ModelLoadError(
         f"unexpected tensor {name!r} in a GGUF file of architecture {arch!r}",
         "the file may come from a newer converter; name a Hugging Face directory instead",

@@ -37,7 +37,14 @@ _MODEL_TYPES = {
     "qwen2moe": ("qwen2_moe", "Qwen2MoeConfig"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeConfig"),
     "deepseek2": ("deepseek_v3", "DeepseekV3Config"),
+    "qwen3": ("qwen3", "Qwen3Config"),
+    "gemma3": ("gemma3_text", "Gemma3TextConfig"),
+    "phi3": ("phi3", "Phi3Config"),
 }
+# llama.cpp's fixed Gemma 3 settings (its converter stores neither): the sliding layers' rope
+# base, and query_pre_attn_scalar, head_dim except on the 62-layer 27B (hidden / heads).
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
+_GEMMA3_27B_LAYERS = 62
 # A mixture of experts' model_type (gguf_moe.moe_config_values: a llama file with experts is
 # Mixtral) -> its config class.
 _MOE_CONFIG_CLASSES = {
@@ -72,10 +79,15 @@ class GGUFConfig:
 
     @classmethod
     def from_metadata(
-        cls, metadata: Mapping[str, Any], tensor_names: tuple[str, ...], shape: ModelShape
+        cls,
+        metadata: Mapping[str, Any],
+        tensor_names: tuple[str, ...],
+        shape: ModelShape,
+        tensors: Mapping[str, list[float]] | None = None,
     ) -> GGUFConfig:
         """From the file's metadata (gguf_file.read_gguf_metadata), its tensor names and the
-        shape ModelShape.from_gguf_metadata read from them."""
+        shape ModelShape.from_gguf_metadata read from them; `tensors`: the values of the small
+        tensors a config carries (Phi-3's rope_factors_long / _short)."""
         arch = str(metadata["general.architecture"])
         model_type, config_class = _MODEL_TYPES[arch]
         key = lambda name: metadata.get(f"{arch}.{name}")  # noqa: E731
@@ -112,9 +124,15 @@ class GGUFConfig:
             values["mlp_bias"] = False
         if arch == "mistral":
             values["sliding_window"] = shape.sliding_window
-        if arch in ("qwen2", "qwen2moe", "qwen3moe"):
+        if arch in ("qwen2", "qwen2moe", "qwen3moe", "qwen3"):
             values["use_sliding_window"] = False  # Qwen2Config's default, as transformers has it
             values["sliding_window"] = shape.sliding_window
+        if arch == "qwen3":
+            values["attention_bias"] = False
+        if arch == "gemma3":
+            values.update(_gemma3_values(metadata, shape))
+        if arch == "phi3":
+            values.update(_phi3_values(metadata, shape, tensors or {}))
         return cls(model_type, config_class, values)
 
     def view(self) -> HFConfigView:
@@ -166,6 +184,55 @@ def _deepseek2_values(metadata: Mapping[str, Any], shape: ModelShape) -> dict[st
             "mscale": mscale,
             "mscale_all_dim": mscale,
         }
+    return values
+
+
+def _gemma3_values(metadata: Mapping[str, Any], shape: ModelShape) -> dict[str, Any]:
+    """Gemma 3's keys: per-layer-type ropes, its window and pattern, query_pre_attn_scalar, the
+    GELU-tanh MLP, tied embeddings, the final logit softcap when the file gives one."""
+    scalar = shape.head_dim
+    if shape.num_layers == _GEMMA3_27B_LAYERS:
+        scalar = shape.hidden_size // shape.num_attention_heads
+    softcap = metadata.get("gemma3.final_logit_softcapping")
+    return {
+        "rope_parameters": {
+            "full_attention": _rope_parameters("gemma3", metadata),
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": _GEMMA3_LOCAL_ROPE_THETA,
+            },
+        },
+        "sliding_window": shape.sliding_window,
+        "layer_types": list(shape.layer_types) or None,
+        "query_pre_attn_scalar": scalar,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": float(softcap) if softcap is not None else None,
+        "attn_logit_softcapping": None,
+        "attention_bias": False,
+    }
+
+
+def _phi3_values(
+    metadata: Mapping[str, Any], shape: ModelShape, tensors: Mapping[str, list[float]]
+) -> dict[str, Any]:
+    """Phi-3's rope: partial rotary from rope.dimension_count, LongRoPE from the file's
+    rope_factors_long / _short tensors and its original context length; its window (0: none)."""
+    rope = _rope_parameters("phi3", metadata)
+    dims = metadata.get("phi3.rope.dimension_count")
+    if dims is not None and int(dims) != shape.head_dim:
+        rope["partial_rotary_factor"] = int(dims) / shape.head_dim
+    original = metadata.get("phi3.rope.scaling.original_context_length")
+    values: dict[str, Any] = {"sliding_window": shape.sliding_window, "attention_bias": False}
+    if original is not None:
+        values["original_max_position_embeddings"] = int(original)
+        rope["original_max_position_embeddings"] = int(original)
+    if "rope_factors_long.weight" in tensors:
+        rope.update(
+            rope_type="longrope",
+            long_factor=list(tensors["rope_factors_long.weight"]),
+            short_factor=list(tensors["rope_factors_short.weight"]),
+        )
+    values["rope_parameters"] = rope
     return values
 
 

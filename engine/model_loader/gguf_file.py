@@ -204,7 +204,7 @@ def iterate_gguf_weights(
     """(Hugging Face name, CheckpointTensor | QuantizedCheckpointTensor) for each tensor."""
     from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor, QuantizedCheckpointTensor
     from llmctl.engine.layers.quantization.quant_config import QuantizationConfig
-    from llmctl.engine.model_loader.gguf import _GPT2_CONV1D, _PERMUTED_QK, _hf_name
+    from llmctl.engine.model_loader.gguf import _GPT2_CONV1D, _PERMUTED_QK, NORM_SHIFT, _hf_name
     from llmctl.engine.model_loader.gguf_moe import (
         EXPERT,
         is_vector_shared_expert_gate,
@@ -233,10 +233,12 @@ def iterate_gguf_weights(
             heads = num_heads if "attn_q" in t.name else num_kv_heads
             rows = _unpermuted_row_order(t.shape[0], heads)
         conv1d = arch == "gpt2" and t.name.endswith(_GPT2_CONV1D)
-        if t.type_name in ("F32", "F16", "BF16") or dequantize:
+        shift = NORM_SHIFT.get(arch, 0.0) if t.name.endswith("norm.weight") else 0.0
+        if t.type_name in ("F32", "F16", "BF16") or dequantize or shift:
             # GPT-2's Conv1D is [in, out] in Hugging Face checkpoints, which its model transposes
             # on loading; GGUF stores [out, in]: present the transposed view.
-            yield hf_name, CheckpointTensor(hf_name, t.shape, _float_reader(t, rows), conv1d)
+            reader = _float_reader(t, rows, shift)
+            yield hf_name, CheckpointTensor(hf_name, t.shape, reader, conv1d)
             continue
         tensor = QuantizedCheckpointTensor(hf_name, t.type_name, t.shape, t.data, rows=rows)
         # GPT-2's model transposes Conv1D weights on loading; GGUF already stores [out, in].
@@ -244,8 +246,9 @@ def iterate_gguf_weights(
         drop_mapped_pages(t.data)  # the layer has packed its copy
 
 
-def _float_reader(t: GGUFTensorInfo, rows):
-    """index -> float32 torch tensor of that slice (the tensor is dequantized on first read)."""
+def _float_reader(t: GGUFTensorInfo, rows, shift: float = 0.0):
+    """index -> float32 torch tensor of that slice (the tensor is dequantized on first read);
+    `shift` is subtracted from every value (Gemma 3's norms, NORM_SHIFT)."""
     import numpy as np
     import torch
 
@@ -263,7 +266,10 @@ def _float_reader(t: GGUFTensorInfo, rows):
                 ).reshape(t.shape)
             if rows is not None:
                 w = w[rows]
-            cache["w"] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+            w = np.array(w, dtype=np.float32, order="C")
+            if shift:
+                w -= shift
+            cache["w"] = torch.from_numpy(w)
         return cache["w"][index]
 
     return read

@@ -110,7 +110,6 @@ class GPT2LMHeadModel(nn.Module):
                 self.lm_head.tie_weights(self.transformer.wte)
         self.hidden_size = config.n_embd
         self.intermediate_keys = ("hidden_states",)  # what one pipeline stage sends the next
-        self.sliding_window = None
 
     def forward(
         self, input_ids, positions, intermediate_tensors: IntermediateTensors | None = None

@@ -1,7 +1,10 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2 (QKV bias), SmolLM2 (tied embeddings).
+"""The Llama family: Llama 2/3, Mistral, Qwen2 (QKV bias), SmolLM2 (tied embeddings), Qwen3
+(per-head q/k norm: ModelShape.qk_norm), Phi-3/Phi-4 (fused qkv_proj and gate_up_proj
+checkpoints, LongRoPE).
 
-The mixtures of experts (mixtral.py, qwen_moe.py) are this decoder with their own `make_mlp`;
-Qwen3's per-head q/k norm is ModelShape.qk_norm."""
+The mixtures of experts (mixtral.py, qwen_moe.py, gpt_oss.py) are this decoder with their own
+`make_mlp`. Each layer's attention takes its own sliding window (ModelShape.layer_types) and, for
+gpt-oss, its learned sinks."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from llmctl.engine.attention.layer import Attention
 from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.distributed.parallel_state import get_tp_group
 from llmctl.engine.distributed.partition import PipelineShard, head_shards
-from llmctl.engine.layers.activation import SiluAndMul
+from llmctl.engine.layers.activation import SiluAndMul, gated_act_fn
 from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
 from llmctl.engine.layers.fused_moe import expert_param
 from llmctl.engine.layers.layernorm import RMSNorm
@@ -24,14 +27,19 @@ from llmctl.engine.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from llmctl.engine.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from llmctl.engine.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters
 from llmctl.engine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from llmctl.engine.models.utils import IntermediateTensors, load_weights, make_layers
 
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool, reduce_results: bool = True
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        reduce_results: bool = True,
+        act: str = "silu",
     ):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
@@ -44,14 +52,25 @@ class LlamaMLP(nn.Module):
             input_shards=self.gate_up_proj.shards[0],
             reduce_results=reduce_results,
         )
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul() if act == "silu" else gated_act_fn(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, shape: ModelShape, rotary_emb: RotaryEmbedding, rms_norm_eps: float = 1e-6):
+    """QKV, the optional per-head q/k norm (`norm`: Qwen3's RMSNorm, Gemma 3's), RoPE, paged
+    attention with layer `layer`'s window (and sinks), O. `scale` defaults to head_dim ** -0.5."""
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        rotary_emb: RotaryEmbedding,
+        rms_norm_eps: float = 1e-6,
+        layer: int = 0,
+        scale: float | None = None,
+        norm: Callable[[int, float], nn.Module] = RMSNorm,
+    ):
         super().__init__()
         hidden, head_dim = shape.hidden_size, shape.head_dim
         num_heads, num_kv_heads = shape.num_attention_heads, shape.num_kv_heads
@@ -68,13 +87,25 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.attn = Attention(
-            self.qkv_proj.num_heads, head_dim, head_dim**-0.5, self.qkv_proj.num_kv_heads
+            self.qkv_proj.num_heads,
+            head_dim,
+            head_dim**-0.5 if scale is None else scale,
+            self.qkv_proj.num_kv_heads,
+            sliding_window=shape.layer_sliding_window(layer),
+            sinks=shape.attention_sinks,
         )
+        if self.attn.sinks is not None:  # gpt-oss: this rank's heads' sinks
+            self.attn.sinks.weight_loader = self._load_sinks
         self.head_dim = head_dim
         if shape.qk_norm:  # Qwen3: each head's query and key normalized before RoPE
-            self.q_norm = RMSNorm(head_dim, rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, rms_norm_eps)
+            self.q_norm = norm(head_dim, rms_norm_eps)
+            self.k_norm = norm(head_dim, rms_norm_eps)
         self.qk_norm = shape.qk_norm
+
+    def _load_sinks(self, param: nn.Parameter, loaded: CheckpointTensor, *args) -> None:
+        shard = self.qkv_proj.shard
+        rows = loaded.narrow(0, shard.q_start, shard.num_q_heads)
+        param.data.copy_(rows if isinstance(rows, torch.Tensor) else rows.load())
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
@@ -90,9 +121,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, shape: ModelShape, rotary_emb: RotaryEmbedding, mlp: nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        shape: ModelShape,
+        rotary_emb: RotaryEmbedding,
+        mlp: nn.Module,
+        layer: int = 0,
+    ):
         super().__init__()
-        self.self_attn = LlamaAttention(shape, rotary_emb, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(shape, rotary_emb, config.rms_norm_eps, layer)
         self.mlp = mlp  # LlamaMLP, or a mixture of experts
         self.input_layernorm = RMSNorm(shape.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, config.rms_norm_eps)
@@ -123,13 +161,12 @@ class LlamaModel(nn.Module):
         if shard.is_first:
             self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size)
         # One rotary table for all layers (not a submodule of each: its buffers are not weights).
-        rotary_emb = RotaryEmbedding(
-            shape.head_dim, shape.max_position_embeddings, rope_parameters(config)
-        )
+        length = shape.max_position_embeddings
+        rotary_emb = get_rope(shape.head_dim, length, rope_parameters(config))
         self.layers = make_layers(
             shape.num_layers,
             shard,
-            lambda i: LlamaDecoderLayer(config, shape, rotary_emb, make_mlp(i)),
+            lambda i: LlamaDecoderLayer(config, shape, rotary_emb, make_mlp(i), i),
         )
         if shard.is_last:
             self.norm = RMSNorm(shape.hidden_size, config.rms_norm_eps)
@@ -191,7 +228,6 @@ class LlamaForCausalLM(nn.Module):
             "hidden_states",
             "residual",
         )  # what one pipeline stage sends the next
-        self.sliding_window = shape.sliding_window
 
     def make_mlp(self, layer: int) -> nn.Module:
         """Decoder layer `layer`'s MLP (mixture-of-experts models return their MoE block)."""
@@ -238,3 +274,19 @@ class MistralForCausalLM(LlamaForCausalLM):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     pass  # its QKV bias: ModelShape.qkv_bias
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    pass  # its q/k norm: ModelShape.qk_norm
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 and Phi-4: the checkpoint's qkv_proj ([q | k | v] rows) and gate_up_proj
+    ([gate | up] rows) are each one tensor, which the fused layers' weight loaders split into
+    this rank's heads and features. LongRoPE comes with the rope parameters."""
+
+    stacked_params = [
+        *LlamaForCausalLM.stacked_params,
+        ("qkv_proj", "qkv_proj", "qkv"),
+        ("gate_up_proj", "gate_up_proj", "fused"),
+    ]

@@ -150,7 +150,6 @@ class OPTForCausalLM(nn.Module):
                 self.lm_head.tie_weights(self.model.decoder.embed_tokens)
         self.hidden_size = config.hidden_size
         self.intermediate_keys = ("hidden_states",)  # what one pipeline stage sends the next
-        self.sliding_window = None
 
     def forward(
         self, input_ids, positions, intermediate_tensors: IntermediateTensors | None = None

@@ -55,9 +55,18 @@ class CudaGraphRunner:
         largest, device = self.sizes[-1], runner.device
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
         self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(largest, self.table_width, dtype=torch.int64, device=device)
+        # per KV cache group
+        groups = range(runner.num_groups)
+        self.slot_mapping = [
+            torch.full((largest,), -1, dtype=torch.int64, device=device) for _ in groups
+        ]
+        self.block_tables = [
+            torch.zeros(largest, self.table_width, dtype=torch.int64, device=device) for _ in groups
+        ]
         self.seq_lens = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.long_rope = None
+        if runner.long_rope_threshold is not None:
+            self.long_rope = torch.zeros(largest, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def padded_size(self, num_decodes: int, num_tokens: int) -> int | None:
@@ -97,13 +106,20 @@ class CudaGraphRunner:
         )
 
     def _metadata(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            num_decodes=size,
-            decode_block_tables=self.block_tables[:size],
-            decode_seq_lens=self.seq_lens[:size],
-            sliding_window=self.runner.sliding_window,
-        )
+        groups = [
+            AttentionMetadata(
+                slot_mapping=slots[:size],
+                num_decodes=size,
+                decode_block_tables=tables[:size],
+                decode_seq_lens=self.seq_lens[:size],
+            )
+            for slots, tables in zip(self.slot_mapping, self.block_tables, strict=True)
+        ]
+        md = groups[0]
+        md.other_groups = tuple(groups[1:])
+        if self.long_rope is not None:
+            md.long_rope = self.long_rope[:size]
+        return md
 
     def run(self, inputs: ModelInputs) -> torch.Tensor:
         """Replay the graph of the inputs' (padded) size; the hidden states [size, hidden]."""
@@ -112,8 +128,12 @@ class CudaGraphRunner:
         graph, output = self.graphs[size]
         self.input_ids[:size].copy_(inputs.input_ids)
         self.positions[:size].copy_(inputs.positions)
-        self.slot_mapping[:size].copy_(md.slot_mapping)
-        self.block_tables[:size].copy_(md.decode_block_tables)
+        for g, (slots, tables) in enumerate(zip(self.slot_mapping, self.block_tables, strict=True)):
+            group = md.for_group(g)
+            slots[:size].copy_(group.slot_mapping)
+            tables[:size].copy_(group.decode_block_tables)
         self.seq_lens[:size].copy_(md.decode_seq_lens)
+        if self.long_rope is not None:
+            self.long_rope[:size].copy_(md.long_rope)
         graph.replay()
         return output

@@ -6,8 +6,10 @@ model runner reads a step's inputs out of these rows with vectorised gathers (no
 into StagedBuffer host arrays that it copies to the device once per step.
 
     token_ids     [max_num_reqs, max_model_len] int32: prompt, then sampled tokens
-    block_table   [max_num_reqs, max_blocks_per_req] int64: a request's KV blocks, in order
-    num_tokens, num_prompt_tokens, num_computed_tokens, num_blocks: [max_num_reqs] int64
+    block_tables  per KV cache group, [max_num_reqs, max_blocks_per_req] int64: a request's KV
+                  blocks in that group, in order (config/kv_cache_layout.py)
+    num_tokens, num_prompt_tokens, num_computed_tokens: [max_num_reqs] int64
+    num_blocks    [max_num_reqs, num_groups] int64
     sampling columns (temperature, top_k, ...): [max_num_reqs], set once when the row is filled
 
 Rows are allocated from a free list, so a step's requests are a list of row indices, not a
@@ -48,9 +50,13 @@ class StagedBuffer:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, block_size: int, num_groups: int = 1
+    ) -> None:
         self.max_model_len = max_model_len
         self.block_size = block_size
+        self.num_groups = num_groups
+        self.block_tables: list[np.ndarray] = []
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.req_ids: list[str | None] = []
         self.row_of: dict[str, int] = {}
@@ -72,9 +78,13 @@ class InputBatch:
         cols, blocks = self.max_model_len, self.max_blocks_per_req
         get = self.__dict__.get
         self.token_ids = grow(get("token_ids"), (rows, cols), np.int32)
-        self.block_table = grow(get("block_table"), (rows, blocks), np.int64)
-        for name in ("num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_blocks"):
+        self.block_tables = [
+            grow(table, (rows, blocks), np.int64)
+            for table in self.block_tables or [None] * self.num_groups
+        ]
+        for name in ("num_tokens", "num_prompt_tokens", "num_computed_tokens"):
             setattr(self, name, grow(get(name), (rows,), np.int64))
+        self.num_blocks = grow(get("num_blocks"), (rows, self.num_groups), np.int64)
         for name in ("temperature", "top_p", "min_p", "presence", "frequency", "repetition"):
             setattr(self, name, grow(get(name), (rows,), np.float32))
         self.top_k = grow(get("top_k"), (rows,), np.int64)
@@ -89,7 +99,7 @@ class InputBatch:
         token_ids: list[int],
         num_prompt_tokens: int,
         sampling_params: SamplingParams,
-        block_ids: list[int],
+        block_ids: list[list[int]],
         num_computed_tokens: int,
         vocab_size: int,
     ) -> None:
@@ -124,10 +134,12 @@ class InputBatch:
         self.token_ids[row, start : start + len(token_ids)] = token_ids
         self.num_tokens[row] = start + len(token_ids)
 
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
-        start = self.num_blocks[row]
-        self.block_table[row, start : start + len(block_ids)] = block_ids
-        self.num_blocks[row] = start + len(block_ids)
+    def append_blocks(self, row: int, block_ids: list[list[int]]) -> None:
+        """New block ids, per KV cache group."""
+        for g, ids in enumerate(block_ids):
+            start = self.num_blocks[row, g]
+            self.block_tables[g][row, start : start + len(ids)] = ids
+            self.num_blocks[row, g] = start + len(ids)
 
     def remove_request(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)

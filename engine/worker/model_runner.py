@@ -8,12 +8,18 @@ decode and prefill block tables and lengths, logits indices, sampling tensors. T
 are laid out decodes first, then prefill chunks, as the attention layer expects. The sampled ids
 (and log-probabilities, when asked) come back to the host in one copy.
 
+The KV cache follows the model's KVCacheLayout (config/kv_cache_layout.py): one tensor per layer
+of the stage for a model whose layers are alike; for one mixing sliding-window and full
+attention, tensors shared by the layers of different KV cache groups, each group with its own
+block tables, slot mapping and step metadata.
+
 On CUDA, decode-only steps replay CUDA graphs captured at padded batch sizes (CudaGraphRunner)
 unless enforce_eager is set.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -25,10 +31,13 @@ from llmctl.engine.attention.metadata import AttentionMetadata, PrefillChunk
 from llmctl.engine.attention.mla_layer import MLAAttention
 from llmctl.engine.attention.selector import get_attn_backend
 from llmctl.engine.config.engine_config import EngineConfig
+from llmctl.engine.config.kv_cache_layout import KVCacheLayout
+from llmctl.engine.config.rope_parameters import long_rope_threshold
 from llmctl.engine.core.model_runner_output import ModelRunnerOutput
 from llmctl.engine.core.scheduler_output import SchedulerOutput
+from llmctl.engine.errors import ConfigError
 from llmctl.engine.forward_context import set_forward_context
-from llmctl.engine.models.utils import IntermediateTensors
+from llmctl.engine.models.utils import IntermediateTensors, layer_index
 from llmctl.engine.platform import torch_dtype
 from llmctl.engine.worker.input_batch import InputBatch, StagedBuffer
 from llmctl.engine.worker.sampler import Sampler, SamplingMetadata, make_generator, position_seed
@@ -80,10 +89,13 @@ class ModelRunner:
         self.dtype = torch_dtype(mc.dtype)
         self.device = torch.device(engine_config.device_config.device)
         self.vocab_size = mc.shape.vocab_size
-        self.sliding_window: int | None = getattr(model, "sliding_window", None)
-        if self.sliding_window and self.sliding_window >= mc.max_model_len:
-            self.sliding_window = None  # the window never bites
-        self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, self.block_size)
+        self.kv_layout = KVCacheLayout.for_shape(mc.shape, mc.max_model_len, self.block_size)
+        self.num_groups = self.kv_layout.num_groups
+        # LongRoPE (Phi-3): requests longer than this read the long factors' angles
+        self.long_rope_threshold = long_rope_threshold(mc.hf_config)
+        self.input_batch = InputBatch(
+            sc.max_num_seqs, mc.max_model_len, self.block_size, self.num_groups
+        )
         self._buffers: dict[str, StagedBuffer] = {}
         self._copies_done = None  # CUDA: event after the last step's host-to-device copies
         self.sampler = Sampler(make_generator(self.device, mc.seed))
@@ -101,11 +113,43 @@ class ModelRunner:
         """The layers with a KV cache; each says its cache's shape (`kv_cache_shape`)."""
         return [m for m in self.model.modules() if isinstance(m, (Attention, MLAAttention))]
 
+    def kv_cache_placement(self) -> list[tuple[Attention | MLAAttention, int, int]]:
+        """(layer, its KV cache group, the cache tensor it uses) for this stage's attention
+        layers; each tensor's layers share one shape (the layer's `kv_cache_shape`)."""
+        named = [
+            (n, m)
+            for n, m in self.model.named_modules()
+            if isinstance(m, (Attention, MLAAttention))
+        ]
+        if self.num_groups == 1:
+            return [(layer, 0, i) for i, (_, layer) in enumerate(named)]
+        indices = [layer_index(name, "layers") for name, _ in named]
+        where = self.kv_layout.placement(min(indices), max(indices) + 1)
+        placement = [(layer, *where[i]) for i, (_, layer) in zip(indices, named, strict=True)]
+        shapes: dict[int, tuple[int, ...]] = {}
+        for layer, _, tensor in placement:
+            shape = shapes.setdefault(tensor, layer.kv_cache_shape(1, self.block_size))
+            if shape != layer.kv_cache_shape(1, self.block_size):
+                raise ConfigError(
+                    "layers of different KV cache groups must share KV head counts and sizes "
+                    "to share cache tensors",
+                    "this model mixes attention kinds with different KV shapes; report it",
+                )
+        return placement
+
+    def _kv_tensor_layers(self) -> list[Attention | MLAAttention]:
+        """One layer of each KV cache tensor of this stage, in tensor order: its shape is the
+        tensor's (kv_cache_shape)."""
+        first: dict[int, Attention | MLAAttention] = {}
+        for layer, _, tensor in self.kv_cache_placement():
+            first.setdefault(tensor, layer)
+        return [first[t] for t in sorted(first)]
+
     def kv_cache_bytes_per_block(self) -> int:
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
         return sum(
             math.prod(layer.kv_cache_shape(1, self.block_size)) * itemsize
-            for layer in self.attention_layers()
+            for layer in self._kv_tensor_layers()
         )
 
     def weight_bytes(self) -> int:
@@ -121,12 +165,14 @@ class ModelRunner:
         }
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = []
-        for layer in self.attention_layers():
-            shape = layer.kv_cache_shape(num_blocks, self.block_size)
-            cache = zeroed_kv_cache(shape, self.dtype, self.device)
-            layer.bind(cache, self.attn_backend)
-            self.kv_caches.append(cache)
+        self.kv_caches = [
+            zeroed_kv_cache(
+                layer.kv_cache_shape(num_blocks, self.block_size), self.dtype, self.device
+            )
+            for layer in self._kv_tensor_layers()
+        ]
+        for layer, group, tensor in self.kv_cache_placement():
+            layer.bind(self.kv_caches[tensor], self.attn_backend, group)
 
     def capture_cuda_graphs(self) -> None:
         """CUDA, unless enforce_eager: capture the decode graphs (after the KV cache exists)."""
@@ -248,26 +294,34 @@ class ModelRunner:
         # Token i of request j sits at position computed[j] + (i - start[j]).
         token_req = np.repeat(rows, num_new)
         positions = np.arange(total) + np.repeat(computed - (ends - num_new), num_new)
-        slots = batch.block_table[token_req, positions // bs] * bs + positions % bs
         sampled = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
         batch.num_computed_tokens[rows] = seq_lens
 
         self._begin_staging()
         graphs = self.cuda_graphs
         pad_to = graphs.padded_size(num_decodes, total) if graphs is not None else None
-        md = AttentionMetadata(
-            slot_mapping=self._stage_padded("slot_mapping", slots, pad_to, -1),
-            num_decodes=num_decodes,
-            sliding_window=self.sliding_window,
-        )
-        if num_decodes:
-            d_rows, d_lens = rows[:num_decodes], seq_lens[:num_decodes]
-            width = graphs.table_width if pad_to else int(-(-d_lens.max() // bs))
-            tables = batch.block_table[d_rows, :width]
-            md.decode_block_tables = self._stage_padded("decode_block_tables", tables, pad_to, 0)
-            md.decode_seq_lens = self._stage_padded("decode_seq_lens", d_lens, pad_to, 0)
-        if num_decodes < len(rows):
-            self._prefill_metadata(md, rows, num_new, seq_lens, computed, num_decodes)
+        groups = []
+        for g, table in enumerate(batch.block_tables):
+            slots = table[token_req, positions // bs] * bs + positions % bs
+            md = AttentionMetadata(
+                slot_mapping=self._stage_padded(f"slot_mapping.{g}", slots, pad_to, -1),
+                num_decodes=num_decodes,
+            )
+            if num_decodes:
+                d_rows, d_lens = rows[:num_decodes], seq_lens[:num_decodes]
+                width = graphs.table_width if pad_to else int(-(-d_lens.max() // bs))
+                md.decode_block_tables = self._stage_padded(
+                    f"decode_block_tables.{g}", table[d_rows, :width], pad_to, 0
+                )
+                if g == 0:
+                    md.decode_seq_lens = self._stage_padded("decode_seq_lens", d_lens, pad_to, 0)
+            if num_decodes < len(rows):
+                self._prefill_metadata(md, g, rows, num_new, seq_lens, computed, num_decodes)
+            groups.append(md)
+        md = self._join_groups(groups)
+        if self.long_rope_threshold is not None:
+            long_rope = np.repeat(batch.num_tokens[rows] > self.long_rope_threshold, num_new)
+            md.long_rope = self._stage_padded("long_rope", long_rope.astype(np.int64), pad_to, 0)
         inputs = ModelInputs(
             input_ids=self._stage_padded(
                 "input_ids", batch.token_ids[token_req, positions], pad_to, 0
@@ -293,15 +347,29 @@ class ModelRunner:
             out = buf.copy(pad_to * row)
         return out.view(-1, values.shape[1]) if values.ndim > 1 else out
 
-    def _prefill_metadata(self, md, rows, num_new, seq_lens, computed, num_decodes) -> None:
+    @staticmethod
+    def _join_groups(groups: list[AttentionMetadata]) -> AttentionMetadata:
+        """Group 0's metadata, holding the others; what all groups share is group 0's."""
+        first = groups[0]
+        shared = ("decode_seq_lens", "prefills", "prefill_query_start_loc", "prefill_seq_lens")
+        shared += ("prefill_context_lens", "max_prefill_query_len", "masks")
+        for md in groups[1:]:
+            for name in shared:
+                setattr(md, name, getattr(first, name))
+        first.other_groups = tuple(groups[1:])
+        return first
+
+    def _prefill_metadata(self, md, group, rows, num_new, seq_lens, computed, num_decodes):
         bs = self.block_size
         p_rows, p_new = rows[num_decodes:], num_new[num_decodes:]
         p_lens, p_ctx = seq_lens[num_decodes:], computed[num_decodes:]
-        starts = np.concatenate(([0], np.cumsum(p_new)))
         width = int(-(-p_lens.max() // bs))
         md.prefill_block_tables = self._stage(
-            "prefill_block_tables", self.input_batch.block_table[p_rows, :width]
+            f"prefill_block_tables.{group}", self.input_batch.block_tables[group][p_rows, :width]
         ).view(len(p_rows), width)
+        if group:
+            return  # the rest is shared, group 0's
+        starts = np.concatenate(([0], np.cumsum(p_new)))
         md.prefill_query_start_loc = self._stage("prefill_query_start_loc", starts)
         md.prefill_seq_lens = self._stage("prefill_seq_lens", p_lens)
         md.prefill_context_lens = self._stage("prefill_context_lens", p_ctx)
@@ -407,14 +475,15 @@ class ModelRunner:
         self._begin_staging()
         input_ids, positions, md, _ = self._prefill_only_inputs(np.ones(1, np.int64))
         self._end_staging()
-        for layer, scratch in zip(layers, self._scratch_kv, strict=True):
-            layer.bind(scratch, self.attn_backend)
+        groups = [layer.kv_cache_group for layer in layers]
+        for layer, scratch, group in zip(layers, self._scratch_kv, groups, strict=True):
+            layer.bind(scratch, self.attn_backend, group)
         try:
             with set_forward_context(md):
                 self.model(input_ids, positions, None)
         finally:
-            for layer, cache in zip(layers, bound, strict=True):
-                layer.bind(cache, self.attn_backend)
+            for layer, cache, group in zip(layers, bound, groups, strict=True):
+                layer.bind(cache, self.attn_backend, group)
 
     def _prefill_only_inputs(self, lens: np.ndarray):
         """(input_ids, positions, AttentionMetadata, ends) of prefills of `lens` tokens with no
@@ -424,9 +493,8 @@ class ModelRunner:
         starts = ends - lens
         positions = np.arange(num_tokens) - np.repeat(starts, lens)
         md = AttentionMetadata(
-            slot_mapping=self._stage("slot_mapping", np.zeros(num_tokens, np.int64)),
+            slot_mapping=self._stage("slot_mapping.0", np.zeros(num_tokens, np.int64)),
             num_decodes=0,
-            sliding_window=self.sliding_window,
         )
         width = int(-(-lens.max() // self.block_size))
         md.prefill_block_tables = self._stage(
@@ -442,6 +510,8 @@ class ModelRunner:
             PrefillChunk(int(s), int(n), int(n), 0, i)
             for i, (s, n) in enumerate(zip(starts, lens, strict=True))
         ]
+        # every group writes slot 0 and reads block 0 alike
+        md = self._join_groups([md] + [dataclasses.replace(md) for _ in range(1, self.num_groups)])
         input_ids = self._stage("input_ids", np.zeros(num_tokens, np.int64))
         return input_ids, self._stage("positions", positions), md, ends
 

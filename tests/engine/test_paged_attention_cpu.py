@@ -38,7 +38,10 @@ def make_case(seq_lens, num_kv_heads, group, head_dim, dtype, seed=0):
     return q, key_cache, value_cache, table, torch.tensor(seq_lens, dtype=torch.int64)
 
 
-def reference(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window=None):
+def reference(
+    q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window=None, sinks=None
+):
+    """softmax over the visible keys' scores (and each head's sink, weighing nothing) times V."""
     num_kv_heads, head_dim = key_cache.shape[2:]
     group = q.shape[1] // num_kv_heads
     flat_k = key_cache.reshape(-1, num_kv_heads, head_dim).double()
@@ -52,7 +55,10 @@ def reference(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_
         k = flat_k[slots].repeat_interleave(group, dim=1)  # [keys, num_heads, head_dim]
         v = flat_v[slots].repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,khd->hk", q[s].double(), k) * scale
-        out[s] = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
+        if sinks is not None:  # one more column, the sink's, dropped after the softmax
+            scores = torch.cat([scores, sinks.double()[:, None]], dim=-1)
+        probs = scores.softmax(-1)[:, : len(pos)]
+        out[s] = torch.einsum("hk,khd->hd", probs, v)
     return out
 
 
@@ -92,6 +98,20 @@ def test_fallback_matches_reference(dtype, group, head_dim, sliding_window):
     case = make_case(SEQ_LENS, 2, group, head_dim, dtype)
     out = pa.paged_decode_attention_sdpa(*case, 0.3, sliding_window)
     assert_close(out, reference(*case, 0.3, sliding_window), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sliding_window", [None, 16])
+def test_sinks_in_kernel_and_fallback(kernel, dtype, sliding_window):
+    """gpt-oss's sinks: large ones (the softmax's max) and small ones, with and without a window;
+    the kernel and the torch fallback both match the oracle."""
+    case = make_case(SEQ_LENS, 2, 3, 64, dtype)
+    sinks = torch.tensor([3.0, -2.0, 0.5, 9.0, -30.0, 1.5])
+    expected = reference(*case, 0.3, sliding_window, sinks)
+    assert_close(kernel(*case, 0.3, sliding_window, sinks), expected, dtype)
+    assert_close(pa.paged_decode_attention_sdpa(*case, 0.3, sliding_window, sinks), expected, dtype)
+    without = reference(*case, 0.3, sliding_window)
+    assert (expected - without).abs().max() > 0.1  # the sinks matter in this case
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

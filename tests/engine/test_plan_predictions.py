@@ -27,14 +27,18 @@ def _hf_config(spec: ModelSpec):
     (the entries typed in as config.json keys: transformers' config class on those keys)."""
     from transformers import (
         DeepseekV3Config,
+        Gemma3TextConfig,
         Glm4MoeConfig,
         GPT2Config,
+        GptOssConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
         OPTConfig,
+        Phi3Config,
         Qwen2Config,
         Qwen2MoeConfig,
+        Qwen3Config,
         Qwen3MoeConfig,
     )
 
@@ -97,6 +101,22 @@ def _hf_config(spec: ModelSpec):
         return Qwen3MoeConfig(**common, **moe, head_dim=spec.head_dim)
     if spec.architecture == "Qwen2ForCausalLM":
         return Qwen2Config(**common)
+    if spec.architecture == "Qwen3ForCausalLM":
+        return Qwen3Config(**common, head_dim=spec.head_dim)
+    if spec.architecture == "Phi3ForCausalLM":
+        return Phi3Config(**common)
+    if spec.architecture == "Gemma3ForCausalLM":  # windows of 1024, every 6th layer global
+        return Gemma3TextConfig(
+            **common, head_dim=spec.head_dim, sliding_window=1024, query_pre_attn_scalar=168
+        )
+    if spec.architecture == "GptOssForCausalLM":  # windows of 128 on every other layer
+        return GptOssConfig(
+            **common,
+            head_dim=spec.head_dim,
+            num_local_experts=spec.num_experts,
+            num_experts_per_tok=shape.num_experts_per_tok,
+            sliding_window=128,
+        )
     if spec.architecture == "MistralForCausalLM":
         return MistralConfig(**common, head_dim=spec.head_dim)
     return LlamaConfig(**common, head_dim=spec.head_dim)
@@ -137,9 +157,13 @@ LAYOUTS = {
     "pp3": {"pipeline_parallel_size": 3},
     "pp3-uneven": {"pipeline_parallel_size": 3, "pipeline_layer_partition": "2,1,1"},
 }
-CASES = [("tiny", layout) for layout in LAYOUTS] + [
-    ("smollm2", layout) for layout in ("tp1", "tp2", "pp2")
-]
+CASES = (
+    [("tiny", layout) for layout in LAYOUTS]
+    + [("smollm2", layout) for layout in ("tp1", "tp2", "pp2")]
+    # several KV cache groups (sliding layers' blocks freed): shared tensors, per-stage blocks
+    + [("gpt-oss", "tp2"), ("gemma3", "pp2")]
+)
+MODELS = {"tiny": "llama-9-heads", "gpt-oss": "gpt-oss", "gemma3": "gemma3"}
 
 
 def _engine_kv(caplog, model, **kwargs) -> tuple[int, int, list[int]]:
@@ -158,7 +182,7 @@ def _engine_kv(caplog, model, **kwargs) -> tuple[int, int, list[int]]:
 @pytest.mark.parametrize(("which", "layout"), CASES, ids=[f"{w}-{lay}" for w, lay in CASES])
 def test_plan_predicts_the_engines_kv_block_count_exactly(which, layout, tiny_models, caplog):
     space = 0.05
-    model = str(tiny_models.path("llama-9-heads")) if which == "tiny" else None
+    model = str(tiny_models.path(MODELS[which])) if which in MODELS else None
     kwargs = LAYOUTS[layout]
     partition = kwargs.get("pipeline_layer_partition")
     plan = make_plan(
@@ -180,7 +204,8 @@ def test_plan_predicts_the_engines_kv_block_count_exactly(which, layout, tiny_mo
     assert [r.weight_bytes for r in plan.ranks] == weights  # each rank's shard, as loaded
     assert plan.num_kv_blocks == num_blocks
     assert plan.kv_cache_tokens == tokens
-    assert plan.log_lines()[1] in caplog.text  # "KV cache size: N tokens", as the engine logs it
+    # "KV cache size: N tokens" and "Maximum concurrency ...", as the engine logs them
+    assert plan.log_lines()[1] in caplog.text and plan.log_lines()[2] in caplog.text
 
 
 def test_gguf_file_is_read_like_its_catalog_entry():

@@ -25,8 +25,12 @@ def _llm(path, **kw) -> LLM:
 
 
 # llama: GQA; mistral: sliding window (tiny config: 24 tokens) passed by the 40-token prompt;
-# gpt2: learned positions, no GQA.
-@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2"])
+# gpt2: learned positions, no GQA; issue 34's families (tests/support.py new_family_configs):
+# qwen3's q/k norm, gemma3's three KV cache groups (two sliding, windows of 12), phi3's LongRoPE
+# (the 40-token prompt past its 32), gpt-oss's sinks in every kernel and its two groups.
+@pytest.mark.parametrize(
+    "family", ["llama", "mistral", "gpt2", "qwen3", "gemma3", "phi3", "gpt-oss"]
+)
 def test_generate_matches_transformers(family, tiny_models, hf_greedy):
     path, hf_model = tiny_models.get(family)
     prompts = random_prompts([3, 17, 40], seed=5)

@@ -68,8 +68,11 @@ class PagedCache:
         self.block_tables = table.to(device=device, dtype=torch.int32)
 
 
-def reference(q, cache: PagedCache, row, context_len, seq_len, scale, sliding_window=None):
-    """q: [query_len, num_heads, head_dim] at positions context_len .. seq_len - 1 -> float64."""
+def reference(
+    q, cache: PagedCache, row, context_len, seq_len, scale, sliding_window=None, sinks=None
+):
+    """q: [query_len, num_heads, head_dim] at positions context_len .. seq_len - 1 -> float64.
+    Sinks join as a zero key and value whose score is the head's sink (an additive mask)."""
     if seq_len == 0:
         return torch.zeros(q.shape, dtype=torch.float64)
     blocks = cache.block_tables[row, : math.ceil(seq_len / BLOCK_SIZE)].long().cpu()
@@ -79,18 +82,22 @@ def reference(q, cache: PagedCache, row, context_len, seq_len, scale, sliding_wi
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
+    keys, values = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
+    if sinks is not None:
+        zero = keys.new_zeros(keys.shape[0], 1, keys.shape[-1])
+        keys, values = torch.cat([keys, zero], 1), torch.cat([values, zero], 1)
+        bias = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, float("-inf"))
+        sink = sinks.double().view(-1, 1, 1).expand(-1, mask.shape[0], 1)
+        mask = torch.cat([bias.expand(len(sinks), *mask.shape), sink], dim=-1)
     out = F.scaled_dot_product_attention(
-        q.cpu().double().transpose(0, 1),
-        kv[0].transpose(0, 1),
-        kv[1].transpose(0, 1),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=True,
+        q.cpu().double().transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
     )
     return out.transpose(0, 1)
 
 
-def check_decode(seq_lens, heads, head_dim, dtype, device, *, window=None, max_blocks=None):
+def check_decode(
+    seq_lens, heads, head_dim, dtype, device, *, window=None, max_blocks=None, sinks=None
+):
     num_kv_heads, num_heads = heads
     cache = PagedCache(
         seq_lens, head_dim, dtype, device, num_kv_heads=num_kv_heads, max_blocks=max_blocks
@@ -100,19 +107,26 @@ def check_decode(seq_lens, heads, head_dim, dtype, device, *, window=None, max_b
     scale = head_dim**-0.5
     seq_lens_t = torch.tensor(seq_lens, device=device, dtype=torch.int32)
     out = paged_decode_attention(
-        q, cache.key_cache, cache.value_cache, cache.block_tables, seq_lens_t, scale, window
+        q,
+        cache.key_cache,
+        cache.value_cache,
+        cache.block_tables,
+        seq_lens_t,
+        scale,
+        window,
+        None if sinks is None else sinks.to(device),
     )
     assert out.shape == q.shape and out.dtype == dtype
     expected = torch.cat(
         [
-            reference(q[s : s + 1], cache, s, max(n - 1, 0), n, scale, window)
+            reference(q[s : s + 1], cache, s, max(n - 1, 0), n, scale, window, sinks)
             for s, n in enumerate(seq_lens)
         ]
     )
     torch.testing.assert_close(out.cpu().double(), expected, **TOLERANCE[dtype])
 
 
-def check_prefill(chunks, heads, head_dim, dtype, device, *, window=None):
+def check_prefill(chunks, heads, head_dim, dtype, device, *, window=None, sinks=None):
     num_kv_heads, num_heads = heads
     seq_lens = [ctx + n for ctx, n in chunks]
     cache = PagedCache(seq_lens, head_dim, dtype, device, num_kv_heads=num_kv_heads)
@@ -132,11 +146,12 @@ def check_prefill(chunks, heads, head_dim, dtype, device, *, window=None):
         max(query_lens),
         scale,
         window,
+        None if sinks is None else sinks.to(device),
     )
     assert out.shape == q.shape and out.dtype == dtype
     expected = torch.cat(
         [
-            reference(q[start : start + n], cache, i, ctx, ctx + n, scale, window)
+            reference(q[start : start + n], cache, i, ctx, ctx + n, scale, window, sinks)
             for i, ((ctx, n), start) in enumerate(
                 zip(chunks, query_start_loc.tolist(), strict=False)
             )
@@ -191,6 +206,26 @@ def test_decode_long_sequences_split_into_partitions(window, device):
     check_decode(
         [600, 5, 0, 513], (2, 6), 64, torch.float32, device, window=window, max_blocks=max_blocks
     )
+
+
+# gpt-oss's sinks: one per query head, some above every score (their exp dominates).
+SINKS = torch.tensor([3.0, -2.0, 0.5, 9.0, -30.0, 1.5])
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_decode_with_sinks(window, device):
+    check_decode(DECODE_SEQ_LENS, (2, 6), 64, torch.float32, device, window=window, sinks=SINKS)
+
+
+def test_sinks_join_when_partitions_merge(device):
+    check_decode(
+        [600, 5, 0, 513], (2, 6), 64, torch.float32, device, window=100, max_blocks=40, sinks=SINKS
+    )
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_prefill_with_sinks(window, device):
+    check_prefill(PREFILL_CHUNKS, (2, 6), 64, torch.float32, device, window=window, sinks=SINKS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -174,3 +174,22 @@ def test_pipelined_batches_share_out_the_requests():
     assert list(first.num_scheduled_tokens) == ["0", "1", "2"]
     assert list(second.num_scheduled_tokens) == ["3", "4"]
     assert s.schedule().num_scheduled_tokens == {}  # every request is in flight
+
+
+def test_a_long_rope_request_is_computed_again_when_it_grows_past_the_threshold():
+    """Phi-3's LongRoPE: past original_max_position_embeddings (here 12) the request's KV must
+    have the long factors, so the scheduler sends it back to be computed whole, once."""
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
+        CacheConfig(block_size=4),
+        64,
+        long_rope_threshold=12,
+    )
+    s.add_request(req("a", 10, max_tokens=6))
+    scheduled = []
+    while s.has_unfinished_requests():
+        out, _ = step(s)
+        scheduled.append(out.num_scheduled_tokens["a"])
+    # prompt, 2 decodes (to 12 tokens), then 13 tokens again at once, then the last decodes
+    assert scheduled == [10, 1, 1, 13, 1, 1]
+    assert s.num_preemptions == 0

@@ -1,9 +1,10 @@
 """CPUAttentionBackend: the torch backend, with decodes in the C++ paged decode kernel.
 
 The kernel (kernels/cpu/paged_attention_cpu.cpp) reads each K and V row once, for all the query
-heads that share it, straight from the paged cache; where it is not built, or cannot take the
-shape, the torch backend's gather + SDPA runs instead (kernels/cpu/paged_attention_cpu.py decides
-per call). The fused decode stack (kernels/cpu/fused_decode.py) calls the same kernel.
+heads that share it, straight from the paged cache, with the layer's sliding window and sinks;
+where it is not built, or cannot take the shape, the torch backend's gather + SDPA runs instead
+(kernels/cpu/paged_attention_cpu.py decides per call). The fused decode stack
+(kernels/cpu/fused_decode.py) calls the same kernel.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ class CPUAttentionBackend(TorchSDPABackend):
     name = "cpu"
     runs_cpu_decode_kernel = True
 
-    def decode(self, q, key_cache, value_cache, block_tables, seq_lens, scale, window):
+    def decode(self, q, key_cache, value_cache, block_tables, seq_lens, scale, window, sinks):
         return paged_decode_attention(
-            q, key_cache, value_cache, block_tables, seq_lens, scale, window
+            q, key_cache, value_cache, block_tables, seq_lens, scale, window, sinks
         )

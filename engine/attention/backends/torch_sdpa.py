@@ -2,7 +2,9 @@
 
 Decodes gather each sequence's blocks and run scaled_dot_product_attention with a padding mask;
 prefill chunks run SDPA causal over their own keys, or over the gathered cache with an offset
-causal mask after a prefix-cache hit or an earlier chunk.
+causal mask after a prefix-cache hit or an earlier chunk. A layer's sliding window narrows the
+mask. A layer's sinks (gpt-oss) join the softmax as one more key: zero key and value, its score
+the head's sink logit, given through the additive mask.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class TorchSDPABackend(AttentionBackend):
                 md.decode_block_tables,
                 md.decode_seq_lens,
                 layer.scale,
-                md.sliding_window,
+                layer.sliding_window,
+                layer.sinks,
             )
         for chunk in md.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
@@ -41,20 +44,21 @@ class TorchSDPABackend(AttentionBackend):
             )
         return out
 
-    def decode(self, q, key_cache, value_cache, block_tables, seq_lens, scale, window):
+    def decode(self, q, key_cache, value_cache, block_tables, seq_lens, scale, window, sinks):
         """[num_decodes, num_heads, head_dim]: one query per sequence over its paged keys."""
         return paged_decode_attention_sdpa(
-            q, key_cache, value_cache, block_tables, seq_lens, scale, window
+            q, key_cache, value_cache, block_tables, seq_lens, scale, window, sinks
         )
 
 
 def _prefill(layer, q, k, v, chunk: PrefillChunk, md, key_cache, value_cache) -> torch.Tensor:
-    window = md.sliding_window
+    window = layer.sliding_window
     mask = None
-    if chunk.context_len or (window is not None and chunk.seq_len > window):
-        mask = md.masks.get(chunk.index)
+    if chunk.context_len or layer.sinks is not None or (window and chunk.seq_len > window):
+        key = (chunk.index, window)
+        mask = md.masks.get(key)
         if mask is None:
-            mask = md.masks[chunk.index] = _chunk_mask(chunk, window, q.device)
+            mask = md.masks[key] = _chunk_mask(chunk, window, q.device)
     if chunk.context_len:
         num_blocks = -(-chunk.seq_len // key_cache.shape[1])
         block_ids = md.prefill_block_tables[chunk.index, :num_blocks]
@@ -62,16 +66,34 @@ def _prefill(layer, q, k, v, chunk: PrefillChunk, md, key_cache, value_cache) ->
         k = key_cache.index_select(0, block_ids).view(cached)[: chunk.seq_len]
         v = value_cache.index_select(0, block_ids).view(cached)[: chunk.seq_len]
     # [1, heads, tokens, head_dim]
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    if layer.sinks is not None:
+        k, v, mask = with_sink_key(k, v, mask, layer.sinks, layer.num_heads)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
+        q,
+        k,
+        v,
         attn_mask=mask,
         is_causal=mask is None,
         scale=layer.scale,
         enable_gqa=layer.group > 1,
     )
     return out.squeeze(0).transpose(0, 1)
+
+
+def with_sink_key(
+    k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor, num_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k, v [1, kv_heads, keys, head_dim] and a bool mask [queries, keys] -> k and v with a zero
+    row appended and an additive float mask [1, num_heads, queries, keys + 1] whose last column
+    is each head's sink: softmax then weighs exp(sink) against the keys, and the zero value adds
+    nothing."""
+    zero = k.new_zeros(*k.shape[:2], 1, k.shape[-1])
+    k, v = torch.cat([k, zero], dim=2), torch.cat([v, zero], dim=2)
+    bias = torch.zeros(mask.shape, dtype=k.dtype, device=k.device)
+    bias.masked_fill_(~mask, float("-inf"))
+    sink = sinks.to(k.dtype).view(1, num_heads, 1, 1).expand(1, num_heads, mask.shape[0], 1)
+    return k, v, torch.cat([bias.expand(1, num_heads, *mask.shape), sink], dim=-1)
 
 
 def _chunk_mask(chunk: PrefillChunk, window: int | None, device: torch.device) -> torch.Tensor:

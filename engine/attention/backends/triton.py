@@ -2,7 +2,7 @@
 
 The kernels (kernels/triton/) are called through torch custom ops (kernels/triton/triton_ops.py),
 so CUDA graphs capture them and device checks see them; the cache write skips padding slots (-1),
-which is what lets CUDA graphs pad a batch.
+which is what lets CUDA graphs pad a batch. A layer's sliding window and sinks go to the kernels.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class TritonAttentionBackend(AttentionBackend):
                     md.decode_block_tables,
                     md.decode_seq_lens,
                     layer.scale,
-                    md.sliding_window,
+                    layer.sliding_window,
+                    layer.sinks,
                 )
             )
         if md.prefills:
@@ -52,7 +53,8 @@ class TritonAttentionBackend(AttentionBackend):
                     md.prefill_context_lens,
                     md.max_prefill_query_len,
                     layer.scale,
-                    md.sliding_window,
+                    layer.sliding_window,
+                    layer.sinks,
                 )
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts)

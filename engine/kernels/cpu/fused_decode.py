@@ -12,7 +12,10 @@ the module path up to float rounding (reduction order in the norms, FMA contract
 kernel runs). `DecodeStack.for_step` returns the stack when a step can take it, None otherwise
 (the runner then runs the model's modules): CPU float32, a decode-only step of at most
 SMALL_BATCH tokens, tensor parallel size 1, the CPU attention backend with the C++ kernels built,
-every layer's MLP SiLU-gated. LLMCTL_FUSED_DECODE=0 turns it off. The extension is compiled with
+every layer's MLP SiLU-gated, plain RoPE over the whole head, one sliding window (or none) for
+every layer, no attention sinks, one KV cache group. Layers it cannot run (Qwen3's q/k norm,
+Gemma 3, Phi-3's LongRoPE, gpt-oss) are refused, never run wrong. LLMCTL_FUSED_DECODE=0 turns
+it off. The extension is compiled with
 the other CPU kernels at
 set-up (`python -m llmctl.engine.kernels.cpu.cpu_kernels`), else on first use.
 """
@@ -51,6 +54,7 @@ class DecodeStack:
         eps = layers[0].input_layernorm.variance_epsilon
         namespace = getattr(torch.classes, _namespace())
         self.stack = namespace.DecodeStack(tensors, meta, float(eps), float(attn.scale), *ops)
+        self.sliding_window = attn.sliding_window  # every layer's (_ops_for checked)
 
     def current(self, layers: Sequence[nn.Module]) -> bool:
         """Whether this was built for `layers` (the model's one list of them) and their
@@ -78,7 +82,7 @@ class DecodeStack:
             md.slot_mapping,
             md.decode_block_tables,
             md.decode_seq_lens,
-            md.sliding_window,
+            self.sliding_window,
             final_norm,
         )
 
@@ -184,7 +188,9 @@ def _ops_for(layers: Sequence[nn.Module]) -> tuple[str, str, str] | None:
     elif not all(_on_cpu_kernel(layer) for layer in layers):
         reason = "an attention backend other than the CPU's"
     elif not all(_fusable(layer) for layer in layers):
-        reason = "a layer that is not a float32 SiLU-gated Llama layer"
+        reason = "a layer that is not a float32 SiLU-gated Llama layer with plain attention"
+    elif len({layer.self_attn.attn.sliding_window for layer in layers}) > 1:
+        reason = "layers with different sliding windows"
     elif _namespace() is None or paged_attention_cpu._kernel() is None:
         reason = "a CPU kernel is not built"
     if reason is not None:
@@ -244,7 +250,12 @@ def _fusable(layer: nn.Module) -> bool:
     mlp = getattr(layer, "mlp", None)
     if attn is None or not isinstance(getattr(mlp, "act_fn", None), SiluAndMul):
         return False  # not a dense Llama layer (a mixture of experts, GPT-2, OPT)
-    if attn.qk_norm:  # Qwen3's per-head q/k norm: not in the C++ layer
+    if getattr(attn, "qk_norm", False):  # Qwen3's per-head q/k norm: not in the C++ layer
+        return False
+    inner = getattr(attn, "attn", None)
+    if inner is None or inner.sinks is not None or inner.kv_cache_group != 0:
+        return False  # gpt-oss's sinks; a model with several KV cache groups
+    if not getattr(attn.rotary_emb, "plain", False):  # LongRoPE, partial rotary
         return False
     if attn.attn.kv_cache.dtype != torch.float32 or attn.attn.kv_cache.numel() == 0:
         return False

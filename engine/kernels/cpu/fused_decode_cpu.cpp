@@ -48,7 +48,7 @@ using Int4Mm = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor
 using Int8Mm = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
 using PagedAttention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                   const at::Tensor&, const at::Tensor&, double,
-                                  std::optional<int64_t>);
+                                  std::optional<int64_t>, const std::optional<at::Tensor>&);
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> find_op(const std::string& name) {
@@ -274,7 +274,7 @@ class DecodeStack : public torch::CustomClassHolder {
       at::Tensor q = qkv.narrow(1, 0, q_size).contiguous().view({M, num_heads_, D});
       at::Tensor attn =
           attention_->call(q, key_cache, value_cache, block_tables, seq_lens, scale_,
-                          sliding_window)
+                          sliding_window, std::nullopt)
               .view({M, q_size});
       at::Tensor o = linear(attn, L.o);
       add_and_norm(o, res, x, L.post_norm, true);

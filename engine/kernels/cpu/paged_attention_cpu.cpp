@@ -5,6 +5,8 @@
 //   block_tables  [num_seqs, max_blocks_per_seq] int64
 //   seq_lens      [num_seqs] int64: the query (position seq_len - 1) sees keys 0 .. seq_len - 1,
 //                 or with a sliding window only those at positions > seq_len - 1 - window
+//   sinks         optional [num_heads] float32 (gpt-oss): head h's softmax adds exp(sinks[h])
+//                 to its denominator and nothing to its output
 //   out           [num_seqs, num_heads, head_dim], dtype of q
 //
 // A work item is a sequence and some of its KV heads (all of them when there are sequences
@@ -314,6 +316,7 @@ struct Layout {
   const int64_t* seq_lens;                // [num_seqs]
   int64_t window;                         // 0: no sliding window
   float scale;
+  const float* sinks;                     // [num_heads], or nullptr
 };
 
 // Position of the first key the query of a sequence of `seq_len` tokens sees.
@@ -549,14 +552,17 @@ struct Item {
       for (int64_t i = n; i < n16; ++i) sg[i] = neg_inf;
       Vec m = vset1(neg_inf);
       for (int64_t i = 0; i < n16; i += kLanes) m = vmax(m, vload(sg + i, kLanes));
-      const Vec mx = vset1(vmaxall(m));
+      float top = vmaxall(m);
+      const float sink = L.sinks ? L.sinks[h0 * G + g] : neg_inf;
+      top = std::max(top, sink);
+      const Vec mx = vset1(top);
       Vec sum = vzero();
       for (int64_t i = 0; i < n16; i += kLanes) {
         const Vec e = vexp(vsub(vload(sg + i, kLanes), mx));
         vstore(sg + i, e, kLanes);
         sum = vadd(sum, e);
       }
-      inv_sum[g] = 1.0f / vsum(sum);
+      inv_sum[g] = 1.0f / (vsum(sum) + (L.sinks ? std::exp(sink - top) : 0.0f));
     }
 
     // Pass 2: weighted sum of the values.
@@ -650,7 +656,8 @@ void dispatch(const Layout& L, const at::Tensor& q, const at::Tensor& key_cache,
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale,
-                                  std::optional<int64_t> sliding_window) {
+                                  std::optional<int64_t> sliding_window,
+                                  const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim], got ", q.sizes());
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
               "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, "
@@ -683,6 +690,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cac
               "paged_decode_attention runs on CPU tensors");
   const int64_t window = sliding_window.value_or(0);
   TORCH_CHECK(!sliding_window.has_value() || window >= 1, "sliding_window must be >= 1");
+  at::Tensor sink_values;
+  if (sinks.has_value()) {
+    sink_values = sinks->to(at::kFloat).contiguous();
+    TORCH_CHECK(sink_values.dim() == 1 && sink_values.size(0) == num_heads &&
+                    sink_values.device().is_cpu(),
+                "sinks must be a CPU tensor of num_heads (", num_heads, ") values, got ",
+                sink_values.sizes());
+  }
 
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens = seq_lens.contiguous();
@@ -720,6 +735,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cac
   L.seq_lens = lens_ptr;
   L.window = window;
   L.scale = static_cast<float>(scale);
+  L.sinks = sinks.has_value() ? sink_values.const_data_ptr<float>() : nullptr;
 
   at::Tensor out = at::empty({num_seqs, num_heads, head_dim}, q.options());
   if (q.scalar_type() == at::kFloat) {
@@ -739,7 +755,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cac
 LLMCTL_LIBRARY(LLMCTL_OP_NAMESPACE, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor seq_lens, float scale, int? sliding_window=None) -> Tensor");
+      "Tensor block_tables, Tensor seq_lens, float scale, int? sliding_window=None, "
+      "Tensor? sinks=None) -> Tensor");
 }
 
 LLMCTL_LIBRARY_IMPL(LLMCTL_OP_NAMESPACE, CPU, m) {

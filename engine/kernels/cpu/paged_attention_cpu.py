@@ -1,12 +1,15 @@
 """Paged decode attention on the CPU: a fused C++ kernel, with gather + SDPA as the fallback.
 
-    paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, window)
+    paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, window,
+                           sinks)
 
 q: [num_seqs, num_heads, head_dim]; key_cache, value_cache: [num_blocks, block_size,
 num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks_per_seq] int64 (rows padded with
 any valid block id); seq_lens: [num_seqs] int64, the tokens visible to each sequence's query,
 itself included. Query head h reads KV head h // (num_heads // num_kv_heads). With a sliding
-window the query (position seq_len - 1) sees keys at positions > seq_len - 1 - window.
+window the query (position seq_len - 1) sees keys at positions > seq_len - 1 - window. With
+sinks ([num_heads] float32, gpt-oss) head h's softmax has one more term, exp(sinks[h]), in its
+denominator and none in the output: probabilities over the keys sum to less than one.
 
 The kernel (paged_attention_cpu.cpp) reads each K and V row once, for all the query heads that
 share it, straight from the paged cache; gather + scaled_dot_product_attention first copies
@@ -54,14 +57,17 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged KV cache; see the module doc."""
     if q.device.type == "cpu" and q.dtype in _KERNEL_DTYPES and q.shape[-1] <= _MAX_HEAD_DIM:
         op = _kernel()
         if op is not None:
-            return op(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window)
+            return op(
+                q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, sinks
+            )
     return paged_decode_attention_sdpa(
-        q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window
+        q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, sinks
     )
 
 
@@ -78,12 +84,13 @@ def paged_decode_attention_sdpa(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The fallback: gather each sequence's blocks with index_select, then one batched SDPA."""
     block_ids, bias = decode_sdpa_metadata(
         block_tables, seq_lens, key_cache.shape[1], sliding_window, q.dtype
     )
-    return gathered_sdpa(q, key_cache, value_cache, block_ids, bias, scale)
+    return gathered_sdpa(q, key_cache, value_cache, block_ids, bias, scale, sinks)
 
 
 def decode_sdpa_metadata(
@@ -112,15 +119,24 @@ def gathered_sdpa(
     block_ids: torch.Tensor,
     bias: torch.Tensor,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """What Attention._decode does per layer, given decode_sdpa_metadata's tensors."""
+    """The torch decode of one layer, given decode_sdpa_metadata's tensors. Sinks join as a
+    zero key and value whose score (through the additive mask) is the head's sink."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
     shape = (num_seqs, -1, num_kv_heads, head_dim)
     keys = key_cache.index_select(0, block_ids).view(shape).transpose(1, 2)
     values = value_cache.index_select(0, block_ids).view(shape).transpose(1, 2)
     # [num_seqs, num_kv_heads, group, head_dim]: a KV head's query heads as its query rows
-    grouped = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    grouped = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    if sinks is not None:
+        zero = keys.new_zeros(num_seqs, num_kv_heads, 1, head_dim)
+        keys, values = torch.cat([keys, zero], dim=2), torch.cat([values, zero], dim=2)
+        sink = sinks.to(bias.dtype).view(1, num_kv_heads, group, 1)
+        sink = sink.expand(num_seqs, num_kv_heads, group, 1)
+        bias = torch.cat([bias.expand(num_seqs, num_kv_heads, group, -1), sink], dim=-1)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=bias, scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)
 

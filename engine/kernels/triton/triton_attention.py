@@ -7,7 +7,8 @@ t % block_size; reshape_and_cache (triton_kv_cache.py, re-exported here) writes 
 reads KV head h // (num_heads // num_kv_heads). A query at position p sees the keys at positions
 k <= p, and with a sliding window only those with k > p - sliding_window.
 
-    paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, window)
+    paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, window,
+                           sinks)
 
 One query token per sequence. q: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs,
 max_blocks] int32/int64, rows padded with any valid block id; seq_lens: [num_seqs] int32/int64,
@@ -22,7 +23,7 @@ depends only on shapes (num_seqs, num_kv_heads, block_tables.shape[1]), never on
 captured CUDA graph stays valid for any seq_lens.
 
     prefill_attention(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                      context_lens, max_query_len, scale, window)
+                      context_lens, max_query_len, scale, window, sinks)
 
 The step's prefill chunks, packed. q: [num_prefill_tokens, num_heads, head_dim]; chunk i owns q
 rows query_start_loc[i]:query_start_loc[i + 1] (query_start_loc: [num_chunks + 1], from 0),
@@ -33,6 +34,8 @@ per (BLOCK_M queries, chunk, query head), looping over the key tiles its causal 
 can reach. Plain prefill (context_len 0), a prefix-cache hit and a later chunk of a chunked
 prefill are the same call.
 
+Both take optional sinks ([num_heads] float32, gpt-oss): head h's softmax then has exp(sinks[h])
+in its denominator and nothing for it in the output (with partitions, added when they merge).
 Both return a new contiguous tensor shaped like q, in q's dtype, which must be the cache's.
 head_dim up to 256, any size (padded to a power of two with masks); float32 (IEEE dot products,
 no TF32), float16, bfloat16. Tiles are fixed, no autotuning: about 8 KiB of K per loop step
@@ -72,6 +75,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged KV cache; see the module doc."""
     num_seqs, num_heads, head_dim = q.shape
@@ -103,6 +107,7 @@ def paged_decode_attention(
         value_cache,
         block_tables,
         seq_lens,
+        q if sinks is None else sinks,
         scale * _LOG2E,
         sliding_window or 0,
         *q.stride(),
@@ -119,6 +124,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         NUM_PARTITIONS=num_partitions,
         USE_WINDOW=bool(sliding_window),
+        USE_SINKS=sinks is not None,
         UPCAST=_needs_upcast(q),
         DOT_PRECISION=_dot_precision(q),
         num_warps=8 if block_n * block_d >= 4096 else 4,
@@ -129,11 +135,13 @@ def paged_decode_attention(
             part_max,
             part_sum,
             part_out,
+            q if sinks is None else sinks,
             *out.stride(),
             head_dim,
             NUM_PARTITIONS=num_partitions,
             BLOCK_P=triton.next_power_of_2(num_partitions),
             BLOCK_D=block_d,
+            USE_SINKS=sinks is not None,
         )
     return out
 
@@ -149,6 +157,7 @@ def prefill_attention(
     max_query_len: int,
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed prefill chunks over their paged KV cache; see the module doc."""
     num_tokens, num_heads, head_dim = q.shape
@@ -170,6 +179,7 @@ def prefill_attention(
         query_start_loc,
         seq_lens,
         context_lens,
+        q if sinks is None else sinks,
         scale * _LOG2E,
         sliding_window or 0,
         *q.stride(),
@@ -184,6 +194,7 @@ def prefill_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         USE_WINDOW=bool(sliding_window),
+        USE_SINKS=sinks is not None,
         UPCAST=_needs_upcast(q),
         DOT_PRECISION=_dot_precision(q),
         num_warps=8 if block_m * block_d >= 4096 else 4,

@@ -5,7 +5,8 @@ online softmax: per query row the running max m_i, the running sum l_i of exp2(s
 the unnormalized output acc. Masked scores are -inf; m_i starts at a finite NO_SCORE, so a row
 whose keys are all masked in a tile stays at (NO_SCORE, 0, 0) and never computes inf - inf.
 Pointers to K and V are built per key row (block id from the block table, then the row in the
-block), with block ids widened to int64 before they meet a stride.
+block), with block ids widened to int64 before they meet a stride. A head's sink (gpt-oss) joins
+the softmax's denominator last (`add_sink`), in the same log2 units.
 """
 
 from __future__ import annotations
@@ -15,6 +16,17 @@ import triton.language as tl
 
 # The running max before any key: finite, so exp2 of a difference is never NaN.
 NO_SCORE = tl.constexpr(-1.0e30)
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def add_sink(sink, m_i, l_i, acc):
+    """The online softmax's state after one more term, exp(sink), in its denominator only.
+    sink: [M] or one value, in natural-log units; m_i, l_i: [M]; acc: [M, D]."""
+    s = sink * LOG2E
+    m_new = tl.maximum(m_i, s)
+    alpha = tl.exp2(m_i - m_new)
+    return m_new, l_i * alpha + tl.exp2(s - m_new), acc * alpha[:, None]
 
 
 @triton.jit
@@ -95,6 +107,7 @@ def paged_decode_kernel(
     value_cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
+    sinks_ptr,
     qk_scale,
     sliding_window,
     stride_qs,
@@ -122,6 +135,7 @@ def paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     NUM_PARTITIONS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -178,6 +192,9 @@ def paged_decode_kernel(
         m_i, l_i, acc = attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, DOT_PRECISION)
 
     if NUM_PARTITIONS == 1:
+        if USE_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=offs_g < GROUP, other=0.0).to(tl.float32)
+            m_i, l_i, acc = add_sink(sink, m_i, l_i, acc)
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0: no keys, zeros
         dst = out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask_gd)
@@ -196,6 +213,7 @@ def merge_partitions_kernel(
     part_max_ptr,
     part_sum_ptr,
     part_out_ptr,
+    sinks_ptr,
     stride_os,
     stride_oh,
     stride_od,
@@ -203,8 +221,9 @@ def merge_partitions_kernel(
     NUM_PARTITIONS: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
-    """out[seq, head] = sum_p exp(m_p - M) * acc_p / sum_p exp(m_p - M) * l_p."""
+    """out[seq, head] = sum_p exp(m_p - M) acc_p / (sum_p exp(m_p - M) l_p + exp(sink - M))."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_p = tl.arange(0, BLOCK_P)
@@ -217,8 +236,14 @@ def merge_partitions_kernel(
     acc = tl.load(
         part_out_ptr + stat[:, None] * head_dim + offs_d[None, :], mask=mask_pd, other=0.0
     )
-    weight = tl.exp2(m - tl.max(m, 0))  # [BLOCK_P]; scores are already in log2 units
+    top = tl.max(m, 0)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+        top = tl.maximum(top, sink)
+    weight = tl.exp2(m - top)  # [BLOCK_P]; scores are already in log2 units
     total = tl.sum(l_p * weight, 0)
+    if USE_SINKS:
+        total += tl.exp2(sink - top)
     o = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)  # [BLOCK_D]
     dst = out_ptr + seq * stride_os + head * stride_oh + offs_d * stride_od
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=offs_d < head_dim)
@@ -234,6 +259,7 @@ def prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     context_lens_ptr,
+    sinks_ptr,
     qk_scale,
     sliding_window,
     stride_qt,
@@ -259,6 +285,7 @@ def prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -324,6 +351,8 @@ def prefill_kernel(
             visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
         m_i, l_i, acc = attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, DOT_PRECISION)
 
+    if USE_SINKS:
+        m_i, l_i, acc = add_sink(tl.load(sinks_ptr + head).to(tl.float32), m_i, l_i, acc)
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dst = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask_md)

@@ -43,14 +43,15 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return _kernels().paged_decode_attention(
-        q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window
+        q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, sinks
     )
 
 
 @paged_decode_attention.register_fake
-def _(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window):
+def _(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, sinks=None):
     return torch.empty_like(q)
 
 
@@ -66,6 +67,7 @@ def prefill_attention(
     max_query_len: int,
     scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return _kernels().prefill_attention(
         q,
@@ -78,6 +80,7 @@ def prefill_attention(
         max_query_len,
         scale,
         sliding_window,
+        sinks,
     )
 
 
@@ -93,6 +96,7 @@ def _(
     max_query_len,
     scale,
     sliding_window,
+    sinks=None,
 ):
     return torch.empty_like(q)
 
