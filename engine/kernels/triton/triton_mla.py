@@ -142,11 +142,13 @@ def mla_decode_attention(
             part_max,
             part_sum,
             part_out,
+            part_out,  # no sinks (an unread pointer)
             *out.stride(),
             kv_lora_rank,
             NUM_PARTITIONS=num_partitions,
             BLOCK_P=triton.next_power_of_2(num_partitions),
             BLOCK_D=block_l,
+            USE_SINKS=False,
         )
     return out
 

@@ -89,6 +89,8 @@ class QuantizationConfig:
             return None
         qc = qc if isinstance(qc, dict) else getattr(qc, "to_dict", lambda: vars(qc))()
         method = str(qc.get("quant_method", "")).lower()
+        if method == "mxfp4" and _architecture(hf_config) == "GptOssForCausalLM":
+            return None  # its MXFP4 experts are dequantized as they are read (models/gpt_oss.py)
         if method != FP8_METHOD:
             raise UnsupportedQuantizationError(
                 f"the checkpoint is quantized with {method or 'an unnamed method'!r}",
@@ -238,3 +240,10 @@ def check_group_split(
         f"{' and '.join(str(s) for s in _row_split_sizes(shape, tp, expert_parallel))}",
         hint,
     )
+
+
+def _architecture(hf_config) -> str | None:
+    archs = getattr(hf_config, "architectures", None)
+    if archs is None and isinstance(hf_config, dict):
+        archs = hf_config.get("architectures")
+    return archs[0] if archs else None
