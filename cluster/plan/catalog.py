@@ -1,110 +1,19 @@
-"""Popular models' public config values, typed in so planning works offline.
-
-Values from each model's config.json on the Hugging Face hub.
-"""
+"""The model catalog as the planner reads it: each entry of engine/config/model_catalog.py (the
+typed-in public configs, which the engine's `--load-format dummy` runs too) as a ModelSpec."""
 
 from __future__ import annotations
 
 from llmctl.cluster.plan.model_spec import ModelSpec
-from llmctl.engine.config.model_shape import ModelShape
+from llmctl.engine.config import model_catalog
 
 
-def _model(name: str, architecture: str, dtype: str, **shape) -> ModelSpec:
-    """A catalog entry: its name, its checkpoint's dtype and its ModelShape."""
-    shape["num_attention_heads"] = shape.pop("num_heads")
-    return ModelSpec(name=name, shape=ModelShape(architecture=architecture, **shape), dtype=dtype)
+def _spec(entry: model_catalog.CatalogEntry) -> ModelSpec:
+    return ModelSpec(name=entry.name, shape=entry.shape, dtype=entry.dtype)
 
 
-def _llama(name: str, **kw) -> ModelSpec:
-    values = dict(architecture="LlamaForCausalLM", tie_word_embeddings=False, dtype="bfloat16")
-    values.update(kw)
-    return _model(name, **values)
-
-
-_MODELS = [
-    _llama("Llama-3.1-8B", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
-           head_dim=128, intermediate_size=14336, vocab_size=128256,
-           max_position_embeddings=131072),
-    _llama("Llama-3.1-70B", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8,
-           head_dim=128, intermediate_size=28672, vocab_size=128256,
-           max_position_embeddings=131072),
-    _llama("Llama-3.1-405B", num_layers=126, hidden_size=16384, num_heads=128, num_kv_heads=8,
-           head_dim=128, intermediate_size=53248, vocab_size=128256,
-           max_position_embeddings=131072),
-    _llama("Llama-2-7B", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32,
-           head_dim=128, intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096,
-           dtype="float16"),
-    _llama("Llama-2-13B", num_layers=40, hidden_size=5120, num_heads=40, num_kv_heads=40,
-           head_dim=128, intermediate_size=13824, vocab_size=32000, max_position_embeddings=4096,
-           dtype="float16"),
-    _llama("Llama-2-70B", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8,
-           head_dim=128, intermediate_size=28672, vocab_size=32000, max_position_embeddings=4096,
-           dtype="float16"),
-    _llama("Mistral-7B", architecture="MistralForCausalLM", num_layers=32, hidden_size=4096,
-           num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336, vocab_size=32000,
-           max_position_embeddings=32768, sliding_window=4096),
-    _llama("Mixtral-8x7B", architecture="MixtralForCausalLM", num_layers=32, hidden_size=4096,
-           num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336, vocab_size=32000,
-           max_position_embeddings=32768, num_experts=8, num_experts_per_tok=2),
-    _llama("Mixtral-8x22B", architecture="MixtralForCausalLM", num_layers=56, hidden_size=6144,
-           num_heads=48, num_kv_heads=8, head_dim=128, intermediate_size=16384, vocab_size=32768,
-           max_position_embeddings=65536, num_experts=8, num_experts_per_tok=2),
-    _llama("Qwen1.5-MoE-A2.7B", architecture="Qwen2MoeForCausalLM", num_layers=24,
-           hidden_size=2048, num_heads=16, num_kv_heads=16, head_dim=128, intermediate_size=5632,
-           vocab_size=151936, max_position_embeddings=8192, qkv_bias=True, num_experts=60,
-           num_experts_per_tok=4, moe_intermediate_size=1408,
-           shared_expert_intermediate_size=5632),
-    _llama("Qwen3-30B-A3B", architecture="Qwen3MoeForCausalLM", num_layers=48, hidden_size=2048,
-           num_heads=32, num_kv_heads=4, head_dim=128, intermediate_size=6144,
-           vocab_size=151936, max_position_embeddings=40960, num_experts=128,
-           num_experts_per_tok=8, moe_intermediate_size=768, qk_norm=True),
-    _llama("Qwen2.5-7B", architecture="Qwen2ForCausalLM", num_layers=28, hidden_size=3584,
-           num_heads=28, num_kv_heads=4, head_dim=128, intermediate_size=18944,
-           vocab_size=152064, max_position_embeddings=32768, qkv_bias=True),
-    _llama("Qwen2.5-72B", architecture="Qwen2ForCausalLM", num_layers=80, hidden_size=8192,
-           num_heads=64, num_kv_heads=8, head_dim=128, intermediate_size=29568,
-           vocab_size=152064, max_position_embeddings=32768, qkv_bias=True),
-    _model("OPT-13B", "OPTForCausalLM", num_layers=40, hidden_size=5120, num_heads=40,
-           num_kv_heads=40, head_dim=128, intermediate_size=20480, vocab_size=50272,
-           max_position_embeddings=2048, tie_word_embeddings=True, dtype="float16",
-           word_embed_proj_dim=5120, qkv_bias=True, o_bias=True, mlp_bias=True),
-    _model("GPT-2", "GPT2LMHeadModel", num_layers=12, hidden_size=768, num_heads=12,
-           num_kv_heads=12, head_dim=64, intermediate_size=3072, vocab_size=50257,
-           max_position_embeddings=1024, tie_word_embeddings=True, dtype="float32",
-           qkv_bias=True, o_bias=True, mlp_bias=True),
-    _llama("SmolLM2-135M-Instruct", num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3,
-           head_dim=64, intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192,
-           tie_word_embeddings=True),
-]  # fmt: skip
-
-CATALOG: dict[str, ModelSpec] = {m.name: m for m in _MODELS}
-# Names people type: hub ids and short forms.
-_ALIASES = {
-    "meta-llama/llama-3.1-8b": "Llama-3.1-8B",
-    "meta-llama/llama-3.1-70b": "Llama-3.1-70B",
-    "meta-llama/llama-3.1-405b": "Llama-3.1-405B",
-    "meta-llama/llama-2-7b-hf": "Llama-2-7B",
-    "meta-llama/llama-2-13b-hf": "Llama-2-13B",
-    "meta-llama/llama-2-70b-hf": "Llama-2-70B",
-    "mistralai/mistral-7b-v0.1": "Mistral-7B",
-    "mistralai/mixtral-8x7b-v0.1": "Mixtral-8x7B",
-    "mistralai/mixtral-8x22b-v0.1": "Mixtral-8x22B",
-    "qwen/qwen1.5-moe-a2.7b": "Qwen1.5-MoE-A2.7B",
-    "qwen/qwen3-30b-a3b": "Qwen3-30B-A3B",
-    "qwen/qwen2.5-7b": "Qwen2.5-7B",
-    "qwen/qwen2.5-72b": "Qwen2.5-72B",
-    "facebook/opt-13b": "OPT-13B",
-    "gpt2": "GPT-2",
-    "openai-community/gpt2": "GPT-2",
-    "huggingfacetb/smollm2-135m-instruct": "SmolLM2-135M-Instruct",
-    "smollm2-135m": "SmolLM2-135M-Instruct",
-}
+CATALOG: dict[str, ModelSpec] = {name: _spec(e) for name, e in model_catalog.CATALOG.items()}
 
 
 def find_in_catalog(name: str) -> ModelSpec | None:
-    key = name.lower()
-    for known in CATALOG:
-        if known.lower() == key or known.lower().removesuffix("-instruct") == key:
-            return CATALOG[known]
-    alias = _ALIASES.get(key) or _ALIASES.get(key.removesuffix("-instruct"))
-    return CATALOG.get(alias) if alias else None
+    entry = model_catalog.find_in_catalog(name)
+    return None if entry is None else CATALOG[entry.name]
