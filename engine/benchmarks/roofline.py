@@ -73,7 +73,7 @@ class ModelCost:
                     expert_params=routed,
                     weight_bytes=dtype_bytes,
                     kv_bytes_per_token=shape.kv_bytes_per_token(layers, 0, tp, dtype_bytes),
-                    matmul_params=params - embedding - lm_head - routed,
+                    matmul_params=_matmul_params(shape, tp, layers, first, last),
                     lm_head_params=lm_head,
                     attention_flops_per_pair=4
                     * shape.head_dim
@@ -122,6 +122,27 @@ class ModelCost:
             + s.attention_flops_per_pair * pairs
             for s in self.stages
         )
+
+
+def _matmul_params(shape, tp: int, layers: int, first: bool, last: bool) -> int:
+    """The weights a prompt token multiplies on tp_rank 0 of a stage: the attention and MLP
+    matrices (a MoE layer's router and shared expert; its routed experts apart), OPT's
+    project_in/out; not the norms, biases, embeddings or LM head."""
+    h, d = shape.hidden_size, shape.head_dim
+    heads = shape.head_shard(0, tp)
+    q, kv = heads.num_q_heads * d, heads.num_kv_heads * d
+    inter = shape.intermediate_shard(0, tp)
+    if shape.family != "llama":  # GPT-2, OPT: two MLP matrices
+        per_layer = h * (q + 2 * kv) + q * h + 2 * h * inter
+    elif shape.num_experts:
+        per_layer = h * (q + 2 * kv) + q * h + h * shape.num_experts  # attention, router
+        if shape.shared_expert_intermediate_size:
+            shared = column_shards(shape.shared_expert_intermediate_size, tp, "shared features")
+            per_layer += 3 * h * shared[0] + h  # the shared expert and its gate
+    else:
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
+    project = shape.embedding_width * h if shape.embedding_width != h else 0
+    return layers * per_layer + project * (first + last)
 
 
 def _routed_expert_params(shape, tp: int) -> int:
