@@ -113,7 +113,10 @@ class CudaGraphRunner:
         self.input_ids[:size].copy_(inputs.input_ids)
         self.positions[:size].copy_(inputs.positions)
         self.slot_mapping[:size].copy_(md.slot_mapping)
-        self.block_tables[:size].copy_(md.decode_block_tables)
+        # Only the columns the batch's longest sequence needs: the kernel reads no further than
+        # each sequence's length, so the older columns beyond are never read.
+        width = md.decode_block_tables.shape[1]
+        self.block_tables[:size, :width].copy_(md.decode_block_tables)
         self.seq_lens[:size].copy_(md.decode_seq_lens)
         graph.replay()
         return output

@@ -54,6 +54,9 @@ class InputBatch:
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.req_ids: list[str | None] = []
         self.row_of: dict[str, int] = {}
+        # (row, first column, block ids) written since the model runner last read them: what
+        # it copies to its device-resident block table (O(new blocks) per step).
+        self.new_blocks: list[tuple[int, int, list[int]]] = []
         self._free: list[int] = []
         self.sampling_params: list[SamplingParams | None] = []
         self._allocate(max(max_num_reqs, 1))
@@ -125,9 +128,12 @@ class InputBatch:
         self.num_tokens[row] = start + len(token_ids)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
-        start = self.num_blocks[row]
+        if not block_ids:
+            return
+        start = int(self.num_blocks[row])
         self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
+        self.new_blocks.append((row, start, block_ids))
 
     def remove_request(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)

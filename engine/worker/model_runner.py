@@ -82,6 +82,9 @@ class ModelRunner:
         if self.sliding_window and self.sliding_window >= mc.max_model_len:
             self.sliding_window = None  # the window never bites
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, self.block_size)
+        # Off the CPU: the input batch's block table, kept on the device (only new block ids are
+        # copied each step; a step's tables are gathered from it there).
+        self._device_table: torch.Tensor | None = None
         self._buffers: dict[str, StagedBuffer] = {}
         self._copies_done = None  # CUDA: event after the last step's host-to-device copies
         self.sampler = Sampler(make_generator(self.device, mc.seed))
@@ -248,6 +251,7 @@ class ModelRunner:
         batch.num_computed_tokens[rows] = seq_lens
 
         self._begin_staging()
+        self._sync_block_table()
         graphs = self.cuda_graphs
         pad_to = graphs.padded_size(num_decodes, total) if graphs is not None else None
         md = AttentionMetadata(
@@ -257,9 +261,12 @@ class ModelRunner:
         )
         if num_decodes:
             d_rows, d_lens = rows[:num_decodes], seq_lens[:num_decodes]
-            width = graphs.table_width if pad_to else int(-(-d_lens.max() // bs))
-            tables = batch.block_table[d_rows, :width]
-            md.decode_block_tables = self._stage_padded("decode_block_tables", tables, pad_to, 0)
+            # as wide as the batch's longest sequence needs (CUDA-graph padding rows read row
+            # 0's table with seq_len 0: nothing)
+            width = int(-(-d_lens.max() // bs))
+            if pad_to is not None and pad_to > num_decodes:
+                d_rows = np.concatenate([d_rows, np.zeros(pad_to - num_decodes, np.int64)])
+            md.decode_block_tables = self._block_tables("decode_block_tables", d_rows, width)
             md.decode_seq_lens = self._stage_padded("decode_seq_lens", d_lens, pad_to, 0)
         if num_decodes < len(rows):
             self._prefill_metadata(md, rows, num_new, seq_lens, computed, num_decodes)
@@ -275,6 +282,36 @@ class ModelRunner:
         )
         self._end_staging()
         return inputs
+
+    def _sync_block_table(self) -> None:
+        """Off the CPU: write the block ids the input batch gained into the device's block
+        table (the whole table is copied only when it is made, or grows with the batch)."""
+        batch = self.input_batch
+        table = self._device_table
+        if self.device.type == "cpu":
+            batch.new_blocks.clear()
+            return
+        if table is None or table.shape[0] != batch.block_table.shape[0]:
+            self._device_table = torch.from_numpy(batch.block_table).to(self.device)
+            batch.new_blocks.clear()
+            return
+        if not batch.new_blocks:
+            return
+        news = batch.new_blocks
+        rows = np.concatenate([np.full(len(ids), row, np.int64) for row, _, ids in news])
+        cols = np.concatenate([np.arange(start, start + len(ids)) for _, start, ids in news])
+        ids = np.concatenate([np.asarray(ids, np.int64) for _, _, ids in news])
+        batch.new_blocks = []
+        index = (self._stage("new_block_rows", rows), self._stage("new_block_cols", cols))
+        table.index_put_(index, self._stage("new_block_ids", ids))
+
+    def _block_tables(self, name: str, rows: np.ndarray, width: int) -> torch.Tensor:
+        """[len(rows), width] int64: the block tables of these input-batch rows, gathered on the
+        device from its block table (on the CPU, read from the host's)."""
+        if self._device_table is None:
+            tables = self.input_batch.block_table[rows, :width]
+            return self._stage(name, tables).view(len(rows), width)
+        return self._device_table[:, :width].index_select(0, self._stage(f"{name}_rows", rows))
 
     def _stage_padded(self, name: str, values: np.ndarray, pad_to: int | None, fill: int):
         """_stage, with rows beyond len(values) set to `fill` up to pad_to rows (CUDA graphs)."""
@@ -294,9 +331,7 @@ class ModelRunner:
         p_lens, p_ctx = seq_lens[num_decodes:], computed[num_decodes:]
         starts = np.concatenate(([0], np.cumsum(p_new)))
         width = int(-(-p_lens.max() // bs))
-        md.prefill_block_tables = self._stage(
-            "prefill_block_tables", self.input_batch.block_table[p_rows, :width]
-        ).view(len(p_rows), width)
+        md.prefill_block_tables = self._block_tables("prefill_block_tables", p_rows, width)
         md.prefill_query_start_loc = self._stage("prefill_query_start_loc", starts)
         md.prefill_seq_lens = self._stage("prefill_seq_lens", p_lens)
         md.prefill_context_lens = self._stage("prefill_context_lens", p_ctx)
