@@ -15,6 +15,7 @@ until it finishes: its text is needed only then.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, _RequestState] = {}
         self.child_to_parent: dict[str, tuple[_RequestState, int]] = {}
+        # Requests are added and aborted by the engine thread while the output thread
+        # (core/output_thread.py) processes a step's outputs.
+        self._lock = threading.Lock()
 
     def add_request(
         self,
@@ -75,6 +79,10 @@ class OutputProcessor:
         child_ids: list[str],
         arrival_time: float,
     ) -> None:
+        with self._lock:
+            self._add(request_id, prompt, prompt_token_ids, params, child_ids, arrival_time)
+
+    def _add(self, request_id, prompt, prompt_token_ids, params, child_ids, arrival_time) -> None:
         completions = []
         for index in range(len(child_ids)):
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
@@ -104,8 +112,18 @@ class OutputProcessor:
         state = self.requests.get(request_id)
         return list(state.child_ids) if state else []
 
+    def parent_ids(self, child_ids: list[str]) -> list[str]:
+        """The requests these sequences belong to (unknown ones left out), each once."""
+        with self._lock:
+            entries = (self.child_to_parent.get(c) for c in child_ids)
+            return list(dict.fromkeys(e[0].request_id for e in entries if e is not None))
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Mark every unfinished completion aborted; return the final output (None if unknown)."""
+        with self._lock:
+            return self._abort(request_id)
+
+    def _abort(self, request_id: str) -> RequestOutput | None:
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
@@ -124,6 +142,10 @@ class OutputProcessor:
     ) -> tuple[list[RequestOutput], list[str]]:
         """RequestOutputs of the requests that progressed, and the child ids that hit a stop
         string (to be finished in the scheduler)."""
+        with self._lock:
+            return self._process(outputs)
+
+    def _process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         touched: dict[str, _RequestState] = {}
         stopped: list[str] = []
         now = time.monotonic()
@@ -132,9 +154,12 @@ class OutputProcessor:
             if entry is None:
                 continue
             state, index = entry
+            completion = state.completions[index]
+            if completion.finish_reason is not None:
+                continue  # a stop string ended it; the engine ran it on until it heard
             if state.first_token_time is None:
                 state.first_token_time = now
-            if self._apply(state, state.completions[index], out):
+            if self._apply(state, completion, out):
                 stopped.append(out.request_id)
             touched[state.request_id] = state
         results = []

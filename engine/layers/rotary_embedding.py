@@ -1,5 +1,6 @@
 """Rotary position embedding (RoPE) with a precomputed cos/sin cache, in Hugging Face's
-"rotate half" layout. Scaling: default, linear and llama3."""
+"rotate half" layout. Scaling: default, linear and llama3. On the GPU one Triton kernel rotates
+the query and key heads in place (layers/fused_kernels.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from llmctl.engine.errors import UnsupportedArchitectureError
 from llmctl.engine.forward_context import pass_memo
+from llmctl.engine.layers.fused_kernels import kernel_ops, use_fused_kernels
 
 _SUPPORTED = ("default", "linear", "llama3")
 
@@ -62,6 +64,7 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        self._fused: bool | None = None  # decided at the first call (layers/fused_kernels.py)
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         # One instance serves every layer of a model, and a pass's layers share one positions
@@ -81,7 +84,13 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
+        """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]. On the
+        GPU q and k (views of the QKV projection's output) are rotated in place and returned."""
+        if self._fused is None:
+            self._fused = use_fused_kernels(q) and q.shape[-1] == self.head_dim
+        if self._fused:
+            kernel_ops().rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
+            return q, k
         cos, sin = self._cos_sin(positions, q.dtype)
         return _apply(q, cos, sin), _apply(k, cos, sin)
 

@@ -45,3 +45,22 @@ def test_prefix_hit_matches_transformers(tiny_models, hf_greedy):
     second = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
     assert second[0].num_cached_tokens == 32
     assert token_ids(first + second) == [hf_greedy(hf_model, p, 6) for p in prompts]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_the_fused_layer_kernels_match_transformers(family, tiny_models, hf_greedy, monkeypatch):
+    """The layers' fused kernels (RMSNorm with its residual add in place, rotary in place on
+    views of the QKV output, SiLU-and-mul) through the whole model: on the GPU they run where
+    CUDA tensors are; here they are switched on for CPU tensors and run in the interpreter."""
+    from llmctl.engine.layers import activation, layernorm, rotary_embedding
+
+    for module in (activation, layernorm, rotary_embedding):
+        monkeypatch.setattr(module, "use_fused_kernels", lambda x: True)
+    path, hf_model = tiny_models.get(family)
+    prompts = random_prompts([3, 17, 40], seed=7)
+    llm = _llm(path, num_gpu_blocks_override=32, max_num_batched_tokens=24)
+    model = llm.llm_engine.executor.worker.model_runner.model
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    fused = [m._fused for m in model.modules() if hasattr(m, "_fused")]
+    assert fused and all(fused)  # every norm, rotary and activation ran its kernel
+    assert token_ids(outputs) == [hf_greedy(hf_model, p, 6) for p in prompts]
