@@ -8,7 +8,8 @@ into StagedBuffer host arrays that it copies to the device once per step.
     token_ids     [max_num_reqs, max_model_len] int32: prompt, then sampled tokens
     block_table   [max_num_reqs, max_blocks_per_req] int64: a request's KV blocks, in order
     num_tokens, num_prompt_tokens, num_computed_tokens, num_blocks: [max_num_reqs] int64
-    sampling columns (temperature, top_k, ...): [max_num_reqs], set once when the row is filled
+    sampling columns (temperature, top_k, min_tokens, has_penalties, ...): [max_num_reqs], set
+        once when the row is filled, so a step reads its rows' settings with vectorised gathers
 
 Rows are allocated from a free list, so a step's requests are a list of row indices, not a
 contiguous range; the table grows (doubling) if more requests are live than it was sized for
@@ -81,7 +82,10 @@ class InputBatch:
         for name in ("temperature", "top_p", "min_p", "presence", "frequency", "repetition"):
             setattr(self, name, grow(get(name), (rows,), np.float32))
         self.top_k = grow(get("top_k"), (rows,), np.int64)
-        self.greedy = grow(get("greedy"), (rows,), np.bool_)
+        self.min_tokens = grow(get("min_tokens"), (rows,), np.int64)
+        self.logprobs = grow(get("logprobs"), (rows,), np.int64)  # -1: none asked
+        for name in ("greedy", "has_stop_ids", "has_logit_bias", "has_penalties"):
+            setattr(self, name, grow(get(name), (rows,), np.bool_))
         self.req_ids.extend([None] * (rows - old))
         self.sampling_params.extend([None] * (rows - old))
         self._free.extend(range(rows - 1, old - 1, -1))  # pop() hands out low rows first
@@ -121,6 +125,11 @@ class InputBatch:
         self.presence[row] = p.presence_penalty
         self.frequency[row] = p.frequency_penalty
         self.repetition[row] = p.repetition_penalty
+        self.min_tokens[row] = p.min_tokens
+        self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.has_stop_ids[row] = bool(p.all_stop_token_ids)
+        self.has_logit_bias[row] = bool(p.logit_bias)
+        self.has_penalties[row] = p.uses_penalties
 
     def append_tokens(self, row: int, token_ids: list[int]) -> None:
         start = self.num_tokens[row]

@@ -29,7 +29,8 @@ from llmctl.engine.forward_context import set_forward_context
 from llmctl.engine.models.utils import IntermediateTensors
 from llmctl.engine.platform import torch_dtype
 from llmctl.engine.worker.input_batch import InputBatch, StagedBuffer
-from llmctl.engine.worker.sampler import Sampler, SamplingMetadata, make_generator, position_seed
+from llmctl.engine.worker.sampler import Sampler, SamplingMetadata, make_generator
+from llmctl.engine.worker.sampling_state import SamplingState
 
 
 def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
@@ -88,6 +89,7 @@ class ModelRunner:
         self._buffers: dict[str, StagedBuffer] = {}
         self._copies_done = None  # CUDA: event after the last step's host-to-device copies
         self.sampler = Sampler(make_generator(self.device, mc.seed))
+        self.sampling = SamplingState(self.input_batch, self.device, self.vocab_size, self._stage)
         self.attn_backend = get_attn_backend(self.device)  # once: the layers never choose
         self.fused_decode = _fused_decode(model, self.attn_backend)
         self.kv_caches: list[torch.Tensor] = []
@@ -157,9 +159,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         if logits is None:
             return ModelRunnerOutput()  # another tensor-parallel rank samples
-        md = self._sampling_metadata(inputs.sampled_rows)
+        md = self.sampling.metadata(inputs.sampled_rows)
         self._end_staging()  # again: the sampling tensors' copies read host buffers too
         sampled, stats = self.sampler.sample(logits, md)
+        self.sampling.record(md, sampled)
         tokens, logprobs = self.sampler.to_host(sampled, stats, md.num_logprobs)  # one copy
         output = ModelRunnerOutput()
         req_ids = self.input_batch.req_ids
@@ -184,7 +187,9 @@ class ModelRunner:
         batch = self.input_batch
         for req_id in so.finished_req_ids:
             batch.remove_request(req_id)
+            self.sampling.remove_request(req_id)
         for new in so.scheduled_new_reqs:
+            self.sampling.add_request(new.req_id, new.sampling_params)
             batch.add_request(
                 new.req_id,
                 new.token_ids,
@@ -343,82 +348,6 @@ class ModelRunner:
             )
         ]
 
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        batch = self.input_batch
-        params = [batch.sampling_params[r] for r in rows.tolist()]
-        num_tokens = batch.num_tokens[rows]
-        greedy = batch.greedy[rows]
-        all_greedy = bool(greedy.all())
-        f32 = torch.float32
-        md = SamplingMetadata(
-            temperature=None,
-            greedy=None,
-            all_greedy=all_greedy,
-            top_k=None,
-            top_p=None,
-            min_p=None,
-            seeds=[
-                None if p.seed is None else position_seed(p.seed, int(n))
-                for p, n in zip(params, num_tokens, strict=True)
-            ],
-        )
-        if not all_greedy:
-            md.temperature = self._stage("temperature", batch.temperature[rows], f32)
-            md.greedy = self._stage("greedy", greedy, torch.bool)
-            if any(p.top_k for p in params):
-                md.top_k = self._stage("top_k", batch.top_k[rows])
-            if any(p.top_p < 1.0 for p in params):
-                md.top_p = self._stage("top_p", batch.top_p[rows], f32)
-            if any(p.min_p > 0 for p in params):
-                md.min_p = self._stage("min_p", batch.min_p[rows], f32)
-        # Before min_tokens, the tokens that would stop the request cannot be sampled.
-        forbidden = [
-            (i, token)
-            for i, p in enumerate(params)
-            if p.all_stop_token_ids
-            and num_tokens[i] - batch.num_prompt_tokens[rows[i]] < p.min_tokens
-            for token in sorted(p.all_stop_token_ids)
-        ]
-        if forbidden:
-            pairs = np.array(forbidden, dtype=np.int64)
-            md.forbidden_tokens = (
-                self._stage("forbidden_rows", pairs[:, 0]),
-                self._stage("forbidden_ids", pairs[:, 1]),
-            )
-        if any(p.logit_bias for p in params):
-            biased = [
-                (i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()
-            ]
-            md.logit_bias = (
-                self._stage("bias_rows", np.array([x[0] for x in biased], np.int64)),
-                self._stage("bias_ids", np.array([x[1] for x in biased], np.int64)),
-                self._stage("bias_values", np.array([x[2] for x in biased], np.float32), f32),
-            )
-        if any(p.uses_penalties for p in params):
-            md.presence_penalty = self._stage("presence", batch.presence[rows], f32)
-            md.frequency_penalty = self._stage("frequency", batch.frequency[rows], f32)
-            md.repetition_penalty = self._stage("repetition", batch.repetition[rows], f32)
-            md.prompt_token_ids, md.output_token_ids = self._penalty_token_ids(rows)
-        if any(p.logprobs is not None for p in params):
-            md.num_logprobs = [p.logprobs for p in params]
-        return md
-
-    def _penalty_token_ids(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_rows, width] prompt and output token ids, padded with vocab_size."""
-        batch = self.input_batch
-        num_tokens = batch.num_tokens[rows][:, None]
-        num_prompt = batch.num_prompt_tokens[rows][:, None]
-        width = int(num_tokens.max())
-        tokens = batch.token_ids[rows, :width].astype(np.int64)
-        col = np.arange(width)[None, :]
-        prompt = np.where(col < num_prompt, tokens, self.vocab_size)
-        output = np.where((col >= num_prompt) & (col < num_tokens), tokens, self.vocab_size)
-        shape = (len(rows), width)
-        return (
-            self._stage("prompt_token_ids", prompt).view(shape),
-            self._stage("output_token_ids", output).view(shape),
-        )
-
     # -- a dummy batch (data-parallel replicas in lockstep) ---------------------------------------
 
     @torch.inference_mode()
@@ -518,7 +447,8 @@ class ModelRunner:
             greedy=self._stage("greedy", np.zeros(num_rows, np.bool_), torch.bool),
             all_greedy=False,
             top_k=self._stage("top_k", np.full(num_rows, self.vocab_size, np.int64)),
+            top_k_max=self.vocab_size,  # the sort of the whole row: the largest footprint
             top_p=self._stage("top_p", np.full(num_rows, 0.9, np.float32), f32),
             min_p=None,
-            seeds=[None] * num_rows,
+            generators=[None] * num_rows,
         )

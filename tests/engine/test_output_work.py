@@ -124,8 +124,10 @@ def test_a_step_on_the_device_does_the_same_work_at_10_and_1000_tokens(
     engine_config = runner.config
     scheduler = Scheduler(engine_config.scheduler_config, engine_config.cache_config, 64)
     processor = OutputProcessor(tiny_models.tokenizer)
+    # every sampling option that keeps per-request state: a seed, top-k, top-p, penalties
     params = SamplingParams(
-        temperature=0.8, top_p=0.9, seed=3, max_tokens=STEPS, ignore_eos=True,
+        temperature=0.8, top_k=20, top_p=0.9, seed=3, frequency_penalty=0.5,
+        repetition_penalty=1.1, max_tokens=STEPS, ignore_eos=True,
         output_kind=RequestOutputKind.DELTA,
     )  # fmt: skip
     prompt = list(range(10, 30))
