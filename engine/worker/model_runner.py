@@ -258,13 +258,19 @@ class ModelRunner:
         self._begin_staging()
         self._sync_block_table()
         graphs = self.cuda_graphs
-        pad_to = graphs.padded_size(num_decodes, total) if graphs is not None else None
+        pad_to = None
+        if graphs is not None:
+            pad_to = graphs.padded_size(num_decodes, total, len(rows))
+        # With a prefill chunk, a unified backend takes every sequence as a chunk.
+        mixed = num_decodes < len(rows)
+        first_chunk = 0 if mixed and self.attn_backend.unified_mixed_steps else num_decodes
         md = AttentionMetadata(
             slot_mapping=self._stage_padded("slot_mapping", slots, pad_to, -1),
-            num_decodes=num_decodes,
+            # a padded decode step's rows are all decodes (the padding ones see no keys)
+            num_decodes=pad_to if pad_to is not None and not mixed else first_chunk,
             sliding_window=self.sliding_window,
         )
-        if num_decodes:
+        if first_chunk:
             d_rows, d_lens = rows[:num_decodes], seq_lens[:num_decodes]
             # as wide as the batch's longest sequence needs (CUDA-graph padding rows read row
             # 0's table with seq_len 0: nothing)
@@ -273,8 +279,11 @@ class ModelRunner:
                 d_rows = np.concatenate([d_rows, np.zeros(pad_to - num_decodes, np.int64)])
             md.decode_block_tables = self._block_tables("decode_block_tables", d_rows, width)
             md.decode_seq_lens = self._stage_padded("decode_seq_lens", d_lens, pad_to, 0)
-        if num_decodes < len(rows):
-            self._prefill_metadata(md, rows, num_new, seq_lens, computed, num_decodes)
+        if mixed:
+            chunks = graphs.max_chunks if pad_to is not None else None  # a graph's static rows
+            self._prefill_metadata(md, rows, num_new, seq_lens, computed, first_chunk, chunks)
+            if pad_to is not None:
+                md.max_prefill_query_len = pad_to  # the graph's tiles
         inputs = ModelInputs(
             input_ids=self._stage_padded(
                 "input_ids", batch.token_ids[token_req, positions], pad_to, 0
@@ -330,16 +339,25 @@ class ModelRunner:
             out = buf.copy(pad_to * row)
         return out.view(-1, values.shape[1]) if values.ndim > 1 else out
 
-    def _prefill_metadata(self, md, rows, num_new, seq_lens, computed, num_decodes) -> None:
+    def _prefill_metadata(
+        self, md, rows, num_new, seq_lens, computed, num_decodes, pad_chunks=None
+    ) -> None:
+        """The chunks' metadata: rows from `num_decodes` on (all of them on a unified backend).
+        `pad_chunks`: a CUDA graph's chunk rows (the rows beyond hold no tokens)."""
         bs = self.block_size
         p_rows, p_new = rows[num_decodes:], num_new[num_decodes:]
         p_lens, p_ctx = seq_lens[num_decodes:], computed[num_decodes:]
         starts = np.concatenate(([0], np.cumsum(p_new)))
         width = int(-(-p_lens.max() // bs))
-        md.prefill_block_tables = self._block_tables("prefill_block_tables", p_rows, width)
-        md.prefill_query_start_loc = self._stage("prefill_query_start_loc", starts)
-        md.prefill_seq_lens = self._stage("prefill_seq_lens", p_lens)
-        md.prefill_context_lens = self._stage("prefill_context_lens", p_ctx)
+        table_rows, padded_starts = p_rows, starts
+        if pad_chunks is not None and pad_chunks > len(p_rows):
+            extra = pad_chunks - len(p_rows)
+            table_rows = np.concatenate([p_rows, np.zeros(extra, np.int64)])
+            padded_starts = np.concatenate([starts, np.full(extra, starts[-1])])
+        md.prefill_block_tables = self._block_tables("prefill_block_tables", table_rows, width)
+        md.prefill_query_start_loc = self._stage("prefill_query_start_loc", padded_starts)
+        md.prefill_seq_lens = self._stage_padded("prefill_seq_lens", p_lens, pad_chunks, 0)
+        md.prefill_context_lens = self._stage_padded("prefill_context_lens", p_ctx, pad_chunks, 0)
         md.max_prefill_query_len = int(p_new.max())
         md.prefills = [
             PrefillChunk(num_decodes + int(s), int(n), int(length), int(ctx), i)
