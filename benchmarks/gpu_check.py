@@ -23,7 +23,8 @@ rewritten with everything so far; DIR/gpu_check.log holds each stage's output. S
     attention       the Triton kernels alone: decode at 64 x 2k (block tables as wide as 2k and
                     as max_model_len 131072), causal prefill of 8k
     transformers    transformers' generate on the same GPU and shape, batch 1 and 64: the ratio
-    quantized_mm    the int4 group-quantized matmul at M=1 against cuBLAS bf16, 8B's shapes
+    quantized_mm    the int4 group-quantized matmul at M=1 (and 256) against cuBLAS bf16, 8B's
+                    shapes
 
 Without a GPU it prints why, writes that to the JSON and exits with status 2. `--dry-run` runs
 every stage on the CPU at toy sizes instead (the figures mean nothing; the code paths all run).

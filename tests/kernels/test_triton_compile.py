@@ -39,7 +39,7 @@ MULTIPLES_OF_16 |= {
 
 def _configs() -> dict[str, tuple[str, dict, dict, dict]]:
     """name -> (kernel, pointer element types, constexprs, launch options), the fused matmul's
-    tiles as group_mm picks them (fused_tiles) for 1 and 64 rows of x."""
+    tiles as group_mm picks them (fused_tiles) for 1, 64 and 256 rows of x."""
     import torch
 
     from llmctl.engine.kernels.triton.triton_group_mm import fused_tiles
@@ -49,7 +49,7 @@ def _configs() -> dict[str, tuple[str, dict, dict, dict]]:
     for bits, group in ((4, 32), (4, 128), (8, 32), (8, 16)):
         weights = {"q_ptr": "u8" if bits == 4 else "i8", "s_ptr": "fp16", "z_ptr": "fp16"}
         for activations, dtype in dtypes.items():
-            for m in (1, 64):
+            for m in (1, 64, 256):
                 tiles = fused_tiles(m, 4096, dtype)
                 options = {key: tiles.pop(key) for key in ("num_warps", "num_stages")}
                 pointers = {**weights, "x_ptr": activations, "y_ptr": "fp32"}

@@ -66,7 +66,9 @@ def test_a_dry_run_runs_every_stage_and_writes_their_figures(tmp_path):
         assert row["host_gap_ms_per_step"] >= 0
     assert set(engine["prefill"]) == {"32", "64"}
     assert stages["cuda_tests"]["counts"]["tests"] > 0  # collected (and skipped: no GPU)
-    assert all(row["max_abs_error"] < 1e-3 for row in stages["quantized_mm"]["m1"].values())
+    quantized = stages["quantized_mm"]["rows"]
+    assert set(quantized) == {"m1", "m80"}
+    assert all(r["max_abs_error"] < 1e-3 for rows in quantized.values() for r in rows.values())
     assert set(stages["transformers"]["generate"]) == {"1", "4"}
     assert (out / "gpu_check.log").is_file() and len(list(out.iterdir())) == 2  # JSON and log
 
