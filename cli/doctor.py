@@ -183,20 +183,9 @@ def _json_errors(enabled: bool) -> Iterator[None]:
 
 
 def _nccl(ray, backend, world_size, timeout, json_output, nodes: dict | None = None) -> None:
-    from llmctl.cluster.doctor import collective_check, ray_doctor
+    from llmctl.cluster.doctor.local_doctor import allreduce_here
 
-    if ray:
-        run = ray_doctor.run_on_ray(timeout, backend.value)
-        collectives = list(run.collectives)
-        payload = run.to_json()
-    else:
-        names = collective_check.local_backends(backend.value)
-        if nodes and nodes["nnodes"] > 1:
-            names = names[-1:]  # one group per start of the other nodes: NCCL where it runs
-        collectives = [
-            collective_check.run_local(world_size, name, timeout, **(nodes or {})) for name in names
-        ]
-        payload = {"collectives": [c.to_json() for c in collectives]}
+    collectives, payload = allreduce_here(ray, backend.value, world_size, timeout, nodes)
     ok = all(c.ok for c in collectives)
     console = stdout_console()
     if json_output:
@@ -209,32 +198,22 @@ def _nccl(ray, backend, world_size, timeout, json_output, nodes: dict | None = N
 
 
 def _check(ray, model, nvlink, backend, world_size, timeout, no_allreduce, json_output) -> None:
-    from llmctl.cluster.doctor import collective_check, ray_doctor
-    from llmctl.cluster.doctor.doctor_checks import failed, run_checks
-    from llmctl.cluster.doctor.node_facts import collect_local_report
+    from llmctl.cluster.doctor.doctor_checks import failed
+    from llmctl.cluster.doctor.local_doctor import check_here
 
-    if ray:
-        run = ray_doctor.run_on_ray(
-            timeout, backend.value, model=model, collective=not no_allreduce
-        )
-        reports, collectives = list(run.reports), list(run.collectives)
-    else:
-        reports = [collect_local_report(model)]
-        backends = [] if no_allreduce else collective_check.local_backends(backend.value)
-        collectives = [collective_check.run_local(world_size, b, timeout) for b in backends]
-    results = run_checks(reports, expect_nvlink=nvlink, collectives=collectives)
-    bad = failed(results)
+    run = check_here(ray, model, nvlink, backend.value, world_size, timeout, not no_allreduce)
+    bad = failed(run.results)
     console = stdout_console()
     if json_output:
         payload = {
             "ok": not bad,
-            "checks": [r.to_json() for r in results],
-            "nodes": [r.to_json() for r in reports],
-            "collectives": [c.to_json() for c in collectives],
+            "checks": [r.to_json() for r in run.results],
+            "nodes": [r.to_json() for r in run.reports],
+            "collectives": [c.to_json() for c in run.collectives],
         }
         console.out(json.dumps(payload, indent=2), highlight=False)
     else:
-        _print_results(console, results)
+        _print_results(console, run.results)
     if bad:
         raise typer.Exit(1)
 

@@ -291,6 +291,11 @@ def inventory_from_flags(
     )
 
 
+def ordered_nodes(inventory: Inventory) -> list[NodeSpec]:
+    """The head, then the other nodes in the inventory's order: the mp backend's node ranks."""
+    return sorted(inventory.nodes, key=lambda n: not n.head)
+
+
 INVENTORY_PANEL = "Inventory"
 _PLAN_ONLY = dict(panel=INVENTORY_PANEL, commands=("plan",), show_default=True)
 

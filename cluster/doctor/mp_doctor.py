@@ -23,12 +23,13 @@ from llmctl.cluster.doctor.cluster_doctor import ClusterDoctorRun, _json_object
 from llmctl.cluster.doctor.collective_report import CollectiveReport
 from llmctl.cluster.doctor.doctor_checks import CheckResult, run_checks
 from llmctl.cluster.doctor.node_facts import NodeReport, distinct_names
+from llmctl.cluster.inventory import ordered_nodes
 from llmctl.cluster.launch import commands
 from llmctl.cluster.launch.head_server import launch_argv
 from llmctl.cluster.launch.launcher import Cluster
-from llmctl.cluster.launch.node_launch import ordered_nodes
+from llmctl.cluster.plan.node_commands import MASTER_PORT
 
-DOCTOR_PORT = commands.MASTER_PORT + 10  # and the port after it
+DOCTOR_PORT = MASTER_PORT + 10  # and the port after it
 PID_FILE = "/root/.llmctl/doctor.pid"
 LOG_FILE = "/root/.llmctl/doctor.log"
 

@@ -1,8 +1,8 @@
 """serve_on_cluster: `llmctl serve -i INVENTORY`, from the options given to the server started.
 
     plan the layout (cluster/plan: -tp/-pp as given, else `llmctl plan`'s choice)
-    -> build each node's `llmctl serve` argv (head_server.serve_argv on the Ray backend,
-       group_server.node_serve_argvs on the mp backend)
+    -> each node's `llmctl serve` as RunSteps (cluster/plan/node_commands.serve_steps: one in
+       the head's container on the Ray backend, one per node's container on the mp backend)
     -> start them in the nodes' containers and wait for /health (HeadServer / GroupServer)
 
 The CLI (cli/serve.py) parses and prints; everything between is here.
@@ -146,9 +146,8 @@ def _record(
     inv, model: str, options: ClusterServeOptions, backend: str, dp: int
 ) -> tuple[ServerRecord, str]:
     """The layout (cluster/plan), then each node's argv, as the head keeps them."""
-    from llmctl.cluster.launch.group_server import check_cluster_options, group_record
-    from llmctl.cluster.launch.head_server import choose_layout, serve_argv
     from llmctl.cluster.plan.model_spec import load_model_spec
+    from llmctl.cluster.plan.node_commands import check_cluster_options, choose_layout, serve_steps
     from llmctl.cluster.plan.planner import PlanOptions, make_plan
 
     plan_options = PlanOptions(data_parallel_size=dp) if dp > 1 else None
@@ -161,12 +160,6 @@ def _record(
         dp,
     )
     check_cluster_options(options.engine)
-    if backend == "mp":
-        record = group_record(model, layout, options.port, options.engine, options.server, inv)
-    else:
-        argv = serve_argv(model, layout, options.port, options.engine, options.server)
-        record = ServerRecord(
-            model, options.port, layout.tensor_parallel_size, layout.pipeline_parallel_size,
-            tuple(argv),
-        )  # fmt: skip
+    steps = serve_steps(model, layout, options.port, options.engine, options.server, inv, backend)
+    record = ServerRecord.from_steps(model, options.port, layout, steps, backend)
     return record, layout.reason

@@ -17,7 +17,6 @@ LABEL_BACKEND = "llmctl.backend"  # "mp" on the containers of `cluster up --back
 # `cluster up --backend`: ray (a Ray cluster in the containers) or mp (no Ray: the containers wait
 # for `llmctl serve -i --backend mp`, which starts each node's part of the mp group in them).
 BACKENDS = ("ray", "mp")
-MASTER_PORT = 29501  # the mp group's rendezvous on the head (and the port after it)
 
 # Printed inside a container: the versions `cluster status` and `doctor` compare across nodes.
 VERSIONS_SCRIPT = """\

@@ -29,25 +29,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 from llmctl.cluster.errors import ClusterError, ConfigError, RemoteCommandError
-from llmctl.cluster.inventory import Inventory, NodeSpec
+from llmctl.cluster.inventory import Inventory
 from llmctl.cluster.launch import commands
-from llmctl.cluster.launch.commands import BACKENDS, MASTER_PORT
+from llmctl.cluster.launch.commands import BACKENDS
 from llmctl.cluster.launch.head_server import (
     LOG_FILE,
     HeadServer,
-    Layout,
     ServerRecord,
     ServerState,
     launch_argv,
     record_path,
     stop_argv,
 )
-from llmctl.cluster.launch.node_launch import ordered_nodes
 from llmctl.cluster.launch.transport import Transport, check
-from llmctl.engine.config.engine_args import engine_args_to_argv
-
-# Options the launcher derives from the inventory on every node: refused from the user with -i.
-DERIVED_OPTIONS = ("nnodes", "node_rank", "master_addr", "headless")
+from llmctl.cluster.plan.node_commands import MASTER_PORT, Layout, serve_steps
 
 
 def check_cluster_backend(
@@ -67,67 +62,6 @@ def check_cluster_backend(
     return backend
 
 
-def check_cluster_options(options: Mapping[str, object]) -> None:
-    """-i derives each node's place in the group from the inventory."""
-    given = [name for name in DERIVED_OPTIONS if name in options]
-    if given:
-        flags = ", ".join("--" + name.replace("_", "-") for name in given)
-        raise ConfigError(
-            f"{flags}: with -i, every node's place in the group comes from the inventory",
-            f"drop {flags}",
-        )
-
-
-def check_group_layout(layout: Layout, nodes: list[NodeSpec]) -> None:
-    """The mp backend runs whole pipeline stages on each node of the inventory: P a multiple of
-    the nodes, and (where the inventory declares GPUs) a node's ranks fit its GPUs."""
-    tp, pp, n = layout.tensor_parallel_size, layout.pipeline_parallel_size, len(nodes)
-    if pp % n:
-        per_node = min(node.gpus for node in nodes) or tp
-        raise ConfigError(
-            f"the mp backend runs whole pipeline stages on each of the {n} nodes, but "
-            f"pipeline_parallel_size={pp} (tp={tp}) does not divide among them",
-            f"pass -pp {n} (or a multiple of {n}) and -tp {per_node} (GPUs per node), or use "
-            "the Ray backend",
-        )
-    per_node = tp * pp // n
-    short = [node.host for node in nodes if 0 < node.gpus < per_node]
-    if short:
-        raise ConfigError(
-            f"tp={tp} x pp={pp} puts {per_node} ranks on each of the {n} nodes, but "
-            f"{', '.join(short)} declare fewer GPUs",
-            "lower -tp, or fix `gpus:` in the inventory",
-        )
-
-
-def node_serve_argvs(
-    model: str,
-    layout: Layout,
-    port: int,
-    options: Mapping[str, object],
-    server: Mapping[str, object] | None,
-    *,
-    head_ip: str,
-    nnodes: int,
-    master_port: int = MASTER_PORT,
-) -> list[list[str]]:
-    """Each node's `llmctl serve`, node 0 first: the same engine options everywhere, the API
-    (and `server`'s ServerConfig fields) on node 0 only, --headless on the others."""
-    common = ["llmctl", "serve", model]
-    common += ["--tensor-parallel-size", str(layout.tensor_parallel_size)]
-    common += ["--pipeline-parallel-size", str(layout.pipeline_parallel_size)]
-    common += ["--distributed-executor-backend", "mp", "--nnodes", str(nnodes)]
-    common += ["--master-addr", head_ip, "--master-port", str(master_port)]
-    engine = engine_args_to_argv(options)
-    head = common + ["--node-rank", "0", "--host", "0.0.0.0", "--port", str(port)]
-    for name, value in (server or {}).items():
-        head += ["--" + name.replace("_", "-"), str(value)]
-    argvs = [head + engine]
-    for rank in range(1, nnodes):
-        argvs.append(common + ["--node-rank", str(rank), "--headless"] + engine)
-    return argvs
-
-
 def group_record(
     model: str,
     layout: Layout,
@@ -138,21 +72,8 @@ def group_record(
     master_port: int = MASTER_PORT,
 ) -> ServerRecord:
     """What `serve -i --backend mp` starts on every node, as the head's record keeps it."""
-    check_cluster_options(options)
-    options = dict(options)
-    master_port = int(options.pop("master_port", master_port))  # type: ignore[arg-type]
-    nodes = ordered_nodes(inventory)
-    check_group_layout(layout, nodes)
-    argvs = node_serve_argvs(
-        model, layout, port, options, server,
-        head_ip=inventory.head.ip, nnodes=len(nodes), master_port=master_port,
-    )  # fmt: skip
-    workers = zip([node.host for node in nodes[1:]], argvs[1:], strict=True)
-    return ServerRecord(
-        model, port, layout.tensor_parallel_size, layout.pipeline_parallel_size,
-        tuple(argvs[0]), backend="mp",
-        workers=tuple((host, tuple(argv)) for host, argv in workers),
-    )  # fmt: skip
+    steps = serve_steps(model, layout, port, options, server, inventory, "mp", master_port)
+    return ServerRecord.from_steps(model, port, layout, steps, "mp")
 
 
 def exit_reason(log: str) -> str:

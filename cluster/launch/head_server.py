@@ -15,14 +15,15 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from llmctl.cluster.errors import ClusterError, ConfigError, PlanError, RemoteCommandError
+from llmctl.cluster.errors import ClusterError, RemoteCommandError
 from llmctl.cluster.inventory import Inventory
 from llmctl.cluster.launch import commands
 from llmctl.cluster.launch.transport import Transport, check
-from llmctl.engine.config.engine_args import engine_args_to_argv
+from llmctl.cluster.plan.node_commands import Layout
+from llmctl.cluster.plan.plan import RunStep
 
 STATE_DIR = "/root/.llmctl"  # inside the container
 PID_FILE = f"{STATE_DIR}/server.pid"
@@ -31,13 +32,6 @@ LOG_FILE = f"{STATE_DIR}/server.log"
 _LAUNCH = (
     'mkdir -p "$(dirname "$1")" && echo $$ > "$1" && log="$2" && shift 2 && exec "$@" >>"$log" 2>&1'
 )
-
-
-@dataclass(frozen=True)
-class Layout:
-    tensor_parallel_size: int
-    pipeline_parallel_size: int
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -52,6 +46,18 @@ class ServerRecord:
     backend: str = "ray"
     # mp: (host, argv) of nodes 1..N-1, in node-rank order (group_server.py)
     workers: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    @classmethod
+    def from_steps(
+        cls, model: str, port: int, layout: Layout, steps: tuple[RunStep, ...], backend: str
+    ) -> ServerRecord:
+        """The record of what `steps` (cluster/plan/node_commands.serve_steps) start: node 0's
+        argv, and every other node's with its host."""
+        head, *workers = steps
+        return cls(
+            model, port, layout.tensor_parallel_size, layout.pipeline_parallel_size,
+            head.argv, backend=backend, workers=tuple((s.host, s.argv) for s in workers),
+        )  # fmt: skip
 
     def endpoint(self, head_ip: str) -> str:
         return f"http://{head_ip}:{self.port}/v1"
@@ -73,71 +79,6 @@ class ServerState:
         if self.health == 200:
             return f"healthy, {self.restarts} engine restarts" if self.restarts else "healthy"
         return "starting" if self.health is None else f"unhealthy ({self.health})"
-
-
-def choose_layout(
-    inventory: Inventory,
-    model: str,
-    tp: int | None,
-    pp: int | None,
-    plan_fn: Callable,
-    data_parallel_size: int = 1,
-) -> Layout:
-    """The user's -tp/-pp; else `llmctl plan`'s choice; else the seeds' rule for a cluster
-    (tp = GPUs per node, pp = nodes) when the inventory lacks what planning needs, for each of
-    `data_parallel_size` replicas (nodes / replicas stages, or GPUs per node / replicas per
-    node)."""
-    if tp is not None or pp is not None:
-        return Layout(tp or 1, pp or 1, "as given")
-    try:
-        plan = plan_fn(model, inventory)
-        return Layout(
-            plan.tensor_parallel_size,
-            plan.pipeline_parallel_size,
-            "llmctl plan: " + (plan.reasons[0] if plan.reasons else "chosen layout"),
-        )
-    except (ConfigError, PlanError) as exc:
-        per_node = min(n.gpus for n in inventory.nodes)
-        if per_node < 1:
-            raise ConfigError(
-                f"cannot choose a layout: {exc.message}",
-                "declare `gpus:` for every node, or pass -tp and -pp",
-            ) from None
-        nodes, dp = len(inventory.nodes), data_parallel_size
-        why = f"llmctl plan could not decide: {exc.message}"
-        if nodes % dp == 0:
-            rule = "tp = GPUs per node, pp = nodes" + (f" / {dp} replicas" if dp > 1 else "")
-            return Layout(per_node, nodes // dp, f"{rule} ({why})")
-        if dp % nodes == 0 and per_node % (dp // nodes) == 0:
-            per_replica = per_node // (dp // nodes)
-            return Layout(
-                per_replica, 1, f"tp = GPUs per node / {dp // nodes} replicas per node ({why})"
-            )
-        raise ConfigError(
-            f"cannot share {nodes} nodes of {per_node} GPUs among {dp} data-parallel replicas "
-            f"({why})",
-            "pass -tp and -pp for one replica, or a --data-parallel-size that divides the "
-            "nodes or their GPUs",
-        ) from None
-
-
-def serve_argv(
-    model: str,
-    layout: Layout,
-    port: int,
-    options: Mapping[str, object],
-    server: Mapping[str, object] | None = None,
-) -> list[str]:
-    """`llmctl serve` on the head, listening on every address, on the Ray backend; `options` are
-    further EngineArgs keywords (engine_args_to_argv spells them), `server` ServerConfig fields
-    (shutdown_timeout, max_request_body_bytes, http_timeout) that differ from their defaults."""
-    argv = ["llmctl", "serve", model]
-    argv += ["--tensor-parallel-size", str(layout.tensor_parallel_size)]
-    argv += ["--pipeline-parallel-size", str(layout.pipeline_parallel_size)]
-    argv += ["--distributed-executor-backend", "ray", "--host", "0.0.0.0", "--port", str(port)]
-    for name, value in (server or {}).items():
-        argv += ["--" + name.replace("_", "-"), str(value)]
-    return argv + engine_args_to_argv(options)
 
 
 def launch_argv(

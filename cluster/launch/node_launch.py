@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 
 from llmctl.cluster.errors import ConfigError
-from llmctl.cluster.inventory import Inventory, NodeSpec
+from llmctl.cluster.inventory import Inventory, NodeSpec, ordered_nodes
 from llmctl.cluster.launch.commands import (
     BACKENDS,
     DEFAULT_SHM_SIZE,
@@ -163,11 +163,6 @@ def node_env(
     for name, value in secrets.items():
         env.setdefault(name, value)
     return tuple(env.items())
-
-
-def ordered_nodes(inventory: Inventory) -> list[NodeSpec]:
-    """The head, then the other nodes in the inventory's order: the mp backend's node ranks."""
-    return sorted(inventory.nodes, key=lambda n: not n.head)
 
 
 def node_launches(

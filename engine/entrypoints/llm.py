@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,11 +55,14 @@ class LLM:
         engine_args = EngineArgs(model=model, **kwargs)
         if use_tqdm_on_load:
             with rich_progress() as progress:
-                self.engine_client = build_engine_client(engine_args, progress)
+                client = build_engine_client(engine_args, progress, inproc=True)
         else:
-            self.engine_client = build_engine_client(engine_args)
-        # The engine's config and tokenizer (with data parallelism, replica 0's).
-        self.llm_engine = self.engine_client.engine
+            client = build_engine_client(engine_args, inproc=True)
+        self.engine_client = client
+        # The engine (with data parallelism, replica 0's: its config and tokenizer).
+        self.llm_engine = client.engine
+        # Dropped without shutdown(): the workers stop when this LLM is collected, or at exit.
+        self._finalizer = weakref.finalize(self, client.shutdown)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -140,7 +144,7 @@ class LLM:
         )
 
     def shutdown(self) -> None:
-        self.engine_client.shutdown()
+        self._finalizer()  # once: the engine client's shutdown
 
     def __enter__(self) -> LLM:
         return self

@@ -16,7 +16,7 @@ import llmctl.engine
 from llmctl.cli import generate as generate_command
 from llmctl.cli import serve as serve_command
 from llmctl.cli.engine_options import engine_options
-from llmctl.cluster.launch.head_server import Layout, serve_argv
+from llmctl.cluster.plan.node_commands import Layout, serve_argv
 from llmctl.engine.config.engine_args import EngineArgs, cli_options, engine_args_to_argv
 from llmctl.engine.config.options import option
 

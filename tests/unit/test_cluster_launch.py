@@ -18,13 +18,7 @@ from llmctl.cluster.errors import (
     NodeNetworkError,
 )
 from llmctl.cluster.inventory import parse_inventory
-from llmctl.cluster.launch.group_server import (
-    check_cluster_backend,
-    exit_reason,
-    group_record,
-    node_serve_argvs,
-)
-from llmctl.cluster.launch.head_server import Layout
+from llmctl.cluster.launch.group_server import check_cluster_backend, exit_reason, group_record
 from llmctl.cluster.launch.node_launch import NodeFacts, local_launch, node_launches
 from llmctl.cluster.launch.parsers import (
     DockerInfo,
@@ -39,6 +33,7 @@ from llmctl.cluster.launch.parsers import (
 )
 from llmctl.cluster.launch.preflight import probe_problems, public_ip_problems, raise_problems
 from llmctl.cluster.launch.probe import NodeProbe
+from llmctl.cluster.plan.node_commands import Layout, node_serve_argvs
 
 DATA = Path(__file__).parent / "data"
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from llmctl.cluster.launch.head_server import Layout, serve_argv
+from llmctl.cluster.plan.node_commands import Layout, serve_argv
 from llmctl.cluster.plan.planner import PlanOptions
 from llmctl.engine.config.engine_args import (
     EngineArgs,

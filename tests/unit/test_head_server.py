@@ -8,13 +8,8 @@ import pytest
 from llmctl.cluster.errors import ConfigError, PlanError
 from llmctl.cluster.inventory import parse_inventory
 from llmctl.cluster.launch import head_server
-from llmctl.cluster.launch.head_server import (
-    Layout,
-    ServerState,
-    choose_layout,
-    launch_argv,
-    serve_argv,
-)
+from llmctl.cluster.launch.head_server import ServerState, launch_argv
+from llmctl.cluster.plan.node_commands import Layout, choose_layout, serve_argv
 
 INVENTORY = """
 name: demo
