@@ -55,8 +55,8 @@ def test_a_dry_run_runs_every_stage_and_writes_their_figures(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr + log
     stages = json.loads((out / "gpu_check.json").read_text())["stages"]
     assert list(stages) == [
-        "env", "bandwidth", "cuda_tests", "floor", "engine", "attention", "transformers",
-        "quantized_mm",
+        "env", "bandwidth", "floor", "engine", "attention", "transformers", "quantized_mm",
+        "cuda_tests",
     ]  # fmt: skip
     assert {name: s["status"] for name, s in stages.items()} == dict.fromkeys(stages, "ok")
     engine = stages["engine"]
