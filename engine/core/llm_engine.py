@@ -233,9 +233,11 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError(
-                    "this engine was started with skip_tokenizer_init: it has no tokenizer to "
-                    "turn a text prompt into token ids",
-                    'send token ids instead: a list of ints or {"prompt_token_ids": [...]}',
+                    "this engine has no tokenizer to turn a text prompt into token ids (started "
+                    "with skip_tokenizer_init, or with dummy weights from a config.json without "
+                    "tokenizer files)",
+                    'send token ids instead: a list of ints or {"prompt_token_ids": [...]}; or '
+                    "start it with --tokenizer DIR (a directory holding the model's tokenizer)",
                     param="prompt",
                 )
             return prompt, self.tokenizer.encode(prompt)
