@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from llmctl.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from llmctl.engine.config.engine_args import EngineArgs
@@ -23,6 +23,7 @@ __all__ = [
     "LLMEngine",
     "Logprob",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
 ]
 

@@ -116,6 +116,16 @@ _VARIABLES = (
         "Repack float weights for oneDNN at load on the CPU (0: plain F.linear).",
     ),
     EnvVar(
+        "LLMCTL_CUSTOM_ALL_REDUCE", True, _flag, _FLAG,
+        "Tensor-parallel GPUs of one node with peer access all-reduce tensors up to 8 MiB "
+        "through symmetric memory (one kernel) instead of NCCL (0: NCCL always).",
+    ),
+    EnvVar(
+        "LLMCTL_FUSED_LAYER_KERNELS", True, _flag, _FLAG,
+        "On the GPU, the layers' fused Triton kernels: RMSNorm with its residual add, rotary "
+        "embedding, SiLU-and-mul (0: the plain torch ops, for comparison).",
+    ),
+    EnvVar(
         "LLMCTL_FUSED_DECODE", True, _flag, _FLAG,
         "Run a small CPU decode step's dense Llama layers in one C++ call (0: layer by layer).",
     ),

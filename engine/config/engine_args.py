@@ -58,6 +58,8 @@ from llmctl.engine.layers.quantization.quant_config import (
 
 logger = logging.getLogger("llmctl")
 
+LOAD_FORMATS = ("auto", "dummy")  # vLLM's --load-format values llmctl has
+
 
 @dataclass
 class EngineArgs:
@@ -114,6 +116,13 @@ class EngineArgs:
         default=None,
         default_help="none; a GGUF file's or FP8 checkpoint's own",
         commands=PLANNER,
+    )
+    load_format: str = option(
+        "auto: read the checkpoint; dummy: random weights made on the device from the model's "
+        "config.json alone (a directory without weights, or a catalog name such as "
+        "Llama-3.1-8B: `llmctl plan --list-models`), to run a model's shape with no checkpoint "
+        "(benchmarks). With no tokenizer files, prompts must be token ids.",
+        default="auto",
     )
     enforce_eager: bool = option(
         "CUDA: run every step eagerly, without CUDA graphs (slower decode, less memory, no capture "
@@ -347,6 +356,11 @@ class EngineArgs:
                 f"max_restarts must be non-negative, got {self.max_restarts}",
                 "pass --max-restarts 3 (0: never restart)",
             )
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(
+                f"unknown load_format {self.load_format!r}",
+                f"use --load-format {' or '.join(LOAD_FORMATS)}",
+            )
         if self.quantization is not None and self.quantization not in FLAG_METHODS:
             raise ConfigError(
                 f"unknown quantization {self.quantization!r}",
@@ -367,7 +381,7 @@ class EngineArgs:
         dtype = normalize_dtype(self.dtype)
         device = platform.resolve_device(self.device)
         device_config = DeviceConfig(device=device)
-        source = resolve_model(self.model, progress)
+        source = resolve_model(self.model, progress, self.load_format)
         hf_config = source.load_hf_config()
         architecture = source.architecture(hf_config)
         check_architecture(architecture)
@@ -393,10 +407,11 @@ class EngineArgs:
             tokenizer=self.tokenizer or source.path,
             served_model_name=self.served_model_name or source.display_name,
             seed=self.seed,
-            skip_tokenizer_init=bool(self.skip_tokenizer_init),
+            skip_tokenizer_init=self._skip_tokenizer_init(source.path),
             enforce_eager=bool(self.enforce_eager),
             quantization=quantization,
             gguf_file=source.gguf_file or "",
+            load_format=self.load_format,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -456,6 +471,20 @@ class EngineArgs:
         )
         return quantization
 
+    def _skip_tokenizer_init(self, path: str) -> bool:
+        """skip_tokenizer_init as given; with dummy weights, also when the model's directory
+        holds no tokenizer (a catalog name's): prompts are then token ids."""
+        if self.skip_tokenizer_init:
+            return True
+        if self.load_format != "dummy" or self.tokenizer is not None:
+            return False
+        from llmctl.engine.model_loader.source import has_tokenizer_files
+
+        if has_tokenizer_files(path):
+            return False
+        logger.info("No tokenizer in %s: prompts must be token ids (skip_tokenizer_init)", path)
+        return True
+
     def create_parallel_config(
         self, layer_partition: tuple[int, ...] | None = None
     ) -> ParallelConfig:
@@ -506,8 +535,8 @@ class EngineArgs:
             from llmctl.engine.model_loader.gguf_file import gguf_tensor_types
 
             gguf_config = QuantizationConfig.for_gguf(gguf_tensor_types(gguf_file))
-            if self.gguf_dequantize:
-                return resolve_quantization(self.quantization, None)
+            if self.gguf_dequantize or self.load_format == "dummy":
+                return resolve_quantization(self.quantization, None)  # float weights
         return resolve_quantization(self.quantization, gguf_config)
 
 

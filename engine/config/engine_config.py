@@ -66,6 +66,7 @@ class ModelConfig:
     # "int8"/"int4" quantized from a float checkpoint at load.
     quantization: QuantizationConfig | None = None
     gguf_file: str = ""  # the weights are read from this GGUF file (path holds its config only)
+    load_format: str = "auto"  # "dummy": random weights, no checkpoint read (model_loader/dummy.py)
 
     def __post_init__(self) -> None:
         if self.shape is None:

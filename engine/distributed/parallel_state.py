@@ -2,7 +2,10 @@
 
 A single process (the uni executor) has one-rank groups and never touches torch.distributed.
 With several ranks, `init_distributed_environment` joins the world (Gloo on the CPU, NCCL on CUDA)
-and `initialize_model_parallel` builds the groups from the one rank mesh in `ranks.reshape`.
+and `initialize_model_parallel` builds the groups from the one rank mesh in `ranks.reshape`. A
+tensor-parallel group of CPU ranks on one node all-reduces through shared memory
+(shm_communicator.py); of GPUs of one node with peer access, small tensors through their mapped
+memory (custom_all_reduce.py); the rest through Gloo or NCCL.
 Layers ask `get_tp_group()` for tp_rank/tp_size, never the world size, so TP and PP compose.
 """
 
@@ -23,6 +26,7 @@ class GroupCoordinator:
     device_group: Any = field(default=None, repr=False)  # torch ProcessGroup for tensors
     cpu_group: Any = field(default=None, repr=False)  # Gloo group for Python objects
     shm: Any = field(default=None, repr=False)  # ShmCommunicator when all ranks share a node
+    custom: Any = field(default=None, repr=False)  # CustomAllReduce: GPUs of a node, peer access
 
     @property
     def world_size(self) -> int:
@@ -41,6 +45,8 @@ class GroupCoordinator:
             return tensor
         if self.shm is not None and self.shm.fits(tensor):
             return self.shm.all_reduce(tensor.contiguous())
+        if self.custom is not None and self.custom.fits(tensor):  # small, GPUs of one node
+            return self.custom.all_reduce(tensor)
         import torch.distributed as dist
 
         dist.all_reduce(tensor, group=self.device_group)
@@ -217,6 +223,10 @@ def initialize_model_parallel(
     tp_group = mine["tp"]
     set_groups(tp_group, mine["pp"])
     _attach_shared_memory(tp_group)
+    if backend == "nccl" and tp_group.world_size > 1:
+        from llmctl.engine.distributed import custom_all_reduce
+
+        custom_all_reduce.attach(tp_group, envs.LLMCTL_CUSTOM_ALL_REDUCE)
     global _DP
     _DP = mine.get("dp")
     set_ep_group(mine.get("ep", tp_group) if enable_expert_parallel else None)

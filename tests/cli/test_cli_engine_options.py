@@ -199,6 +199,7 @@ def test_every_flag_the_engine_names_exists(invoke):
     for path in Path(llmctl.engine.__file__).parent.rglob("*.py"):
         named |= set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9]", path.read_text()))
     accepted = set()
-    for args in (["--help"], ["generate", "--help"], ["serve", "--help"], ["plan", "--help"]):
-        accepted |= _flags(invoke(*args, env=WIDE).stdout)
+    commands = [["generate"], ["serve"], ["plan"], ["bench", "throughput"], ["bench", "latency"]]
+    for args in ([], *commands, ["bench", "serve"]):
+        accepted |= _flags(invoke(*args, "--help", env=WIDE).stdout)
     assert named - _NOT_LLMCTL <= accepted, sorted(named - _NOT_LLMCTL - accepted)

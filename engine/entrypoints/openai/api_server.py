@@ -186,6 +186,7 @@ def _add_info_routes(
                     "owned_by": "llmctl",
                     "root": model_config.path,
                     "max_model_len": model_config.max_model_len,
+                    "vocab_size": model_config.shape.vocab_size,  # (llmctl's: bench serve)
                 }
             ],
         }
