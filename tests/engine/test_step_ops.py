@@ -79,8 +79,8 @@ def _decode_step_ops(runner: ModelRunner) -> Counter[str]:
     greedy = SamplingParams(temperature=0)
     prefill = SchedulerOutput(
         scheduled_new_reqs=[
-            NewRequestData("a", [5, 6, 7], 3, greedy, [1], 0),
-            NewRequestData("b", [8, 9], 2, greedy, [2], 0),
+            NewRequestData("a", [5, 6, 7], 3, greedy, [[1]], 0),
+            NewRequestData("b", [8, 9], 2, greedy, [[2]], 0),
         ],
         scheduled_cached_reqs=[],
         num_scheduled_tokens={"a": 3, "b": 2},
@@ -89,8 +89,8 @@ def _decode_step_ops(runner: ModelRunner) -> Counter[str]:
     decode = SchedulerOutput(
         scheduled_new_reqs=[],
         scheduled_cached_reqs=[
-            CachedRequestData("a", [9], [], 3),
-            CachedRequestData("b", [4], [], 2),
+            CachedRequestData("a", [9], [[]], 3),
+            CachedRequestData("b", [4], [[]], 2),
         ],
         num_scheduled_tokens={"a": 1, "b": 1},
         total_num_scheduled_tokens=2,

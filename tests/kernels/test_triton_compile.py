@@ -95,20 +95,23 @@ def _attention_configs() -> dict:
         "q_ptr": "bf16",
         "key_cache_ptr": "bf16",
         "value_cache_ptr": "bf16",
+        "sinks_ptr": "fp32",
     }
     metadata = {"block_tables_ptr": "i32", "query_start_loc_ptr": "i32", "seq_lens_ptr": "i32",
                 "context_lens_ptr": "i32"}  # fmt: skip
     configs = {}
-    for label, query_len, window in (
-        ("long", 8192, False),
-        ("window", 8192, True),
-        ("short", 3, False),
+    for label, query_len, window, sinks in (
+        ("long", 8192, False, False),
+        ("window", 8192, True, False),
+        ("short", 3, False, False),
+        ("window-sinks", 8192, True, True),  # gpt-oss's sliding layers
     ):
         tiles = prefill_tiles(torch.bfloat16, 128, 4, query_len)
         options = {"num_warps": tiles.pop("num_warps")}
         constexprs = dict(
             GROUP=4, BLOCK_Q=tiles["BLOCK_M"] // tiles["GROUP_PAD"], BLOCK_D=128, PAD_D=False,
-            USE_WINDOW=window, UPCAST=False, DOT_PRECISION="tf32", **tiles, **UNIT_STRIDES,
+            USE_WINDOW=window, USE_SINKS=sinks, UPCAST=False, DOT_PRECISION="tf32", **tiles,
+            **UNIT_STRIDES,
         )  # fmt: skip
         configs[f"prefill-{label}"] = (
             "triton_attention_kernels", "varlen_attention_kernel", {**caches, **metadata},
@@ -117,7 +120,8 @@ def _attention_configs() -> dict:
     for partitions in (1, 32):
         constexprs = dict(
             GROUP=4, BLOCK_G=16, BLOCK_D=128, BLOCK_N=32, NUM_PARTITIONS=partitions,
-            USE_WINDOW=False, UPCAST=False, DOT_PRECISION="tf32", **UNIT_STRIDES,
+            USE_WINDOW=False, USE_SINKS=False, UPCAST=False, DOT_PRECISION="tf32",
+            **UNIT_STRIDES,
         )  # fmt: skip
         pointers = {**caches, **metadata, "part_max_ptr": "fp32", "part_sum_ptr": "fp32",
                     "part_out_ptr": "fp32"}  # fmt: skip
@@ -127,8 +131,9 @@ def _attention_configs() -> dict:
         )  # fmt: skip
     configs["decode-merge"] = (
         "triton_attention_kernels", "merge_partitions_kernel",
-        {"out_ptr": "bf16", "part_max_ptr": "fp32", "part_sum_ptr": "fp32", "part_out_ptr": "fp32"},
-        {"NUM_PARTITIONS": 32, "BLOCK_P": 32, "BLOCK_D": 128}, {},
+        {"out_ptr": "bf16", "part_max_ptr": "fp32", "part_sum_ptr": "fp32", "part_out_ptr": "fp32",
+         "sinks_ptr": "fp32"},
+        {"NUM_PARTITIONS": 32, "BLOCK_P": 32, "BLOCK_D": 128, "USE_SINKS": False}, {},
     )  # fmt: skip
     return configs
 
