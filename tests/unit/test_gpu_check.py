@@ -74,13 +74,17 @@ def test_a_dry_run_runs_every_stage_and_writes_their_figures(tmp_path):
 
 
 def test_the_budget_holds_whatever_the_stages_do(tmp_path):
-    """A 135M-parameter engine stage on this CPU cannot finish in what a 20 s budget leaves it:
-    it is killed at its deadline (or not started), recorded so, and the check ends in time."""
+    """An engine stage that cannot finish in what a 20 s budget leaves it (a model of 4,000
+    layers: seconds per decode step on any CPU) is killed at its deadline (or not started),
+    recorded so, and the check ends in time."""
+    model = tmp_path / "tall"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**TINY, "num_hidden_layers": 4000}))
     out = tmp_path / "out"
     began = time.monotonic()
     run = subprocess.run(
         [sys.executable, str(CHECK), "--dry-run", "--out", str(out), "--budget", "20",
-         "--stages", "env,engine,floor", "--model", "SmolLM2-135M-Instruct"],
+         "--stages", "env,engine,floor", "--model", str(model)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     wall = time.monotonic() - began
