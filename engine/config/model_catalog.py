@@ -13,8 +13,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmctl.engine.config.architectures import ARCHITECTURE_BY_MODEL_TYPE
 from llmctl.engine.config.model_shape import (
-    ARCHITECTURE_BY_MODEL_TYPE,
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     ModelShape,
