@@ -302,7 +302,9 @@ class JoinListener:
             sock.sendall(b"+" + bytes(_DIGEST_BYTES))
             return None
         if mode != b"S":
-            return self._verdict(sock, b"N", "it has no cluster secret (--insecure-join)")
+            return self._verdict(
+                sock, b"N", "it offers no cluster secret (--insecure-join, or no llmctl node)"
+            )
         with self._lock:
             replayed = nonce_p in self._seen
             self._seen[nonce_p] = None
