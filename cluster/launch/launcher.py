@@ -74,6 +74,8 @@ from llmctl.cluster.launch.up_executor import (
     verify_mp,
     verify_ray,
 )
+from llmctl.engine.distributed.join import SECRET_ENV as CLUSTER_SECRET_ENV
+from llmctl.engine.distributed.join import make_secret
 
 
 def ssh_transports(inventory: Inventory) -> dict[str, Transport]:
@@ -286,21 +288,28 @@ class Cluster:
                 home=probe.home,
                 hostname=probe.hostname,
             )
-        extra = self._ray_token(probes[inv.head.host]) if backend == "ray" else {}
+        extra = self._node_secrets(probes[inv.head.host], backend)
         for name in FORWARDED_SECRETS:
             if os.environ.get(name):
                 extra[name] = os.environ[name]
         return node_launches(inv, facts, secrets=extra, image=image, backend=backend)
 
-    def _ray_token(self, head_probe: NodeProbe) -> dict[str, str]:
-        """Ray's token authentication: only holders of the token can use the cluster's ports;
-        a running head's token is kept."""
+    def _node_secrets(self, head_probe: NodeProbe, backend: str) -> dict[str, str]:
+        """What every node's container gets, through its 0600 env file, kept from a running
+        head (so that a second `up` leaves the containers alone): the cluster secret, which
+        nodes and data-parallel replicas prove when they join (engine/distributed/join.py), and
+        on the Ray backend Ray's token (only its holders can use the cluster's ports)."""
         inv = self.inventory
-        token = None
+        current: dict[str, str] = {}
         if head_probe.container is not None:
             path = env_file_path(head_probe.home, inv.name, inv.head.ip)
-            token = self._read_env(inv.head, path).get("RAY_AUTH_TOKEN")
-        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token or secrets.token_hex(32)}
+            current = self._read_env(inv.head, path)
+        node_secrets = {}
+        if backend == "ray":
+            token = current.get("RAY_AUTH_TOKEN") or secrets.token_hex(32)
+            node_secrets.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+        node_secrets[CLUSTER_SECRET_ENV] = current.get(CLUSTER_SECRET_ENV) or make_secret()
+        return node_secrets
 
     def _read_env(self, node: NodeSpec, path: str) -> dict[str, str]:
         try:
