@@ -6,6 +6,7 @@ address it listens on, and runs until SIGTERM or Ctrl-C.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Annotated
 
@@ -93,6 +94,15 @@ def serve(
             "--stop", help="With -i: stop the cluster's server.", rich_help_panel=_CLUSTER
         ),
     ] = False,
+    no_api_key: Annotated[
+        bool,
+        typer.Option(
+            "--no-api-key",
+            help="With -i: serve without an API key. (default: serve -i makes one, kept in "
+            "~/.llmctl/NAME-api.env on the head node; `cluster status` says where)",
+            rich_help_panel=_CLUSTER,
+        ),
+    ] = False,
     wait: Annotated[
         float,
         typer.Option(help="With -i: seconds to wait for /health.", rich_help_panel=_CLUSTER),
@@ -133,13 +143,19 @@ def serve(
         }
         _serve_on_cluster(
             inventory, model, tp, pp, port, engine, server=server, stop=stop, wait=wait,
-            backend=backend or executor,
+            backend=backend or executor, api_key=not no_api_key,
         )  # fmt: skip
         return
     if backend is not None:
         raise ConfigError("--backend picks a cluster's backend", "add -i cluster.yaml")
     if stop:
         raise ConfigError("--stop stops a cluster's server", "add -i cluster.yaml")
+    if no_api_key:
+        raise ConfigError(
+            "--no-api-key keeps `serve -i` from making a key; here there is none unless "
+            "--api-key gives one",
+            "drop --no-api-key",
+        )
     from llmctl.engine.config.engine_args import EngineArgs
     from llmctl.engine.entrypoints.openai.api_server import run_server
     from llmctl.engine.progress import rich_progress
@@ -196,6 +212,7 @@ def _serve_on_cluster(
     stop: bool,
     wait: float,
     backend: str | None = None,
+    api_key: bool = True,
 ) -> None:
     from llmctl.cluster.inventory import load_inventory
     from llmctl.cluster.launch.group_server import (
@@ -207,6 +224,7 @@ def _serve_on_cluster(
     from llmctl.cluster.launch.head_server import (
         HeadServer,
         ServerRecord,
+        api_key_source,
         choose_layout,
         serve_argv,
     )
@@ -251,6 +269,8 @@ def _serve_on_cluster(
                 tuple(argv),
             )  # fmt: skip
             where = f"on {inv.head.host}"
+        if api_key:  # its env file on the head node: on no command line
+            record = dataclasses.replace(record, api_key_file=head.api_key_file())
         log(
             f"serving {model} with tp={layout.tensor_parallel_size} "
             f"pp={layout.pipeline_parallel_size} ({layout.reason}) in {cluster.container} "
@@ -262,3 +282,4 @@ def _serve_on_cluster(
         f"cluster {inv.name}: serving {model} ({replicas}tp={record.tensor_parallel_size}, "
         f"pp={record.pipeline_parallel_size}, pid {state.pid}) at {record.endpoint(inv.head.ip)}"
     )
+    stdout_console().print(f"API key: {api_key_source(record, inv)}", soft_wrap=True)

@@ -20,6 +20,7 @@ A failure after step 4 began names what is running and how to remove it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -36,7 +37,7 @@ from llmctl.cluster.errors import (
 from llmctl.cluster.inventory import Inventory, NodeSpec
 from llmctl.cluster.launch import commands
 from llmctl.cluster.launch.group_server import GroupServer
-from llmctl.cluster.launch.head_server import HeadServer
+from llmctl.cluster.launch.head_server import HeadServer, api_key_source
 from llmctl.cluster.launch.invariants import model_copies, own_address
 from llmctl.cluster.launch.launch_report import DONE, NodeRow, Report, describe
 from llmctl.cluster.launch.node_launch import (
@@ -371,6 +372,7 @@ class Cluster:
         report.rows = [rows[n.host] for n in self.inventory.nodes]
         head_row = rows[self.inventory.head.host]
         report.backend = self.backend()
+        report.joins = self._joins([n for n in self.inventory.nodes if rows[n.host].status])
         if head_row.status == "running" and report.backend == "mp":
             group = GroupServer(self.inventory, self.transports, self.container)
             record = group.record()
@@ -394,7 +396,35 @@ class Cluster:
             record = server.record()
             if record is not None:
                 report.server = (record, server.state(record.port))
+        if report.server is not None:
+            record = report.server[0]
+            report.api_key = api_key_source(record, self.inventory)
+            argvs = [record.argv, *(argv for _, argv in record.workers)]
+            if any("--insecure-join" in argv for argv in argvs):
+                report.joins = "not authenticated: the server runs with --insecure-join"
         return report
+
+    def _joins(self, nodes: list[NodeSpec]) -> str:
+        """Whether the nodes prove one cluster secret when they join: each node's env file
+        holds the same (compared by digest; the secret itself is never shown)."""
+        inv = self.inventory
+
+        def digest(node: NodeSpec) -> str | None:
+            path = env_file_path(self.transports[node.host].home(), inv.name, node.ip)
+            value = self._read_env(node, path).get(CLUSTER_SECRET_ENV)
+            return hashlib.sha256(value.encode()).hexdigest() if value else None
+
+        digests = self._parallel(digest, nodes)
+        lacking = [host for host, d in digests.items() if d is None]
+        again = f"run `llmctl cluster up -i {inv.source}` again"
+        if lacking:
+            return f"not authenticated: no cluster secret on {', '.join(lacking)} ({again})"
+        if len(set(digests.values())) > 1:
+            return f"not authenticated: the nodes hold different cluster secrets ({again})"
+        return (
+            f"authenticated: the {len(nodes)} nodes share one cluster secret "
+            f"({CLUSTER_SECRET_ENV} in each node's 0600 env file)"
+        )
 
     def backend(self) -> str:
         """The backend the head's container was started on (its label): ray or mp."""

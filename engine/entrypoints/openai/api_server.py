@@ -218,6 +218,8 @@ def run_server(
     import uvicorn
 
     config = server_config or ServerConfig()
+    if (warning := config.api_key_warning()) is not None:
+        logger.warning("%s", warning)
     if engine_args.data_parallel_size > 1 or engine_args.data_parallel_placement().multi_node:
         from llmctl.engine.dp.dp_async_llm import DPAsyncLLM
 
