@@ -18,7 +18,8 @@ from typing import Annotated, Any
 
 import typer
 
-from llmctl.engine.config.engine_args import ENGINE, PARALLEL, EngineArgs, EngineOption, cli_options
+from llmctl.engine.config.engine_args import EngineArgs
+from llmctl.engine.config.options import ENGINE, PARALLEL, EngineOption, cli_options
 
 __all__ = ["ENGINE", "PARALLEL", "EngineKwargs", "Model", "engine_options"]
 
@@ -40,9 +41,11 @@ def engine_options(
     *,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
     args_class: type = EngineArgs,
+    param: str = "engine",
 ) -> Callable[[Callable], Callable]:
-    """Give a command the options of `args_class` (EngineArgs, or a dataclass extending it) that
-    belong to `command`, in place of its `engine` parameter.
+    """Give a command the options of `args_class` (EngineArgs, a dataclass extending it, or
+    another dataclass of OptionSpec fields such as ServerConfig) that belong to `command`, in
+    place of its `param` parameter, which then receives the options given as keywords.
 
     `overrides` maps a field to OptionSpec fields (help, panel, default_help) and `default` (a
     value Typer shows and always passes) that differ for this command.
@@ -56,19 +59,19 @@ def engine_options(
         options = cli_options(command, args_class)
         unknown = set(overrides) - {o.name for o in options}
         clash = set(names) & {o.name for o in options}
-        if "engine" not in names or unknown or clash:
+        if param not in names or unknown or clash:
             raise TypeError(
-                f"{func.__name__}: needs an `engine` parameter, and no parameter or override "
-                f"other than the engine options ({sorted(clash | unknown)})"
+                f"{func.__name__}: needs a `{param}` parameter, and no parameter or override "
+                f"other than the options of {args_class.__name__} ({sorted(clash | unknown)})"
             )
-        at = names.index("engine")
+        at = names.index(param)
         derived = [_parameter(o, overrides.get(o.name, {})) for o in options]
 
         @functools.wraps(func)
         def run(*args: Any, **kwargs: Any) -> Any:
             given = {o.name: kwargs.pop(o.name, None) for o in options}
-            engine = {name: value for name, value in given.items() if value is not None}
-            return func(*args, engine=engine, **kwargs)
+            kwargs[param] = {name: value for name, value in given.items() if value is not None}
+            return func(*args, **kwargs)
 
         new_params = params[:at] + derived + params[at + 1 :]
         run.__signature__ = signature.replace(parameters=new_params)  # type: ignore[attr-defined]

@@ -13,20 +13,20 @@ from rich.table import Table
 
 from llmctl.cli.console import stderr_console, stdout_console
 from llmctl.cli.engine_options import EngineKwargs, engine_options
-from llmctl.cluster.plan import manifests as kube
-from llmctl.engine.errors import ConfigError
+from llmctl.cluster.inventory import INVENTORY_PANEL, InventoryFlags
+from llmctl.cluster.plan import manifests as kube_manifests
+from llmctl.cluster.plan.manifests import EmitFlags
+from llmctl.engine.errors import ConfigError, LLMCtlError
 
 app = typer.Typer()
-_INVENTORY = "Inventory"
 _MEMORY = "Memory"
-_KUBE = "Kubernetes (--emit)"
 
 
 # The options plan shares with the engine, restyled for planning (their flags stay the engine's).
 _SHARED = {
     "device": dict(
         help="cuda, or cpu to plan for llmctl's CPU engine (KV cache from --kv-cache-space-gib).",
-        panel=_INVENTORY,
+        panel=INVENTORY_PANEL,
         default="cuda",
     ),
     "kv_cache_space_gib": dict(help="CPU: the KV cache per rank, in GiB.", panel=_MEMORY),
@@ -47,6 +47,8 @@ _SHARED = {
 
 @app.command()
 @engine_options("plan", overrides=_SHARED)
+@engine_options("plan", param="where", args_class=InventoryFlags)
+@engine_options("plan", param="kube", args_class=EmitFlags)
 def plan(
     model: Annotated[
         str | None,
@@ -60,131 +62,22 @@ def plan(
     list_models: Annotated[
         bool, typer.Option("--list-models", help="Show the built-in catalog and exit.")
     ] = False,
-    inventory: Annotated[
-        str | None,
-        typer.Option(
-            "--inventory",
-            "-i",
-            help="The cluster's inventory file (see templates/cluster.yaml).",
-            rich_help_panel=_INVENTORY,
-        ),
-    ] = None,
-    nodes: Annotated[
-        int, typer.Option(help="Nodes, without --inventory.", rich_help_panel=_INVENTORY)
-    ] = 1,
-    gpus_per_node: Annotated[
-        int, typer.Option(help="GPUs per node, without --inventory.", rich_help_panel=_INVENTORY)
-    ] = 8,
-    gpu_memory_gib: Annotated[
-        float,
-        typer.Option(help="Memory per GPU, without --inventory.", rich_help_panel=_INVENTORY),
-    ] = 80.0,
-    interconnect: Annotated[
-        str,
-        typer.Option(help="nvlink or pcie, without --inventory.", rich_help_panel=_INVENTORY),
-    ] = "nvlink",
+    # The inventory (an -i file, or --nodes ...), then EngineArgs' options of `plan` (restyled by
+    # _SHARED): dtype, lengths, memory, quantization, the step's size, the layout and the device.
+    where: dict = None,
     allow_uneven_tp: Annotated[
         bool,
         typer.Option(help="Allow tensor parallel sizes that do not divide the heads."),
     ] = False,
-    # The EngineArgs options of `plan` (@engine_options, restyled by _SHARED): dtype, lengths,
-    # memory, quantization, the step's size, the layout and the device.
     engine: EngineKwargs = None,
-    kv_cache_dtype: Annotated[
-        str,
-        typer.Option(help="auto (the model's dtype), fp8, ...", rich_help_panel=_MEMORY),
-    ] = "auto",
     min_concurrency: Annotated[
         int,
         typer.Option(help="Requests of max-model-len the plan must hold.", rich_help_panel=_MEMORY),
     ] = 1,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-    emit: Annotated[
-        str | None,
-        typer.Option(
-            help="Write the plan as Kubernetes manifests: lws (a LeaderWorkerSet, mp backend "
-            "across nodes), rayservice (KubeRay's RayService: llmctl's Ray Serve application, "
-            "a replica per data-parallel replica; also: kuberay) or raycluster (KubeRay's "
-            "RayCluster running llmctl serve, ray backend).",
-            rich_help_panel=_KUBE,
-        ),
-    ] = None,
-    output: Annotated[
-        str | None,
-        typer.Option(
-            "--output", "-o", help="--emit: the YAML file (default: stdout).", rich_help_panel=_KUBE
-        ),
-    ] = None,  # fmt: skip
-    image: Annotated[
-        str, typer.Option(help="--emit: the container image.", rich_help_panel=_KUBE)
-    ] = kube.DEFAULT_IMAGE,
-    name: Annotated[
-        str | None,
-        typer.Option(
-            help="--emit: the objects' name (default: llmctl-MODEL).",
-            rich_help_panel=_KUBE,
-            show_default=False,
-        ),
-    ] = None,  # fmt: skip
-    namespace: Annotated[
-        str | None, typer.Option(help="--emit: their namespace.", rich_help_panel=_KUBE)
-    ] = None,
-    port: Annotated[
-        int,
-        typer.Option(help="--emit: the serving port (and its probes').", rich_help_panel=_KUBE),
-    ] = kube.DEFAULT_PORT,
-    model_path: Annotated[
-        str | None,
-        typer.Option(
-            help="--emit: the model's path in the pod (default: a local MODEL's own path, else "
-            "/models/MODEL).",
-            rich_help_panel=_KUBE,
-            show_default=False,
-        ),
-    ] = None,
-    model_host_path: Annotated[
-        str | None,
-        typer.Option(
-            help="--emit: the node's directory mounted at the model's directory (default: the "
-            "same path).",
-            rich_help_panel=_KUBE,
-            show_default=False,
-        ),
-    ] = None,
-    model_pvc: Annotated[
-        str | None,
-        typer.Option(
-            help="--emit: a PersistentVolumeClaim holding the model instead.", rich_help_panel=_KUBE
-        ),
-    ] = None,  # fmt: skip
-    shm_size: Annotated[
-        str, typer.Option(help="--emit: the size of /dev/shm.", rich_help_panel=_KUBE)
-    ] = kube.DEFAULT_SHM_SIZE,
-    socket_ifname: Annotated[
-        str,
-        typer.Option(
-            help="--emit: NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME.", rich_help_panel=_KUBE
-        ),
-    ] = kube.DEFAULT_SOCKET_IFNAME,  # fmt: skip
-    master_port: Annotated[
-        int | None,
-        typer.Option(
-            help="--emit lws: the rendezvous port of the leader. "
-            f"(default: {kube.DEFAULT_MASTER_PORT})",
-            rich_help_panel=_KUBE,
-            show_default=False,
-        ),
-    ] = None,  # fmt: skip
-    ray_version: Annotated[
-        str | None,
-        typer.Option(
-            help="--emit raycluster/rayservice: the image's Ray version, for KubeRay.",
-            rich_help_panel=_KUBE,
-        ),
-    ] = None,  # fmt: skip
+    kube: dict = None,  # --emit and its options (EmitFlags)
 ) -> None:
     """Choose the TP x PP layout for MODEL on the inventory and predict its KV-cache capacity.
-
     Prints the layout, the memory of every GPU, the engine's KV-cache lines, the reasons, the
     layouts rejected and why, and the commands to run. Exits 1 when nothing fits, saying how much
     memory is missing and what would fit.
@@ -195,36 +88,26 @@ def plan(
     if list_models:
         _print_catalog(console, CATALOG, json_output)
         return
-    kube_opts = None
-    if emit is not None:
-        if json_output:
-            raise ConfigError("--json and --emit both choose what plan prints", "keep one")
-        kube_opts = kube.kube_options(
-            emit, model, name=name, model_path=model_path, model_host_path=model_host_path,
-            model_pvc=model_pvc, image=image, namespace=namespace, port=port, shm_size=shm_size,
-            socket_ifname=socket_ifname, master_port=master_port, ray_version=ray_version,
-        )  # fmt: skip
+    emit = EmitFlags(**kube)
+    if emit.emit is not None and json_output:
+        raise ConfigError("--json and --emit both choose what plan prints", "keep one")
+    kube_opts = emit.kube_options(model)
+    plan_only = dict(min_concurrency=min_concurrency, allow_uneven_tp=allow_uneven_tp)
     try:
-        result = _make(
-            model, inventory, nodes, gpus_per_node, gpu_memory_gib, interconnect, engine,
-            kv_cache_dtype=kv_cache_dtype, min_concurrency=min_concurrency,
-            allow_uneven_tp=allow_uneven_tp,
-        )  # fmt: skip
-    except Exception as exc:
-        from llmctl.engine.errors import LLMCtlError
-
-        if json_output and isinstance(exc, LLMCtlError):
-            message = exc.message + (f". {exc.hint}" if exc.hint else "")
-            console.out(json.dumps({"error": message}), highlight=False)
-            raise typer.Exit(1) from None
-        raise
+        result = _make(model, InventoryFlags(**where), engine, plan_only)
+    except LLMCtlError as exc:
+        if not json_output:
+            raise
+        message = exc.message + (f". {exc.hint}" if exc.hint else "")
+        console.out(json.dumps({"error": message}), highlight=False)
+        raise typer.Exit(1) from None
     if json_output:
         console.out(json.dumps(result.to_json(), indent=2), highlight=False)
-    elif kube_opts is not None and output is None:
+    elif kube_opts is not None and emit.output is None:
         _emit(console, result, kube_opts, None)
         _secret_note(stderr_console(), result, kube_opts)  # the YAML alone on stdout
     elif kube_opts is not None:
-        wrote = _emit(console, result, kube_opts, output)
+        wrote = _emit(console, result, kube_opts, emit.output)
         _print_plan(console, result)
         console.print(wrote, highlight=False, soft_wrap=True)
         _secret_note(console, result, kube_opts)
@@ -234,10 +117,11 @@ def plan(
 
 def _secret_note(console, plan, options) -> None:
     """Pods that join each other read the cluster secret from a Secret: how to make it."""
-    if kube.joins_nodes(plan, options):
+    if kube_manifests.joins_nodes(plan, options):
+        name = kube_manifests.cluster_secret_name(options)
         console.print(
-            f"The pods prove the cluster secret in the Secret {kube.cluster_secret_name(options)} "
-            f"when they join; make it first: {kube.cluster_secret_command(options)}",
+            f"The pods prove the cluster secret in the Secret {name} when they join; make it "
+            f"first: {kube_manifests.cluster_secret_command(options)}",
             highlight=False,
             soft_wrap=True,
         )
@@ -247,8 +131,8 @@ def _emit(console, plan, options, output: str | None) -> str:
     """The manifests as YAML on stdout, or in `output` (then: the line that says so)."""
     from pathlib import Path
 
-    objects = kube.manifests(plan, options)
-    text = kube.to_yaml(objects)
+    objects = kube_manifests.manifests(plan, options)
+    text = kube_manifests.to_yaml(objects)
     if output is None:
         console.out(text, highlight=False, end="")
         return ""
@@ -262,17 +146,13 @@ def _emit(console, plan, options, output: str | None) -> str:
     return f"[bold]Wrote[/] {output} ({kinds}): kubectl apply -f {output}"
 
 
-def _make(model, inventory, nodes, gpus, memory, interconnect, engine: EngineKwargs,
-          **plan_only):  # fmt: skip
-    from llmctl.cluster.inventory import inventory_from_flags, load_inventory
+def _make(model, where: InventoryFlags, engine: EngineKwargs, plan_only: dict):
     from llmctl.cluster.plan.model_spec import load_model_spec
     from llmctl.cluster.plan.planner import PlanOptions, make_plan
     from llmctl.engine.config.engine_config import parse_layer_partition
 
     spec = load_model_spec(model)
-    inv = load_inventory(inventory) if inventory else inventory_from_flags(
-        nodes, gpus, memory, interconnect
-    )  # fmt: skip
+    inv = where.resolve()
     if "pipeline_layer_partition" in engine:
         partition = parse_layer_partition(engine["pipeline_layer_partition"])
         engine = {**engine, "pipeline_layer_partition": partition}
@@ -362,5 +242,5 @@ def _print_plan(console, plan) -> None:
         for layout, why in plan.rejected:
             console.print(f"  - {layout}: {why}", highlight=False)
     console.print("[bold]Run[/]")
-    for command in plan.commands.values():
+    for command in plan.commands.values():  # in order: `cluster up` before `serve -i`
         console.print(f"  {command}", highlight=False, soft_wrap=True)

@@ -6,67 +6,31 @@ address it listens on, and runs until SIGTERM or Ctrl-C.
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from typing import Annotated
 
 import typer
 
 from llmctl.cli.console import CliState, stderr_console, stdout_console
 from llmctl.cli.engine_options import EngineKwargs, Model, engine_options
-from llmctl.engine.config.engine_args import SERVER
+from llmctl.engine import envs
+from llmctl.engine.entrypoints.openai.server_config import ServerConfig
 from llmctl.engine.errors import ConfigError
 
 app = typer.Typer()
 _CLUSTER = "Cluster"
+ServerKwargs = dict  # ServerConfig keywords: the server options a user gave
 
 
 @app.command()
 @engine_options("serve")
+@engine_options("serve", param="server", args_class=ServerConfig)
 def serve(
     ctx: typer.Context,
     model: Model = None,
-    host: Annotated[
-        str, typer.Option(help="Address to listen on.", rich_help_panel=SERVER)
-    ] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.", rich_help_panel=SERVER)] = 8000,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            help="Require `Authorization: Bearer KEY` on every route but /health. "
-            "(default: $LLMCTL_API_KEY, else none)",
-            show_default=False,
-            rich_help_panel=SERVER,
-        ),
-    ] = None,
-    # The EngineArgs options of `serve` (@engine_options); served_model_name shows here, in the
-    # Server panel, the others after it in the Engine and Parallelism panels.
+    # ServerConfig's options of `serve` (@engine_options), then EngineArgs'; served_model_name
+    # shows in the Server panel with the former, the others in the Engine and Parallelism panels.
+    server: ServerKwargs = None,
     engine: EngineKwargs = None,
-    shutdown_timeout: Annotated[
-        float,
-        typer.Option(
-            help="On SIGTERM, seconds to let in-flight requests finish (a second SIGTERM or "
-            "Ctrl-C stops at once).",
-            rich_help_panel=SERVER,
-        ),
-    ] = 30.0,
-    max_request_body_bytes: Annotated[
-        int | None,
-        typer.Option(
-            help="Largest request body accepted, in bytes; larger ones get 413. (default: the "
-            "largest whose prompt could still fit --max-model-len)",
-            show_default=False,
-            rich_help_panel=SERVER,
-        ),
-    ] = None,
-    http_timeout: Annotated[
-        float,
-        typer.Option(
-            help="Seconds a client may stall while sending its request or reading a stream "
-            "before its connection is closed.",
-            rich_help_panel=SERVER,
-        ),
-    ] = 30.0,
     inventory: Annotated[
         str | None,
         typer.Option(
@@ -113,37 +77,15 @@ def serve(
     Try it: curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json'
     -d '{"prompt": "The capital of France is", "max_tokens": 16}'
     """
-    from llmctl.engine.entrypoints.openai.server_config import ServerConfig
-
     state: CliState = ctx.obj or CliState()
     if inventory is not None:
-        if api_key:
-            raise ConfigError(
-                "--api-key would show on the head's command line",
-                "put LLMCTL_API_KEY in the inventory's `env` (it reaches the container through "
-                "its 0600 env file) and run `llmctl cluster up` again",
-            )
-        tp = engine.pop("tensor_parallel_size", None)
-        pp = engine.pop("pipeline_parallel_size", None)
-        executor = engine.pop("distributed_executor_backend", None)
-        if backend and executor and backend != executor:
-            raise ConfigError(
-                f"--backend {backend} and --distributed-executor-backend {executor} disagree",
-                "give one of them",
-            )
-        # The server's options go along where given (the head's own address is 0.0.0.0).
-        server = {
-            name: value
-            for name, value in (
-                ("shutdown_timeout", shutdown_timeout),
-                ("max_request_body_bytes", max_request_body_bytes),
-                ("http_timeout", http_timeout),
-            )
-            if value != getattr(ServerConfig, name)
-        }
+        from llmctl.cluster.launch.cluster_serve import cluster_serve_options
+
+        o = cluster_serve_options(engine, server, backend)
         _serve_on_cluster(
-            inventory, model, tp, pp, port, engine, server=server, stop=stop, wait=wait,
-            backend=backend or executor, api_key=not no_api_key,
+            inventory, model, o.tensor_parallel_size, o.pipeline_parallel_size, o.port,
+            o.engine, server=o.server, stop=stop, wait=wait, backend=o.backend,
+            api_key=not no_api_key,
         )  # fmt: skip
         return
     if backend is not None:
@@ -173,31 +115,13 @@ def serve(
         run_headless(engine_args.create_parallel_config(), max_restarts=restarts)
         return
     server_config = ServerConfig(
-        host=host,
-        port=port,
-        api_key=api_key or os.environ.get("LLMCTL_API_KEY") or None,
-        shutdown_timeout=shutdown_timeout,
-        max_request_body_bytes=max_request_body_bytes,
-        http_timeout=http_timeout,
+        **{**server, "api_key": server.get("api_key") or envs.LLMCTL_API_KEY}
     )
     if state.progress:
         with rich_progress() as progress:
             run_server(engine_args, server_config, progress)
     else:
         run_server(engine_args, server_config)
-
-
-def _check_replicas_on(backend: str | None, dp: int) -> None:
-    """Data-parallel replicas on a cluster are Ray's to place: the mp backend's group is one
-    engine across the inventory's nodes."""
-    if dp > 1 and backend == "mp":
-        raise ConfigError(
-            f"--data-parallel-size {dp} with -i on the mp backend: its group runs one engine "
-            "across the inventory's nodes, not replicas",
-            "serve on the Ray backend (`cluster up --backend ray`: Ray places each replica's "
-            f"workers), or run the per-node commands of `llmctl plan -i ... -dp {dp}` "
-            "(--data-parallel-size-local, --headless)",
-        )
 
 
 def _serve_on_cluster(
@@ -214,72 +138,20 @@ def _serve_on_cluster(
     backend: str | None = None,
     api_key: bool = True,
 ) -> None:
-    from llmctl.cluster.inventory import load_inventory
-    from llmctl.cluster.launch.group_server import (
-        GroupServer,
-        check_cluster_backend,
-        check_cluster_options,
-        group_record,
-    )
-    from llmctl.cluster.launch.head_server import (
-        HeadServer,
-        ServerRecord,
-        api_key_source,
-        choose_layout,
-        serve_argv,
-    )
-    from llmctl.cluster.launch.launcher import Cluster
-    from llmctl.cluster.plan.model_spec import load_model_spec
-    from llmctl.cluster.plan.planner import PlanOptions, make_plan
+    from llmctl.cluster.launch.cluster_serve import ClusterServeOptions, serve_on_cluster
 
-    dp = int(options.get("data_parallel_size", 1))  # type: ignore[call-overload]
-    _check_replicas_on(backend, dp)  # a backend given: before any connection
-    inv = load_inventory(inventory_path)
     log = lambda line: stderr_console().print(f"[dim]{line}[/dim]")  # noqa: E731
-    with Cluster(inv, log=log) as cluster:
-        running_on = cluster.backend()
-        backend = check_cluster_backend(backend, running_on, inv.source, stop=stop)
-        transport = cluster.transports[inv.head.host]
-        head = (
-            GroupServer(inv, cluster.transports, cluster.container)
-            if backend == "mp"
-            else HeadServer(inv, transport, cluster.container)
-        )
-        if stop:
-            stopped = head.stop()
-            stdout_console().print(f"cluster {inv.name}: " + ("server stopped" if stopped
-                                   else "no server was running"))  # fmt: skip
-            return
-        model = model or inv.model
-        if not model:
-            raise ConfigError(f"{inv.source} names no model", "pass MODEL or add `model:` to it")
-        _check_replicas_on(backend, dp)
-        plan_options = PlanOptions(data_parallel_size=dp) if dp > 1 else None
-        layout = choose_layout(
-            inv, model, tp, pp, lambda m, i: make_plan(load_model_spec(m), i, plan_options), dp
-        )
-        check_cluster_options(options)
-        if backend == "mp":
-            record = group_record(model, layout, port, options, server, inv)
-            where = f"on {len(inv.nodes)} nodes, mp backend"
-        else:
-            argv = serve_argv(model, layout, port, options, server)
-            record = ServerRecord(
-                model, port, layout.tensor_parallel_size, layout.pipeline_parallel_size,
-                tuple(argv),
-            )  # fmt: skip
-            where = f"on {inv.head.host}"
-        if api_key:  # its env file on the head node: on no command line
-            record = dataclasses.replace(record, api_key_file=head.api_key_file())
-        log(
-            f"serving {model} with tp={layout.tensor_parallel_size} "
-            f"pp={layout.pipeline_parallel_size} ({layout.reason}) in {cluster.container} "
-            f"{where}"
-        )
-        state = head.start(record, wait_s=wait, log=log)
-    replicas = f"dp={dp}, " if dp > 1 else ""
+    asked = ClusterServeOptions(tp, pp, port, options, server, backend, make_api_key=api_key)
+    done = serve_on_cluster(inventory_path, model, asked, stop=stop, wait=wait, log=log)
+    if stop:
+        outcome = "server stopped" if done.stopped else "no server was running"
+        stdout_console().print(f"cluster {done.cluster}: {outcome}")
+        return
+    record = done.record
+    replicas = f"dp={done.data_parallel_size}, " if done.data_parallel_size > 1 else ""
     stdout_console().print(
-        f"cluster {inv.name}: serving {model} ({replicas}tp={record.tensor_parallel_size}, "
-        f"pp={record.pipeline_parallel_size}, pid {state.pid}) at {record.endpoint(inv.head.ip)}"
+        f"cluster {done.cluster}: serving {done.model} ({replicas}"
+        f"tp={record.tensor_parallel_size}, pp={record.pipeline_parallel_size}, "
+        f"pid {done.state.pid}) at {done.endpoint}"
     )
-    stdout_console().print(f"API key: {api_key_source(record, inv)}", soft_wrap=True)
+    stdout_console().print(f"API key: {done.api_key}", soft_wrap=True)

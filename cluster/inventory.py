@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from llmctl.cluster.errors import InventoryError
+from llmctl.engine.config.options import option
 
 INTERCONNECTS = ("nvlink", "pcie")
 
@@ -288,3 +289,36 @@ def inventory_from_flags(
             for i in range(nodes)
         ),
     )
+
+
+INVENTORY_PANEL = "Inventory"
+_PLAN_ONLY = dict(panel=INVENTORY_PANEL, commands=("plan",), show_default=True)
+
+
+@dataclass(frozen=True)
+class InventoryFlags:
+    """The cluster a command plans for: an inventory file, or nodes described by flags."""
+
+    inventory: str | None = option(
+        "The cluster's inventory file (see templates/cluster.yaml).",
+        default=None,
+        aliases=("-i",),
+        panel=INVENTORY_PANEL,
+        commands=("plan",),
+        default_help="",
+    )
+    nodes: int = option("Nodes, without --inventory.", default=1, **_PLAN_ONLY)
+    gpus_per_node: int = option("GPUs per node, without --inventory.", default=8, **_PLAN_ONLY)
+    gpu_memory_gib: float = option(
+        "Memory per GPU, without --inventory.", default=80.0, **_PLAN_ONLY
+    )
+    interconnect: str = option(
+        "nvlink or pcie, without --inventory.", default="nvlink", **_PLAN_ONLY
+    )
+
+    def resolve(self) -> Inventory:
+        if self.inventory:
+            return load_inventory(self.inventory)
+        return inventory_from_flags(
+            self.nodes, self.gpus_per_node, self.gpu_memory_gib, self.interconnect
+        )

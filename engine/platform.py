@@ -7,6 +7,7 @@ import functools
 import logging
 import os
 
+from llmctl.engine import envs
 from llmctl.engine.errors import ConfigError
 
 logger = logging.getLogger("llmctl")
@@ -17,6 +18,14 @@ def cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Triton is installed (its kernels run on CUDA, or on the CPU under TRITON_INTERPRET=1)."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def default_device() -> str:
@@ -105,7 +114,7 @@ def tune_cpu_allocator() -> None:
     faults for its multi-megabyte activations and KV gathers; a high threshold lets the heap reuse
     them. (vLLM's CPU backend gets the same effect by preloading tcmalloc.)
     """
-    if os.environ.get("LLMCTL_NO_MALLOC_TUNING"):
+    if envs.LLMCTL_NO_MALLOC_TUNING:
         return
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -1,4 +1,5 @@
-"""Rich progress bars on stderr: while weights load, and while a batch generates.
+"""What the engine shows on stderr: rich progress bars (while weights load, while a batch
+generates) and, for a library caller that configured no logging, its log lines.
 
 Bars draw only on a terminal; redirected to a file or CI log they print nothing. The console
 writes to whatever sys.stderr is when it writes, so log lines emitted under a live bar (through a
@@ -35,6 +36,26 @@ def stderr_console():
     from rich.console import Console
 
     return Console(file=CurrentStderr(), highlight=False, emoji=False)
+
+
+def configure_default_logging() -> None:
+    """Show the engine's INFO lines (logger "llmctl": the KV-cache size, the maximum concurrency)
+    on stderr, as vLLM's LLM does, unless the program configured logging itself (a handler on
+    "llmctl" or on the root logger: the CLI's, pytest's) or LLMCTL_CONFIGURE_LOGGING=0."""
+    import logging
+
+    from llmctl.engine import envs
+
+    logger = logging.getLogger("llmctl")
+    if not envs.LLMCTL_CONFIGURE_LOGGING or logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(CurrentStderr())
+    handler.setFormatter(
+        logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S")
+    )
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
 
 
 @contextmanager

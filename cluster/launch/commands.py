@@ -83,13 +83,6 @@ def docker_exec_argv(container: str, command: list[str]) -> list[str]:
     return ["docker", "exec", container, *command]
 
 
-def docker_ps_argv(cluster: str) -> list[str]:
-    return [
-        "docker", "ps", "--all", "--filter", f"label={LABEL_CLUSTER}={cluster}",
-        "--format", "{{.Names}}",
-    ]  # fmt: skip
-
-
 def ip_addr_argv() -> list[str]:
     return ["ip", "-o", "addr", "show"]
 

@@ -5,8 +5,6 @@ this node's Ray; on the mp backend (`--backend mp`) it idles with the node's env
 
 from __future__ import annotations
 
-import os
-
 from llmctl.cluster.errors import (
     ConfigError,
     DockerUnavailableError,
@@ -33,6 +31,7 @@ from llmctl.cluster.launch.up_executor import (
     start,
     wait_for_ray,
 )
+from llmctl.engine import envs
 from llmctl.engine.distributed.join import SECRET_ENV as CLUSTER_SECRET_ENV
 
 
@@ -121,8 +120,8 @@ def up_this_node(
         own.ifname, probe.image_id, bool(probe.docker.nvidia), probe.home, probe.hostname
     )
     env = dict(env or {})
-    if os.environ.get(CLUSTER_SECRET_ENV):  # to the container's 0600 env file, as -i does
-        env.setdefault(CLUSTER_SECRET_ENV, os.environ[CLUSTER_SECRET_ENV])
+    if envs.LLMCTL_CLUSTER_SECRET:  # to the container's 0600 env file, as -i does
+        env.setdefault(CLUSTER_SECRET_ENV, envs.LLMCTL_CLUSTER_SECRET)
     launch = local_launch(
         role, ip, head_ip or ip, image, facts, hf_home=hf_home, gpus=gpus, env=env,
         backend=backend,

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from llmctl.cluster.errors import HostUnreachableError, RemoteCommandError, SSHAuthError
+from llmctl.engine import envs
 
 COMMAND_NOT_FOUND = 127  # the exit status a shell gives a missing program
 
@@ -126,7 +127,7 @@ class LocalTransport:
 
 
 def known_hosts_path() -> Path:
-    return Path(os.environ.get("LLMCTL_KNOWN_HOSTS", "~/.ssh/known_hosts")).expanduser()
+    return Path(envs.LLMCTL_KNOWN_HOSTS).expanduser()
 
 
 class SSHTransport:

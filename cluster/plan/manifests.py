@@ -37,6 +37,7 @@ keywords.
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 import re
 import shlex
@@ -46,7 +47,8 @@ from pathlib import Path
 import yaml
 
 from llmctl.cluster.errors import ConfigError
-from llmctl.engine.config.engine_args import SERVE, SERVER, EngineArgs, engine_args_to_argv, option
+from llmctl.engine.config.engine_args import EngineArgs, engine_args_to_argv
+from llmctl.engine.config.options import PLAN, SERVE, SERVER, option
 from llmctl.engine.distributed.join import SECRET_ENV
 
 EMIT_KINDS = ("lws", "raycluster", "rayservice", "kuberay")  # kuberay: the RayService
@@ -165,6 +167,87 @@ def default_model_path(model: str | None) -> str | None:
     if local.exists():
         return str(local.resolve())
     return posixpath.join("/models", model)
+
+
+KUBE_PANEL = "Kubernetes (--emit)"
+_EMIT = dict(panel=KUBE_PANEL, commands=(PLAN,))
+
+
+@dataclass(frozen=True)
+class EmitFlags:
+    """`llmctl plan --emit`'s options: what KubeOptions is made of, as the user gives it."""
+
+    emit: str | None = option(
+        "Write the plan as Kubernetes manifests: lws (a LeaderWorkerSet, mp backend across "
+        "nodes), rayservice (KubeRay's RayService: llmctl's Ray Serve application, a replica per "
+        "data-parallel replica; also: kuberay) or raycluster (KubeRay's RayCluster running "
+        "llmctl serve, ray backend).",
+        default=None,
+        default_help="",
+        **_EMIT,
+    )
+    output: str | None = option(
+        "--emit: the YAML file.", default=None, aliases=("-o",), default_help="stdout", **_EMIT
+    )
+    image: str = option(
+        "--emit: the container image.", default=DEFAULT_IMAGE, show_default=True, **_EMIT
+    )
+    name: str | None = option(
+        "--emit: the objects' name.", default=None, default_help="llmctl-MODEL", **_EMIT
+    )
+    namespace: str | None = option("--emit: their namespace.", default=None, **_EMIT)
+    port: int = option(
+        "--emit: the serving port (and its probes').",
+        default=DEFAULT_PORT,
+        show_default=True,
+        **_EMIT,
+    )
+    model_path: str | None = option(
+        "--emit: the model's path in the pod.",
+        default=None,
+        default_help="a local MODEL's own path, else /models/MODEL",
+        **_EMIT,
+    )
+    model_host_path: str | None = option(
+        "--emit: the node's directory mounted at the model's directory.",
+        default=None,
+        default_help="the same path",
+        **_EMIT,
+    )
+    model_pvc: str | None = option(
+        "--emit: a PersistentVolumeClaim holding the model instead.", default=None, **_EMIT
+    )
+    shm_size: str = option(
+        "--emit: the size of /dev/shm.", default=DEFAULT_SHM_SIZE, show_default=True, **_EMIT
+    )
+    socket_ifname: str = option(
+        "--emit: NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME.",
+        default=DEFAULT_SOCKET_IFNAME,
+        show_default=True,
+        **_EMIT,
+    )
+    master_port: int | None = option(
+        "--emit lws: the rendezvous port of the leader.",
+        default=None,
+        default_help=str(DEFAULT_MASTER_PORT),
+        **_EMIT,
+    )
+    ray_version: str | None = option(
+        "--emit raycluster/rayservice: the image's Ray version, for KubeRay.",
+        default=None,
+        **_EMIT,
+    )
+
+    def kube_options(self, model: str | None) -> KubeOptions | None:
+        """The KubeOptions to emit, None without --emit."""
+        if self.emit is None:
+            return None
+        given = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("emit", "output")
+        }
+        return kube_options(self.emit, model, **given)
 
 
 def kube_options(

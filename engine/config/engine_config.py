@@ -111,7 +111,7 @@ class CacheConfig:
     kv_cache_space_gib: float | None = None  # CPU: bytes for the cache (None: 4 GiB)
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the engine may use
     enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None  # fixes the block count (tests, planning)
+    num_gpu_blocks_override: int | None = None  # fixes the block count (--num-gpu-blocks-override)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -41,10 +41,6 @@ class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of which found in the cache
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
 
 class BlockManager:
     def __init__(
@@ -103,9 +99,6 @@ class BlockManager:
         self.stats.queries += request.num_tokens
         self.stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
-
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self.num_free_blocks
 
     def allocate_slots(
         self,

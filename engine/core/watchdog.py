@@ -1,5 +1,5 @@
-"""Watchdog: the thread beside AsyncLLM's engine thread that fails an engine which cannot fail by
-itself.
+"""Watchdog: the thread beside the supervisor's engine thread that fails an engine which cannot
+fail by itself.
 
 A step that never completes (a deadlocked collective, a SIGSTOPped or hung rank) never raises in
 the engine thread on its own: the engine thread waits on it forever. (A worker that dies while the
@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from llmctl.engine.client.async_llm import AsyncLLM
+    from llmctl.engine.core.supervisor import EngineSupervisor
 
 logger = logging.getLogger("llmctl")
 
@@ -27,20 +27,20 @@ GRACE_S = 5.0
 
 
 class Watchdog:
-    def __init__(self, llm: AsyncLLM, grace_s: float = GRACE_S) -> None:
-        self.llm = llm
+    def __init__(self, supervisor: EngineSupervisor, grace_s: float = GRACE_S) -> None:
+        self.supervisor = supervisor
         self.grace_s = grace_s
-        self.period = min(1.0, llm.monitor.timeout_s / 4)
+        self.period = min(1.0, supervisor.monitor.timeout_s / 4)
         self._thread = threading.Thread(target=self._run, name="llmctl-watchdog", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def _run(self) -> None:
-        llm = self.llm
-        while not llm.stopping and llm.dead_error is None:
+        supervisor = self.supervisor
+        while not supervisor.stopping and supervisor.dead_error is None:
             time.sleep(self.period)
-            if llm.failure_in_hand():
+            if supervisor.failure_in_hand():
                 continue
             try:
                 self.look()
@@ -48,18 +48,18 @@ class Watchdog:
                 logger.exception("the engine's watchdog failed")
 
     def look(self) -> None:
-        llm = self.llm
-        if llm.monitor.stalled():
+        supervisor = self.supervisor
+        if supervisor.monitor.stalled():
             self.tear_down_stall()
 
     def tear_down_stall(self) -> None:
-        llm = self.llm
-        error = llm.stalled_error()
-        llm.stall_error = error
+        supervisor = self.supervisor
+        error = supervisor.stalled_error()
+        supervisor.stall_error = error
         logger.error("engine stalled: %s", error.message)
-        llm.abort_engine(error)
+        supervisor.abort_engine(error)
         deadline = time.monotonic() + self.grace_s
-        while llm.stall_error is error and time.monotonic() < deadline:
+        while supervisor.stall_error is error and time.monotonic() < deadline:
             time.sleep(0.05)
-        if llm.stall_error is error:  # stuck in this process: nothing to kill
-            llm.fail_all(error, may_restart=False)
+        if supervisor.stall_error is error:  # stuck in this process: nothing to kill
+            supervisor.fail_all(error, may_restart=False)

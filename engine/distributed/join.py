@@ -43,7 +43,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
 import socket
 import threading
@@ -52,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmctl.engine import envs
 from llmctl.engine.errors import ClusterSecretError, ConfigError
 
 logger = logging.getLogger("llmctl")
@@ -112,7 +112,7 @@ class ClusterSecret:
         if secret_file:
             value, source = _read_secret_file(secret_file), f"--cluster-secret-file {secret_file}"
         else:
-            value, source = os.environ.get(SECRET_ENV, "").strip(), SECRET_ENV
+            value, source = (envs.LLMCTL_CLUSTER_SECRET or "").strip(), SECRET_ENV
         if not value:
             raise ConfigError(
                 f"{needed_by or 'this node'} joins nodes over the network, and no cluster secret "

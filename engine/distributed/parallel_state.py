@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmctl.engine import envs
+
 
 @dataclass
 class GroupCoordinator:
@@ -33,10 +35,6 @@ class GroupCoordinator:
     @property
     def is_first_rank(self) -> bool:
         return self.rank_in_group == 0
-
-    @property
-    def is_last_rank(self) -> bool:
-        return self.rank_in_group == self.world_size - 1
 
     def all_reduce(self, tensor):
         if self.world_size == 1:
@@ -229,14 +227,13 @@ def initialize_model_parallel(
 
 def _attach_shared_memory(group: GroupCoordinator) -> None:
     """Give a CPU group whose ranks share one node a shared-memory communicator."""
-    import os
     import socket
 
     import torch.distributed as dist
 
     if group.world_size == 1 or dist.get_backend() != "gloo":
         return
-    if os.environ.get("LLMCTL_SHM_COLLECTIVES", "1") == "0":
+    if not envs.LLMCTL_SHM_COLLECTIVES:
         return
     from llmctl.engine.distributed.shm_communicator import ShmCommunicator, host_id
 

@@ -36,9 +36,10 @@ import uuid
 import numpy as np
 import torch
 
+from llmctl.engine import envs
+
 _LINE = 64
 _NAME_BYTES = 32  # a uuid4's hex
-_DEFAULT_CAPACITY = int(os.environ.get("LLMCTL_SHM_SLOT_BYTES", str(8 << 20)))
 _SPIN = 2000  # flag checks before yielding the CPU
 _TIMEOUT_S = 300.0
 
@@ -55,7 +56,7 @@ class ShmCommunicator:
 
         self.rank = rank_in_group
         self.world = world_size
-        self.capacity = (capacity or _DEFAULT_CAPACITY) // _LINE * _LINE
+        self.capacity = (capacity or envs.LLMCTL_SHM_SLOT_BYTES) // _LINE * _LINE
         size = _LINE * world_size + 2 * world_size * self.capacity
         # The first rank creates the file; the others open it by name; then it is unlinked.
         # The file's name, as bytes in a tensor (nothing received is unpickled).

@@ -30,11 +30,11 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import logging
 from collections.abc import AsyncIterator
 
 from llmctl.engine.client.async_llm import AsyncLLM
+from llmctl.engine.client.protocol import Supervision
 from llmctl.engine.config.engine_config import EngineConfig
 from llmctl.engine.core.llm_engine import EngineStats, LLMEngine, PromptType
 from llmctl.engine.dp.router import DPRouter
@@ -169,7 +169,7 @@ class DPAsyncLLM:
         dp.lockstep = lockstep
         return dp
 
-    # -- AsyncLLM's interface --------------------------------------------------------------------
+    # -- EngineClient (client/protocol.py) -------------------------------------------------------
 
     @property
     def is_running(self) -> bool:
@@ -191,6 +191,9 @@ class DPAsyncLLM:
             states.append((i, replica.get_stats(), error))
         return states
 
+    def supervision(self) -> list[Supervision]:
+        return [replica.supervision()[0] for replica in self.replicas]
+
     def health(self) -> dict:
         """/health's body while every replica serves."""
         return {"status": "ok", "replicas": [replica.health() for replica in self.replicas]}
@@ -205,7 +208,7 @@ class DPAsyncLLM:
         return total
 
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: str
+        self, prompt: PromptType, params: SamplingParams, request_id: str, on_accepted=None
     ) -> AsyncIterator[RequestOutput]:
         """Route the request, then yield its outputs from the replica that took it."""
         prompt, prompt_ids = self._with_token_ids(prompt)
@@ -219,9 +222,15 @@ class DPAsyncLLM:
             replica = self.router.route(request_id, prompt_ids, max_tokens * params.n)
             engine = self.replicas[replica].engine  # the one that fails it, if one does
             accepted = []
+
+            def took_it(accepted=accepted) -> None:
+                accepted.append(True)
+                if on_accepted is not None:
+                    on_accepted()
+
             try:
                 stream = self.replicas[replica].generate(
-                    prompt, params, request_id, on_accepted=functools.partial(accepted.append, True)
+                    prompt, params, request_id, on_accepted=took_it
                 )
                 async with contextlib.aclosing(stream):
                     async for output in stream:
@@ -236,6 +245,11 @@ class DPAsyncLLM:
                 logger.warning("replica %d is dead; routing request %s again", replica, request_id)
             finally:
                 self.router.finish(request_id)
+
+    def abort(self, request_id: str) -> None:
+        replica = self.router.replica_of(request_id)
+        if replica is not None:
+            self.replicas[replica].abort(request_id)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         if self.lockstep is not None:  # all leave their lockstep together, none waits for one

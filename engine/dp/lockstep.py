@@ -7,12 +7,12 @@ Each replica still schedules and attends over its own batch, but every forward p
 replica's workers meets a forward pass of every other replica's in those collectives: the
 replicas must run the same number of forwards, as vLLM's DP engines do.
 
-Each replica's engine thread (AsyncLLM) calls `sync(index, busy)` once per loop turn, where
-`busy` says whether it has unfinished requests. The call returns when every replica has called
-it for this round, with whether any of them was busy: then every replica steps, and one with no
-work of its own (or none scheduled this step) runs a dummy batch (execute_dummy_batch: one token
-through the model, no KV written, nothing sampled); if none was busy, every replica idles. A
-replica that gets work while the others idle wakes them, so a request waits for no idle period.
+Each replica's engine thread (core/engine_core.py's loop) calls `sync(index, busy)` once per loop
+turn, where `busy` says whether it has unfinished requests. The call returns when every replica has
+called it for this round, with whether any of them was busy: then every replica steps, and one with
+no work of its own (or none scheduled this step) runs a dummy batch (execute_dummy_batch: one token
+through the model, no KV written, nothing sampled); if none was busy, every replica idles. A replica
+that gets work while the others idle wakes them, so a request waits for no idle period.
 
 A replica that fails breaks the lockstep for all: the world is shared, so a dead rank would
 leave the others blocked in a collective. Every other replica's engine is aborted with an

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from llmctl.engine.client.protocol import Supervision
 from llmctl.engine.config.engine_config import EngineConfig
 from llmctl.engine.core.llm_engine import EngineStats, PromptType
 from llmctl.engine.dp.join_server import REPORT_INTERVAL_S, JoinedReplica
@@ -98,7 +99,7 @@ class RemoteReplica:
     def describe(self) -> str:
         return f"data-parallel replica {self.rank} on host {self.host} (pid {self.pid})"
 
-    # -- AsyncLLM's interface --------------------------------------------------------------------
+    # -- EngineClient (client/protocol.py) -------------------------------------------------------
 
     @property
     def is_running(self) -> bool:
@@ -113,6 +114,13 @@ class RemoteReplica:
 
     def get_stats(self) -> EngineStats:
         return self.report["stats"]
+
+    def replica_states(self) -> list[tuple[int, EngineStats, EngineDeadError | None]]:
+        return [(0, self.get_stats(), self.health_error())]
+
+    def supervision(self) -> list[Supervision]:
+        stalled = self.stall_error is not None or self.monitor.stalled()
+        return [Supervision(self.monitor.seconds_waiting(), stalled, self.restarts)]
 
     @property
     def stall_error(self) -> EngineStalledError | None:

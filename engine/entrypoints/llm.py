@@ -8,16 +8,18 @@ outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from llmctl.engine.client.factory import build_engine_client
 from llmctl.engine.config.engine_args import EngineArgs
-from llmctl.engine.core.llm_engine import LLMEngine, PromptType
-from llmctl.engine.errors import InvalidRequestError, RequestBatchError
+from llmctl.engine.core.llm_engine import PromptType
+from llmctl.engine.errors import ConfigError, InvalidRequestError, RequestBatchError
 from llmctl.engine.outputs import RequestOutput
-from llmctl.engine.progress import generation_progress
+from llmctl.engine.progress import configure_default_logging, generation_progress, rich_progress
 from llmctl.engine.sampling_params import SamplingParams
 
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
@@ -44,32 +46,20 @@ class LLM:
     def __init__(self, model: str | None = None, *, use_tqdm_on_load: bool = True, **kwargs):
         unknown = sorted(set(kwargs) - _ENGINE_ARG_NAMES)
         if unknown:
-            from llmctl.engine.errors import ConfigError
-
             raise ConfigError(
                 f"unknown LLM() argument(s): {', '.join(unknown)}",
                 f"valid arguments: {', '.join(sorted(_ENGINE_ARG_NAMES - {'model'}))}",
             )
+        configure_default_logging()
         engine_args = EngineArgs(model=model, **kwargs)
-        # data_parallel_size > 1: replicas, each its own engine thread and workers (their
-        # tokenizer and config are replica 0's llm_engine)
-        self._dp = None
-        build = LLMEngine.from_engine_args
-        if engine_args.data_parallel_size > 1:
-            from llmctl.engine.dp.dp_async_llm import DPAsyncLLM
-
-            build = DPAsyncLLM.from_engine_args
         if use_tqdm_on_load:
-            from llmctl.engine.progress import rich_progress
-
             with rich_progress() as progress:
-                built = build(engine_args, progress)
+                self.engine_client = build_engine_client(engine_args, progress)
         else:
-            built = build(engine_args)
-        if engine_args.data_parallel_size > 1:
-            self._dp, built = built, built.engine
-            self._dp_ids = itertools.count()
-        self.llm_engine = built
+            self.engine_client = build_engine_client(engine_args)
+        # The engine's config and tokenizer (with data parallelism, replica 0's).
+        self.llm_engine = self.engine_client.engine
+        self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
         """The engine's tokenizer; None when it was started with skip_tokenizer_init."""
@@ -150,10 +140,7 @@ class LLM:
         )
 
     def shutdown(self) -> None:
-        if self._dp is not None:
-            self._dp.shutdown()
-        else:
-            self.llm_engine.shutdown()
+        self.engine_client.shutdown()
 
     def __enter__(self) -> LLM:
         return self
@@ -164,46 +151,15 @@ class LLM:
     def _run(
         self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
-        if self._dp is not None:
-            return self._run_data_parallel(prompts, params, use_tqdm)
-        engine = self.llm_engine
-        errors: dict[int, InvalidRequestError] = {}
-        index_of: dict[str, int] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            try:
-                request_id = engine.add_request(None, prompt, p)
-            except InvalidRequestError as exc:
-                errors[i] = exc
-                continue
-            index_of[request_id] = i
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        try:
-            with generation_progress(use_tqdm, len(index_of)) as advance:
-                while engine.has_unfinished_requests():
-                    for output in engine.step():
-                        if output.finished and output.request_id in index_of:
-                            results[index_of[output.request_id]] = output
-                            advance(output)
-        except BaseException:
-            engine.abort_request(list(index_of))  # leave the engine clean for the next call
-            raise
-        if errors:
-            if len(prompts) == 1:
-                raise errors[0]
-            raise RequestBatchError(errors, results)
-        return results  # type: ignore[return-value]
-
-    def _run_data_parallel(
-        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
-    ) -> list[RequestOutput]:
-        """Every prompt at once through the replicas' router, as the server runs them."""
-        dp = self._dp
-        ids = [f"{next(self._dp_ids)}" for _ in prompts]
+        """Every prompt at once through the engine client, as the server runs them; the
+        results in the prompts' order."""
+        client = self.engine_client
+        ids = [str(next(self._ids)) for _ in prompts]
         with generation_progress(use_tqdm, len(prompts)) as advance:
 
             async def one(prompt: PromptType, p: SamplingParams, request_id: str):
                 final = None
-                async for output in dp.generate(prompt, p, request_id):
+                async for output in client.generate(prompt, p, request_id):
                     final = output
                 advance(final)
                 return final
@@ -212,7 +168,7 @@ class LLM:
                 tasks = [one(*args) for args in zip(prompts, params, ids, strict=True)]
                 return await asyncio.gather(*tasks, return_exceptions=True)
 
-            gathered = asyncio.run(run_all())
+            gathered = _run_to_completion(run_all())
         errors: dict[int, InvalidRequestError] = {}
         results: list[RequestOutput | None] = [None] * len(prompts)
         for i, result in enumerate(gathered):
@@ -227,6 +183,17 @@ class LLM:
                 raise errors[0]
             raise RequestBatchError(errors, results)
         return results  # type: ignore[return-value]
+
+
+def _run_to_completion(coroutine):
+    """asyncio.run, also from a thread whose event loop is running (a notebook's): then in a
+    thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

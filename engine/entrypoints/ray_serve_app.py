@@ -1,5 +1,6 @@
 """The Ray Serve application of llmctl: one deployment, LLMServer, whose replicas each run an
-engine (AsyncLLM) behind llmctl's own OpenAI-compatible routes (api_server.build_app).
+engine (an EngineClient: AsyncLLM) behind llmctl's own OpenAI-compatible routes
+(api_server.build_app).
 
 A RayService's serveConfigV2 (cluster/plan/manifests.py), or `serve run`, names it by import path
 and gives its engine options as `args:`, the keywords of EngineArgs (and a few of ServerConfig):
@@ -37,16 +38,22 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from llmctl.engine.config.options import RAY_SERVE, cli_options
+from llmctl.engine.entrypoints.openai.server_config import ServerConfig
 from llmctl.engine.errors import ConfigError
+
+if TYPE_CHECKING:
+    from llmctl.engine.client.protocol import EngineClient
 
 logger = logging.getLogger("llmctl")
 
 IMPORT_PATH = "llmctl.engine.entrypoints.ray_serve_app:build_app"
 DEPLOYMENT_NAME = "LLMServer"
-# ServerConfig's fields a RayService may set (Ray Serve's proxy owns the host, port and shutdown).
-SERVER_KEYS = ("api_key", "max_request_body_bytes", "http_timeout", "num_prepare_threads")
+# ServerConfig's fields a RayService may set (Ray Serve's proxy owns the host, port and shutdown):
+# those whose OptionSpec lists RAY_SERVE.
+SERVER_KEYS = tuple(o.name for o in cli_options(RAY_SERVE, ServerConfig))
 HEALTH_CHECK_PERIOD_S = 10.0
 HEALTH_CHECK_TIMEOUT_S = 30.0
 
@@ -79,7 +86,7 @@ def split_args(args: Mapping[str, Any]) -> tuple[dict, dict]:
     IMPORT_PATH tensor_parallel_size=2` gives strings: a number or a boolean is converted to
     the option's type. Unknown keys and the options a replica cannot take are typed errors
     naming the fix."""
-    from llmctl.engine.config.engine_args import EngineArgs, cli_options
+    from llmctl.engine.config.engine_args import EngineArgs
 
     engine_keys = {f.name for f in dataclasses.fields(EngineArgs)}
     unknown = sorted(set(args) - engine_keys - set(SERVER_KEYS))
@@ -89,7 +96,7 @@ def split_args(args: Mapping[str, Any]) -> tuple[dict, dict]:
             "give EngineArgs keywords (model, tensor_parallel_size, pipeline_parallel_size, "
             f"max_model_len, ...) or {', '.join(SERVER_KEYS)}",
         )
-    types = {o.name: o.value_type for o in cli_options()} | _SERVER_TYPES
+    types = {o.name: o.value_type for o in (*cli_options(None, EngineArgs), *_SERVER_OPTIONS)}
     typed = {k: _typed(k, v, types.get(k)) for k, v in args.items()}
     engine = {k: v for k, v in typed.items() if k in engine_keys}
     server = {k: v for k, v in typed.items() if k in SERVER_KEYS}
@@ -108,7 +115,7 @@ def split_args(args: Mapping[str, Any]) -> tuple[dict, dict]:
     return engine, server
 
 
-_SERVER_TYPES = {"max_request_body_bytes": int, "http_timeout": float, "num_prepare_threads": int}
+_SERVER_OPTIONS = cli_options(RAY_SERVE, ServerConfig)
 _BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 
 
@@ -131,7 +138,7 @@ class LLMServer:
     calls `__serve_build_asgi_app__` after `__init__`, and `check_health` periodically."""
 
     async def __init__(self, engine_kwargs: dict, server_kwargs: dict) -> None:
-        from llmctl.engine.client.async_llm import AsyncLLM
+        from llmctl.engine.client.factory import build_engine_client
         from llmctl.engine.config.engine_args import EngineArgs
         from llmctl.engine.entrypoints.openai.server_config import ServerConfig
 
@@ -143,27 +150,27 @@ class LLMServer:
             engine_kwargs["distributed_executor_backend"] = "ray"  # ranks in our bundles
         self.engine_args = EngineArgs(**engine_kwargs)
         self.server_config = ServerConfig(**server_kwargs)
-        self.async_llm = None
+        self.engine_client: EngineClient | None = None
         # The engine builds in its own thread (AsyncLLM.from_engine_args); the replica's event
         # loop stays free meanwhile.
-        self.async_llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self.engine_args)
+        self.engine_client = await asyncio.to_thread(build_engine_client, self.engine_args)
 
     def __serve_build_asgi_app__(self):
         from llmctl.engine.entrypoints.openai.api_server import build_app as build_api
 
-        name = self.async_llm.engine.config.model_config.served_model_name
+        name = self.engine_client.engine.config.model_config.served_model_name
         logger.info("Serving %s as a Ray Serve replica (OpenAI API under /v1)", name)
-        return build_api(self.async_llm, name, self.server_config)
+        return build_api(self.engine_client, name, self.server_config)
 
     def check_health(self) -> None:
         """Ray Serve's health check: the engine's /health error (dead, restarting, stalled)."""
-        error = self.async_llm.health_error()
+        error = self.engine_client.health_error()
         if error is not None:
             raise error
 
     def __del__(self) -> None:
-        if getattr(self, "async_llm", None) is not None:
-            self.async_llm.shutdown()
+        if getattr(self, "engine_client", None) is not None:
+            self.engine_client.shutdown()
 
 
 def build_app(args: dict[str, Any]):

@@ -23,6 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from llmctl.engine import envs
 from llmctl.engine.config.engine_config import EngineConfig, ParallelConfig
 from llmctl.engine.core.scheduler_output import SchedulerOutput
 from llmctl.engine.core.stall_monitor import StalledRanks
@@ -32,7 +33,6 @@ from llmctl.engine.errors import ConfigError, EngineDeadError
 logger = logging.getLogger("llmctl")
 
 # On a CPU-only node, the number of ranks it can host: one per core unless declared.
-CPU_DEVICES_ENV = "LLMCTL_CPU_DEVICES"
 
 
 class Future(Protocol):
@@ -76,16 +76,8 @@ def local_device_count(device: str) -> int:
         import torch
 
         return torch.cuda.device_count()
-    declared = os.environ.get(CPU_DEVICES_ENV)
-    if declared:
-        try:
-            return int(declared)
-        except ValueError:
-            raise ConfigError(
-                f"{CPU_DEVICES_ENV}={declared!r} is not an integer",
-                f"set {CPU_DEVICES_ENV} to the number of ranks this node may host",
-            ) from None
-    return len(os.sched_getaffinity(0))
+    declared = envs.LLMCTL_CPU_DEVICES
+    return declared if declared is not None else len(os.sched_getaffinity(0))
 
 
 def in_ray_placement_group() -> bool:

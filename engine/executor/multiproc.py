@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from llmctl.engine import platform
+from llmctl.engine import envs, platform
 from llmctl.engine.config.hf_config_view import for_workers
 from llmctl.engine.core.stall_monitor import StalledRanks, stopped_processes
 from llmctl.engine.distributed import ranks, rendezvous
@@ -68,7 +68,6 @@ from llmctl.engine.executor.base import Executor, run_method
 logger = logging.getLogger("llmctl")
 
 _POLL_S = 0.5
-_READY_TIMEOUT_S = float(os.environ.get("LLMCTL_WORKER_START_TIMEOUT", "900"))
 _SHUTDOWN_GRACE_S = 5.0
 _PR_SET_PDEATHSIG = 1
 
@@ -201,7 +200,7 @@ class MultiprocExecutor(Executor):
 
     def _wait_ready(self, progress) -> None:
         pending = set(range(self.world_size))
-        limit = self.start_timeout_s or _READY_TIMEOUT_S
+        limit = self.start_timeout_s or envs.LLMCTL_WORKER_START_TIMEOUT
         deadline = time.monotonic() + limit
         while pending:
             if time.monotonic() > deadline:

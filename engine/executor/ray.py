@@ -28,6 +28,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from llmctl.engine import envs
 from llmctl.engine.config.hf_config_view import for_workers
 from llmctl.engine.core.stall_monitor import StalledRanks
 from llmctl.engine.distributed import ranks
@@ -37,7 +38,6 @@ from llmctl.engine.executor.base import Executor, run_method
 
 logger = logging.getLogger("llmctl")
 
-_PLACEMENT_TIMEOUT_S = float(os.environ.get("LLMCTL_RAY_PLACEMENT_TIMEOUT", "60"))
 _POLL_S = 0.5
 
 
@@ -58,9 +58,6 @@ class RayWorker:
 
     def free_port(self) -> int:
         return free_port("")  # the master's port: other nodes connect to it
-
-    def environment(self, names: list[str]) -> dict[str, str | None]:
-        return {name: os.environ.get(name) for name in names}
 
     def gpu_ids(self) -> list[str]:
         import ray
@@ -131,7 +128,7 @@ class RayExecutor(Executor):
             self, stop_actors, self.actors, pg if self._own_pg else None
         )
         try:
-            ready, _ = ray.wait([pg.ready()], timeout=_PLACEMENT_TIMEOUT_S)
+            ready, _ = ray.wait([pg.ready()], timeout=envs.LLMCTL_RAY_PLACEMENT_TIMEOUT)
             if not ready:
                 raise ConfigError(
                     f"Ray cannot place {self.world_size} workers needing 1 {resource} each: "

@@ -46,10 +46,10 @@ from torch import nn
 from llmctl.engine.distributed.parallel_state import get_dp_group, get_ep_group, get_tp_group
 from llmctl.engine.distributed.partition import column_shards, expert_shards, offsets
 from llmctl.engine.forward_context import num_tokens_across_dp
+from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
 from llmctl.engine.layers.linear import _copy_into, _cpu_prepack_enabled
 from llmctl.engine.layers.quantization.linear_method import current_quant_config
 from llmctl.engine.layers.quantization.moe_method import PackedMoEMethod, expert_matmul
-from llmctl.engine.model_loader.weights import CheckpointTensor
 
 # Checkpoint roles of an expert's matrices -> (fused parameter, shard id).
 _ROLES = {

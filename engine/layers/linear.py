@@ -15,19 +15,18 @@ rows to it (`_store`).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmctl.engine import envs
 from llmctl.engine.distributed.parallel_state import get_tp_group
 from llmctl.engine.distributed.partition import HeadShard, column_shards, head_shards, offsets
+from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
 from llmctl.engine.layers.quantization.linear_method import (
     PackedLinearMethod,
     current_quant_config,
 )
-from llmctl.engine.model_loader.weights import CheckpointTensor
 
 
 def _cpu_prepack_enabled(weight: torch.Tensor) -> bool:
@@ -35,7 +34,7 @@ def _cpu_prepack_enabled(weight: torch.Tensor) -> bool:
         weight.device.type == "cpu"
         and weight.dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
-        and os.environ.get("LLMCTL_CPU_PREPACK", "1") != "0"
+        and envs.LLMCTL_CPU_PREPACK
     )
 
 

@@ -16,8 +16,8 @@ from torch import nn
 from llmctl.engine.distributed.parallel_state import get_tp_group
 from llmctl.engine.distributed.partition import column_shards, offsets
 from llmctl.engine.kernels.cpu.quantized_matmul import PackedLinearWeight
+from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor, QuantizedCheckpointTensor
 from llmctl.engine.layers.linear import _copy_into, _cpu_prepack_enabled
-from llmctl.engine.model_loader.weights import CheckpointTensor, QuantizedCheckpointTensor
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from llmctl.engine import envs
 from llmctl.engine.config.model_shape import GGUF_ARCHITECTURES, ModelShape
 from llmctl.engine.errors import ConfigError, ModelLoadError, UnsupportedArchitectureError
 from llmctl.engine.model_loader.gguf_moe import check_moe_tensors, moe_hf_name
@@ -30,9 +31,7 @@ logger = logging.getLogger("llmctl")
 
 
 def cache_root() -> Path:
-    root = os.environ.get("LLMCTL_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "llmctl"
-    )
+    root = envs.LLMCTL_CACHE_DIR or os.path.join(os.path.expanduser("~"), ".cache", "llmctl")
     return Path(root) / "gguf"
 
 

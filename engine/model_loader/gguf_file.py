@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmctl.engine.errors import ModelLoadError
+from llmctl.engine.layers.checkpoint_tensor import drop_mapped_pages
 
 # Fixed-size GGUF value types: type id -> struct format.
 _SCALARS = {
@@ -201,6 +202,7 @@ def iterate_gguf_weights(
     path: str | Path, arch: str, num_heads: int, num_kv_heads: int, *, dequantize: bool = False
 ) -> Iterator[tuple[str, object]]:
     """(Hugging Face name, CheckpointTensor | QuantizedCheckpointTensor) for each tensor."""
+    from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor, QuantizedCheckpointTensor
     from llmctl.engine.layers.quantization.quant_config import QuantizationConfig
     from llmctl.engine.model_loader.gguf import _GPT2_CONV1D, _PERMUTED_QK, _hf_name
     from llmctl.engine.model_loader.gguf_moe import (
@@ -208,7 +210,6 @@ def iterate_gguf_weights(
         is_vector_shared_expert_gate,
         moe_tensors,
     )
-    from llmctl.engine.model_loader.weights import CheckpointTensor, QuantizedCheckpointTensor
 
     tensors = read_gguf_tensors(path)
     QuantizationConfig.for_gguf([t.type_name for t in tensors])  # refuses unsupported types
@@ -233,30 +234,6 @@ def iterate_gguf_weights(
         # GPT-2's model transposes Conv1D weights on loading; GGUF already stores [out, in].
         yield hf_name, (tensor.T if conv1d else tensor)
         drop_mapped_pages(t.data)  # the layer has packed its copy
-
-
-def drop_mapped_pages(data) -> None:
-    """Take a tensor's pages of the mapped file out of this process's resident set, once its
-    layer holds its own copy: the whole file would otherwise count towards the peak RSS (a later
-    read, if any, faults them in again from the page cache)."""
-    base = data
-    while base is not None and not isinstance(base, mmap.mmap):
-        # numpy views -> the frombuffer array -> its memoryview -> the mmap
-        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
-    if base is None or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    start = data.__array_interface__["data"][0] - base_address(base)
-    first = start - start % mmap.PAGESIZE
-    end = start + data.nbytes
-    last = end - end % mmap.PAGESIZE  # the pages wholly inside the tensor
-    if last > first:
-        base.madvise(mmap.MADV_DONTNEED, first, last - first)
-
-
-def base_address(mapped: mmap.mmap) -> int:
-    import numpy as np
-
-    return np.frombuffer(mapped, dtype=np.uint8).__array_interface__["data"][0]
 
 
 def _float_reader(t: GGUFTensorInfo, rows):

@@ -112,7 +112,7 @@ def moe_tensors(hf_name: str, t, float_reader, dequantize: bool) -> Iterator[tup
     gate [H] as [1, H]. Float tensors are read through `float_reader(t)` (index -> float32 torch
     tensor; the whole tensor is converted once for all experts); quantized ones keep their
     blocks, each expert's rows."""
-    from llmctl.engine.model_loader.weights import CheckpointTensor, QuantizedCheckpointTensor
+    from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor, QuantizedCheckpointTensor
 
     is_float = t.type_name in ("F32", "F16", "BF16") or dequantize
     if EXPERT not in hf_name:  # is_vector_shared_expert_gate(t)

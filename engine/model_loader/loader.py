@@ -12,8 +12,9 @@ from torch import nn
 from llmctl.engine.config.engine_config import ModelConfig
 from llmctl.engine.distributed.partition import PipelineShard
 from llmctl.engine.errors import ModelLoadError
+from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
 from llmctl.engine.layers.quantization.linear_method import set_quant_config
-from llmctl.engine.model_loader.weights import CheckpointTensor, count_weights, iterate_weights
+from llmctl.engine.model_loader.weights import count_weights, iterate_weights
 from llmctl.engine.models.registry import get_model_class
 from llmctl.engine.platform import torch_dtype
 

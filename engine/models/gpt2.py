@@ -17,9 +17,9 @@ from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.distributed.parallel_state import get_tp_group
 from llmctl.engine.distributed.partition import PipelineShard, head_shards
 from llmctl.engine.layers.activation import get_act_fn
+from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
 from llmctl.engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from llmctl.engine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from llmctl.engine.model_loader.weights import CheckpointTensor
 from llmctl.engine.models.utils import IntermediateTensors, load_weights, make_layers
 
 _CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")

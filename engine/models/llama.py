@@ -15,8 +15,8 @@ from llmctl.engine.attention.layer import Attention
 from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.distributed.parallel_state import get_tp_group
 from llmctl.engine.distributed.partition import PipelineShard, head_shards
-from llmctl.engine.kernels.cpu.fused_decode import DecodeStack
 from llmctl.engine.layers.activation import SiluAndMul
+from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
 from llmctl.engine.layers.fused_moe import expert_param
 from llmctl.engine.layers.layernorm import RMSNorm
 from llmctl.engine.layers.linear import (
@@ -26,7 +26,6 @@ from llmctl.engine.layers.linear import (
 )
 from llmctl.engine.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from llmctl.engine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from llmctl.engine.model_loader.weights import CheckpointTensor
 from llmctl.engine.models.utils import IntermediateTensors, load_weights, make_layers
 
 
@@ -144,27 +143,6 @@ class LlamaModel(nn.Module):
             self.__dict__["_stage_layers"] = layers
         return layers
 
-    def fused_decode(self, layers, hidden_states: torch.Tensor) -> DecodeStack | None:
-        """The C++ decode stack for this step, when every layer is a dense Llama layer."""
-        dense = self.__dict__.get("_dense_layers")
-        if dense is None:  # mixtures of experts run their modules
-            dense = self.__dict__["_dense_layers"] = all(
-                isinstance(layer.mlp, LlamaMLP) for layer in layers
-            )
-        return DecodeStack.for_step(self, layers, hidden_states) if dense else None
-
-    def fused_final_norm(self, layers) -> torch.Tensor | None:
-        """The last stage's final RMSNorm weight when the C++ stack can apply it in the same
-        call (a plain float32 RMSNorm with the layers' epsilon), else None."""
-        norm = self.norm if self.shard.is_last else None
-        if (
-            type(norm) is RMSNorm
-            and norm.weight.dtype == torch.float32
-            and norm.variance_epsilon == layers[0].input_layernorm.variance_epsilon
-        ):
-            return norm.weight
-        return None
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -176,16 +154,8 @@ class LlamaModel(nn.Module):
         else:
             hidden_states = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
-        layers = self.stage_layers()
-        fused = self.fused_decode(layers, hidden_states)
-        if fused is not None:  # a small decode step on the CPU: all layers in one C++ call
-            final = self.fused_final_norm(layers)
-            hidden_states, residual = fused(hidden_states, residual, positions, final)
-            if final is not None:
-                return hidden_states
-        else:
-            for layer in layers:
-                hidden_states, residual = layer(positions, hidden_states, residual)
+        for layer in self.stage_layers():
+            hidden_states, residual = layer(positions, hidden_states, residual)
         if not self.shard.is_last:
             return {"hidden_states": hidden_states, "residual": residual}
         hidden_states, _ = self.norm(hidden_states, residual)

@@ -14,6 +14,7 @@ from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.distributed.parallel_state import get_tp_group
 from llmctl.engine.distributed.partition import PipelineShard, head_shards
 from llmctl.engine.layers.activation import get_act_fn
+from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
 from llmctl.engine.layers.linear import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -21,7 +22,6 @@ from llmctl.engine.layers.linear import (
     RowParallelLinear,
 )
 from llmctl.engine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from llmctl.engine.model_loader.weights import CheckpointTensor
 from llmctl.engine.models.utils import IntermediateTensors, load_weights, make_layers
 
 _POSITION_OFFSET = 2  # OPT reserves the first two position embeddings

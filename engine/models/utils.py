@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from torch import nn
 
 from llmctl.engine.distributed.partition import PipelineShard
-from llmctl.engine.model_loader.weights import CheckpointTensor
+from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
 
 logger = logging.getLogger("llmctl")
 

@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llmctl.engine.attention.layer import AttentionMetadata, use_triton
+from llmctl.engine.attention.metadata import AttentionMetadata
 from llmctl.engine.forward_context import set_forward_context
 
 if TYPE_CHECKING:
+    from llmctl.engine.attention.backends.base import AttentionBackend
     from llmctl.engine.config.engine_config import EngineConfig
     from llmctl.engine.worker.model_runner import ModelInputs, ModelRunner
 
@@ -32,13 +33,13 @@ logger = logging.getLogger("llmctl")
 _CAPTURE_SIZES = (1, 2, 4, *range(8, 513, 8))
 
 
-def graphs_enabled(config: EngineConfig, device: torch.device) -> bool:
+def graphs_enabled(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> bool:
     return (
         device.type == "cuda"
         and not getattr(config.model_config, "enforce_eager", False)
         and config.parallel_config.pipeline_parallel_size == 1
         and not config.model_config.shape.num_experts
-        and use_triton(device)  # the torch backend's index_copy_ cannot skip padding slots
+        and backend.supports_cuda_graphs  # the torch backend's index_copy_ writes padding slots
     )
 
 

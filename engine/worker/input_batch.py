@@ -135,7 +135,3 @@ class InputBatch:
             self.req_ids[row] = None
             self.sampling_params[row] = None
             self._free.append(row)
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.row_of)

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmctl.engine.attention.layer import Attention, AttentionMetadata, PrefillChunk
+from llmctl.engine.attention.layer import Attention
+from llmctl.engine.attention.metadata import AttentionMetadata, PrefillChunk
+from llmctl.engine.attention.selector import get_attn_backend
 from llmctl.engine.config.engine_config import EngineConfig
 from llmctl.engine.core.model_runner_output import ModelRunnerOutput
 from llmctl.engine.core.scheduler_output import SchedulerOutput
@@ -49,6 +51,14 @@ def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     return torch.frombuffer(pages, dtype=dtype).view(shape)
 
 
+def _fused_decode(model: torch.nn.Module, backend):
+    if not backend.runs_cpu_decode_kernel:
+        return None
+    from llmctl.engine.kernels.cpu.fused_decode import FusedDecode
+
+    return FusedDecode.for_model(model, backend)
+
+
 @dataclass
 class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens] int64, on the device
@@ -75,6 +85,8 @@ class ModelRunner:
         self._buffers: dict[str, StagedBuffer] = {}
         self._copies_done = None  # CUDA: event after the last step's host-to-device copies
         self.sampler = Sampler(make_generator(self.device, mc.seed))
+        self.attn_backend = get_attn_backend(self.device)  # once: the layers never choose
+        self.fused_decode = _fused_decode(model, self.attn_backend)
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs = None  # CudaGraphRunner, once the KV cache exists (CUDA only)
         self._scratch_kv: list[torch.Tensor] | None = None  # execute_dummy_batch's KV block
@@ -108,14 +120,14 @@ class ModelRunner:
         for layer in self.attention_layers():
             shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             cache = zeroed_kv_cache(shape, self.dtype, self.device)
-            layer.kv_cache = cache
+            layer.bind(cache, self.attn_backend)
             self.kv_caches.append(cache)
 
     def capture_cuda_graphs(self) -> None:
         """CUDA, unless enforce_eager: capture the decode graphs (after the KV cache exists)."""
         from llmctl.engine.worker.cuda_graph_runner import CudaGraphRunner, graphs_enabled
 
-        if graphs_enabled(self.config, self.device):
+        if graphs_enabled(self.config, self.device, self.attn_backend):
             self.cuda_graphs = CudaGraphRunner(self)
             self.cuda_graphs.capture()
 
@@ -159,6 +171,10 @@ class ModelRunner:
         if graphs is not None and graphs.can_run(inputs):
             return graphs.run(inputs)
         with set_forward_context(inputs.attn_metadata):
+            if self.fused_decode is not None:  # a small CPU decode step: its layers in one call
+                out = self.fused_decode(inputs.input_ids, inputs.positions, intermediate_tensors)
+                if out is not None:
+                    return out
             return self.model(inputs.input_ids, inputs.positions, intermediate_tensors)
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -391,13 +407,13 @@ class ModelRunner:
         input_ids, positions, md, _ = self._prefill_only_inputs(np.ones(1, np.int64))
         self._end_staging()
         for layer, scratch in zip(layers, self._scratch_kv, strict=True):
-            layer.kv_cache = scratch
+            layer.bind(scratch, self.attn_backend)
         try:
             with set_forward_context(md):
                 self.model(input_ids, positions, None)
         finally:
             for layer, cache in zip(layers, bound, strict=True):
-                layer.kv_cache = cache
+                layer.bind(cache, self.attn_backend)
 
     def _prefill_only_inputs(self, lens: np.ndarray):
         """(input_ids, positions, AttentionMetadata, ends) of prefills of `lens` tokens with no

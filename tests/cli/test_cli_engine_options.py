@@ -17,7 +17,8 @@ from llmctl.cli import generate as generate_command
 from llmctl.cli import serve as serve_command
 from llmctl.cli.engine_options import engine_options
 from llmctl.cluster.launch.head_server import Layout, serve_argv
-from llmctl.engine.config.engine_args import EngineArgs, cli_options, engine_args_to_argv, option
+from llmctl.engine.config.engine_args import EngineArgs, cli_options, engine_args_to_argv
+from llmctl.engine.config.options import option
 
 WIDE = {"COLUMNS": "200"}
 

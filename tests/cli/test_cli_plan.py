@@ -136,3 +136,11 @@ def test_the_bundled_gguf_is_planned_in_its_quantized_types(invoke):
     assert "weights: 0.09 GiB per GPU (Q4_1 GGUF)" in out  # as the engine repacks it
     assert "Q8_0 (embedding), Q4_1 (q, k, v, o, gate, up, down)" in out
     assert "--quantization" not in out
+
+
+def test_the_run_section_starts_the_cluster_before_serving_on_it(invoke):
+    result = invoke("plan", "Llama-3.1-405B", "--nodes", "2", "--max-model-len", "8192")
+    assert result.exit_code == 0, result.output
+    run = result.stdout[result.stdout.index("Run") :].splitlines()[1:]
+    assert run[0].strip() == "llmctl cluster up -i cluster.yaml"
+    assert run[1].strip().startswith("llmctl serve -i cluster.yaml Llama-3.1-405B -tp 8 -pp 2")

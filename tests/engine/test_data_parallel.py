@@ -31,7 +31,7 @@ def test_two_replicas_give_one_engines_tokens(tiny_models):
         expected = greedy(llm, prompts())
     before = live_pids(parent=os.getpid())
     with LLM(path, data_parallel_size=2, **common) as llm:
-        replicas = llm._dp.replicas
+        replicas = llm.engine_client.replicas
         pids = [p for r in replicas for p in r.engine.executor.pids]
         assert len(set(pids)) == 2  # one worker process per replica (tp=1, pp=1)
         assert greedy(llm, prompts()) == expected
@@ -55,7 +55,7 @@ def test_replicas_of_two_tensor_parallel_ranks_each(tiny_models):
     with LLM(path, **common) as llm:
         expected = greedy(llm, batch)
     with LLM(path, data_parallel_size=2, tensor_parallel_size=2, **common) as llm:
-        groups = [r.engine.executor.rank_info() for r in llm._dp.replicas]
+        groups = [r.engine.executor.rank_info() for r in llm.engine_client.replicas]
         assert [[info["rank"] for info in g] for g in groups] == [[0, 1], [0, 1]]
         assert len({info["pid"] for g in groups for info in g}) == 4
         assert greedy(llm, batch) == expected
@@ -73,13 +73,13 @@ def test_replicas_on_the_ray_backend_share_one_ray_and_outlive_each_other(tiny_m
         expected = greedy(llm, batch)
     assert not ray.is_initialized()
     with LLM(path, data_parallel_size=2, distributed_executor_backend="ray", **common) as llm:
-        executors = [r.engine.executor for r in llm._dp.replicas]
+        executors = [r.engine.executor for r in llm.engine_client.replicas]
         assert [type(e).__name__ for e in executors] == ["RayExecutor", "RayExecutor"]
         assert executors[0].placement_group.id != executors[1].placement_group.id
         assert len({pid for e in executors for pid in e.pids}) == 2
         assert ray.cluster_resources()["CPU"] >= 2
         assert greedy(llm, batch) == expected
-        assert all(r.get_stats().prompt_tokens > 0 for r in llm._dp.replicas)
+        assert all(r.get_stats().prompt_tokens > 0 for r in llm.engine_client.replicas)
         executors[0].shutdown()  # as a failed replica's executor is stopped before a restart
         assert ray.is_initialized()
         assert ray.get(executors[1].actors[0].node_ip.remote())  # its actor still answers
@@ -129,12 +129,12 @@ def test_a_shared_prefix_follows_its_replica(tiny_models):
     shared = torch.randint(0, VOCAB, (32,), generator=g).tolist()  # two blocks of 16
     with LLM(str(tiny_models.path("llama")), use_tqdm_on_load=False, data_parallel_size=2,
              kv_cache_space_gib=0.02) as llm:  # fmt: skip
-        router = llm._dp.router
+        router = llm.engine_client.router
         llm.generate([shared + [1]], GREEDY, use_tqdm=False)  # replica 0 caches the prefix
         assert router.routed_count == [1, 0]
         llm.generate([shared + [2], shared + [3, 4]], GREEDY, use_tqdm=False)
         assert router.routed_count == [3, 0]
-        replica0 = llm._dp.replicas[0].get_stats()
+        replica0 = llm.engine_client.replicas[0].get_stats()
         assert replica0.prefix_cache_hits >= 2 * 32  # both found the prefix in its KV cache
         llm.generate(prompts()[:2], GREEDY, use_tqdm=False)  # no shared prefix: spread
         assert router.routed_count == [4, 1]

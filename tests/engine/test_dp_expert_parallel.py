@@ -48,7 +48,7 @@ def children() -> set[int]:
 
 
 def rank_infos(llm: LLM) -> list[list[dict]]:
-    return [r.engine.executor.rank_info() for r in llm._dp.replicas]
+    return [r.engine.executor.rank_info() for r in llm.engine_client.replicas]
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -67,7 +67,7 @@ def test_two_replicas_share_the_experts_and_match_transformers(
     ):
         # each replica's one worker holds half the experts: EP size 2 = DP 2 x TP 1
         weights = [info["weight_bytes"] for g in rank_infos(llm) for info in g]
-        replica1 = llm._dp.replicas[1]
+        replica1 = llm.engine_client.replicas[1]
         assert token_ids(llm.generate([short, long], GREEDY, use_tqdm=False)) == [
             want[0],
             want[3],
@@ -117,7 +117,7 @@ def test_a_worker_dying_mid_stream_stops_every_replica(tiny_models):
     replica serves on, each saying why."""
     before = children()
     llm = LLM(str(tiny_models.path("mixtral")), **DP_EP)
-    dp = llm._dp
+    dp = llm.engine_client
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
     async def stream() -> tuple[int, float]:

@@ -66,7 +66,7 @@ def test_llm_with_a_replica_on_another_node_matches_one_engine(tiny_models):
             **TINY,
         ) as llm:
             outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-            routed = llm._dp.router.routed_count
+            routed = llm.engine_client.router.routed_count
         assert [o.outputs[0].token_ids for o in outputs] == expected
         assert routed[0] > 0 and routed[1] > 0, routed
         out, _ = node.communicate(timeout=60)  # the LLM's shutdown ends the node's replica

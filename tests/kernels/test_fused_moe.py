@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from llmctl.engine.distributed import parallel_state
 from llmctl.engine.distributed.parallel_state import GroupCoordinator
+from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
 from llmctl.engine.layers.fused_moe import FusedMoE, expert_param
-from llmctl.engine.model_loader.weights import CheckpointTensor
 
 HIDDEN, INTER, EXPERTS = 32, 24, 8
 

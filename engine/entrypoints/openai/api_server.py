@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes on uvicorn, over AsyncLLM.
+"""The OpenAI-compatible HTTP server: FastAPI routes on uvicorn, over an EngineClient.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (200 while
 the engine serves, with its restart count; 503 once it died, while it restarts, or while it has
@@ -32,7 +32,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from llmctl.engine import platform
-from llmctl.engine.client.async_llm import AsyncLLM
+from llmctl.engine.client.factory import build_engine_client
+from llmctl.engine.client.protocol import EngineClient
 from llmctl.engine.config.engine_args import EngineArgs
 from llmctl.engine.entrypoints.openai.errors import error_response, response_for
 from llmctl.engine.entrypoints.openai.http_server import HttpServer, guarded_protocol
@@ -76,7 +77,7 @@ class _ApiKeyMiddleware:
 
 
 def build_app(
-    async_llm: AsyncLLM,
+    engine_client: EngineClient,
     served_model_name: str,
     server_config: ServerConfig | None = None,
     on_ready: Callable[[], None] | None = None,
@@ -97,12 +98,12 @@ def build_app(
         prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="llmctl", version=version("llmctl"), lifespan=lifespan)
-    metrics = ServerMetrics(async_llm, served_model_name)
-    completions = CompletionsHandler(async_llm, served_model_name, metrics)
-    chat = ChatHandler(async_llm, served_model_name, metrics)
-    model_config = async_llm.engine.config.model_config
+    metrics = ServerMetrics(engine_client, served_model_name)
+    completions = CompletionsHandler(engine_client, served_model_name, metrics)
+    chat = ChatHandler(engine_client, served_model_name, metrics)
+    model_config = engine_client.engine.config.model_config
     body_limit = config.body_limit(
-        model_config.max_model_len, max_token_bytes(async_llm.engine.tokenizer)
+        model_config.max_model_len, max_token_bytes(engine_client.engine.tokenizer)
     )
     if config.api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=config.api_key)
@@ -140,10 +141,10 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        error = async_llm.health_error()
+        error = engine_client.health_error()
         if error is not None:
             return response_for(error)
-        states = async_llm.replica_states()
+        states = engine_client.replica_states()
         dead = [(replica, e) for replica, _, e in states if e is not None]
         if dead:  # data parallel: some replicas stopped, the others serve
             return JSONResponse(
@@ -158,7 +159,7 @@ def build_app(
                     ],
                 }
             )
-        return JSONResponse(async_llm.health())
+        return JSONResponse(engine_client.health())
 
     @app.get("/version")
     async def get_version() -> dict:
@@ -220,21 +221,16 @@ def run_server(
     config = server_config or ServerConfig()
     if (warning := config.api_key_warning()) is not None:
         logger.warning("%s", warning)
-    if engine_args.data_parallel_size > 1 or engine_args.data_parallel_placement().multi_node:
-        from llmctl.engine.dp.dp_async_llm import DPAsyncLLM
-
-        async_llm = DPAsyncLLM.from_engine_args(engine_args, progress)
-    else:
-        async_llm = AsyncLLM.from_engine_args(engine_args, progress)
+    engine_client = build_engine_client(engine_args, progress)
     try:
-        name = async_llm.engine.config.model_config.served_model_name
+        name = engine_client.engine.config.model_config.served_model_name
 
         def listening() -> None:
             logger.info(
                 "Serving %s on http://%s:%d (OpenAI API under /v1)", name, config.host, config.port
             )
 
-        app = build_app(async_llm, name, config, on_ready=listening)
+        app = build_app(engine_client, name, config, on_ready=listening)
         uvicorn_config = uvicorn.Config(
             app,
             host=config.host,
@@ -256,7 +252,7 @@ def run_server(
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     finally:
-        async_llm.shutdown()
+        engine_client.shutdown()
 
 
 def _ignore(signum, frame) -> None:

@@ -16,12 +16,12 @@ class _EngineCollector:
     """Reads the engine's counters when Prometheus scrapes, one sample per data-parallel replica
     (label `replica`; "0" with one engine)."""
 
-    def __init__(self, async_llm, model_name: str) -> None:
-        self.async_llm = async_llm
+    def __init__(self, engine_client, model_name: str) -> None:
+        self.engine_client = engine_client
         self.model_name = model_name
 
     def collect(self):
-        states = self.async_llm.replica_states()
+        states = self.engine_client.replica_states()
         names = ["model_name", "replica"]
 
         def family(kind, name: str, doc: str, value_of) -> GaugeMetricFamily:
@@ -55,31 +55,30 @@ class _EngineCollector:
         yield family(GaugeMetricFamily, "llmctl:engine_alive",
                      "1 while the engine (replica) serves (/health 200), else 0.",
                      lambda s, e: 0.0 if e is not None else 1.0)  # fmt: skip
-        # Supervision, per replica (a DPAsyncLLM's replicas are AsyncLLMs).
-        replicas = getattr(self.async_llm, "replicas", [self.async_llm])
+        # Supervision, per replica (EngineClient.supervision).
+        replicas = self.engine_client.supervision()
 
         def supervision(metric_kind, name: str, doc: str, value_of):
             metric = metric_kind(name, doc, labels=names)
-            for index, llm in enumerate(replicas):
-                metric.add_metric([self.model_name, str(index)], value_of(llm))
+            for index, state in enumerate(replicas):
+                metric.add_metric([self.model_name, str(index)], value_of(state))
             return metric
 
         yield supervision(GaugeMetricFamily, "llmctl:seconds_since_last_step",
                           "Seconds the engine has had requests without completing a step (0 idle).",
-                          lambda llm: llm.monitor.seconds_waiting())  # fmt: skip
+                          lambda s: s.seconds_waiting)  # fmt: skip
         yield supervision(GaugeMetricFamily, "llmctl:engine_stalled",
                           "1 while no step completed for --stall-timeout seconds with requests.",
-                          lambda llm: float(llm.stall_error is not None
-                                            or llm.monitor.stalled()))  # fmt: skip
+                          lambda s: float(s.stalled))  # fmt: skip
         yield supervision(CounterMetricFamily, "llmctl:engine_restarts",
                           "Engine restarts (--restart-on-failure).",
-                          lambda llm: llm.restarts)  # fmt: skip
+                          lambda s: s.restarts)  # fmt: skip
 
 
 class ServerMetrics:
-    def __init__(self, async_llm, model_name: str) -> None:
+    def __init__(self, engine_client, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(async_llm, model_name))
+        self.registry.register(_EngineCollector(engine_client, model_name))
         labels = ["model_name"]
         self.time_to_first_token = Histogram(
             "llmctl:time_to_first_token_seconds",

@@ -1,10 +1,16 @@
-"""ServerConfig: how `llmctl serve` listens and what it accepts from clients, validated once."""
+"""ServerConfig: how `llmctl serve` listens and what it accepts from clients, validated once.
+
+Each field that is a command-line option of `serve` carries its OptionSpec (config/options.py),
+as EngineArgs' fields do: cli/serve.py's options and the keys a Ray Serve application accepts
+(entrypoints/ray_serve_app.py: the fields whose spec lists RAY_SERVE) are derived from them.
+"""
 
 from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
 
+from llmctl.engine.config.options import RAY_SERVE, SERVE, SERVER, option
 from llmctl.engine.errors import ConfigError
 
 # JSON around the prompt (sampling fields, other messages) that the body limit allows for.
@@ -13,19 +19,46 @@ BODY_OVERHEAD_BYTES = 64 * 1024
 _TOKEN_ID_BYTES = 12
 
 
+_SERVE = dict(panel=SERVER, commands=(SERVE,))
+_BOTH = dict(panel=SERVER, commands=(SERVE, RAY_SERVE))
+
+
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    # On SIGTERM, seconds in-flight requests may take to finish (a second signal: none).
-    shutdown_timeout: float = 30.0
-    # Largest request body, in bytes. None: the largest that can still fit max_model_len.
-    max_request_body_bytes: int | None = None
-    # Seconds a client may stall: sending its headers or body, or reading a stream.
-    http_timeout: float = 30.0
+    host: str = option("Address to listen on.", default="127.0.0.1", show_default=True, **_SERVE)
+    port: int = option("Port to listen on.", default=8000, show_default=True, **_SERVE)
+    api_key: str | None = option(
+        "Require `Authorization: Bearer KEY` on every route but /health.",
+        default=None,
+        default_help="$LLMCTL_API_KEY, else none",
+        **_BOTH,
+    )
+    shutdown_timeout: float = option(
+        "On SIGTERM, seconds to let in-flight requests finish (a second SIGTERM or Ctrl-C stops "
+        "at once).",
+        default=30.0,
+        show_default=True,
+        **_SERVE,
+    )
+    max_request_body_bytes: int | None = option(
+        "Largest request body accepted, in bytes; larger ones get 413.",
+        default=None,
+        default_help="the largest whose prompt could still fit --max-model-len",
+        **_BOTH,
+    )
+    http_timeout: float = option(
+        "Seconds a client may stall while sending its request or reading a stream before its "
+        "connection is closed.",
+        default=30.0,
+        show_default=True,
+        **_BOTH,
+    )
     # Threads that decode, validate and tokenize requests (off the event loop).
-    num_prepare_threads: int = 2
+    num_prepare_threads: int = option(
+        "Threads that decode, validate and tokenize requests.",
+        default=2,
+        commands=(RAY_SERVE,),
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -18,7 +18,7 @@ from typing import Any
 
 from fastapi import Request
 
-from llmctl.engine.client.async_llm import AsyncLLM
+from llmctl.engine.client.protocol import EngineClient
 from llmctl.engine.entrypoints.openai.errors import error_body
 from llmctl.engine.entrypoints.openai.metrics import ServerMetrics
 from llmctl.engine.entrypoints.openai.request_body import parse_json_body, validate
@@ -56,11 +56,13 @@ class PreparedPrompt:
 class OpenAIServing:
     request_type: type  # the pydantic model of the endpoint's body
 
-    def __init__(self, async_llm: AsyncLLM, model_name: str, metrics: ServerMetrics) -> None:
-        self.async_llm = async_llm
+    def __init__(
+        self, engine_client: EngineClient, model_name: str, metrics: ServerMetrics
+    ) -> None:
+        self.engine_client = engine_client
         self.model_name = model_name
         self.metrics = metrics
-        engine = async_llm.engine
+        engine = engine_client.engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.model_config.max_model_len
 
@@ -117,7 +119,7 @@ class OpenAIServing:
         """The engine's outputs for one prompt, observing TTFT, inter-token latency, e2e."""
         arrival = time.monotonic()
         last = None
-        async for output in self.async_llm.generate(prompt.engine_prompt(), params, request_id):
+        async for output in self.engine_client.generate(prompt.engine_prompt(), params, request_id):
             now = time.monotonic()
             if last is None:
                 self.metrics.time_to_first_token.observe(now - arrival)

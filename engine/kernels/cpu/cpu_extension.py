@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from llmctl.engine import envs
+
 logger = logging.getLogger("llmctl")
 
 _BUILT_MARKER = "built.ok"
@@ -39,7 +41,7 @@ def build_spec(
     from llmctl.engine.platform import cpu_flags
 
     if march == "native":
-        march = os.environ.get("LLMCTL_CPU_MARCH", "").strip() or "native"
+        march = envs.LLMCTL_CPU_MARCH
         if not re.fullmatch(r"[A-Za-z0-9._-]+", march):
             raise ValueError(
                 f"LLMCTL_CPU_MARCH={march!r} is not a -march value: use one word such as "
@@ -103,8 +105,8 @@ def compile_extension(
 
 
 def build_root() -> Path:
-    if os.environ.get("LLMCTL_CACHE_DIR"):
-        return Path(os.environ["LLMCTL_CACHE_DIR"]) / "torch_extensions"
+    if envs.LLMCTL_CACHE_DIR:
+        return Path(envs.LLMCTL_CACHE_DIR) / "torch_extensions"
     return _torch_root()
 
 

@@ -4,15 +4,16 @@ Single-stream decode of a small model is bound by per-op overhead, not by the ma
 30 layers make ~1200 torch ops and ~500 module calls a token. `DecodeStack` runs the same layers
 (RMSNorm with the residual add, QKV, RoPE, the KV-cache write, paged decode attention, O,
 SiLU-gated MLP; on the model's last stage its final RMSNorm too) in one call, with the same
-kernels for the heavy parts: the
-packed quantized matmuls (quantization/kernels.py), the paged decode attention kernel
-(paged_attention_cpu.py) and torch's GEMM for float weights. Results match the module path up to
-float rounding (reduction order in the norms, FMA contraction).
+kernels for the heavy parts: the packed quantized matmuls (quantized_matmul.py), the paged
+decode attention kernel (paged_attention_cpu.py) and torch's GEMM for float weights. Results match
+the module path up to float rounding (reduction order in the norms, FMA contraction).
 
-`DecodeStack.for_step` returns the stack when a step can take it, None otherwise (the caller runs
-its modules): CPU float32, a decode-only step of at most SMALL_BATCH tokens, tensor parallel
-size 1, the torch attention backend with the C++ kernels built, every layer's MLP SiLU-gated.
-LLMCTL_FUSED_DECODE=0 turns it off. The extension is compiled with the other CPU kernels at
+`FusedDecode` is the model runner's entry (worker/model_runner.py; the model file never asks which
+kernel runs). `DecodeStack.for_step` returns the stack when a step can take it, None otherwise
+(the runner then runs the model's modules): CPU float32, a decode-only step of at most
+SMALL_BATCH tokens, tensor parallel size 1, the CPU attention backend with the C++ kernels built,
+every layer's MLP SiLU-gated. LLMCTL_FUSED_DECODE=0 turns it off. The extension is compiled with
+the other CPU kernels at
 set-up (`python -m llmctl.engine.kernels.cpu.cpu_kernels`), else on first use.
 """
 
@@ -20,13 +21,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from llmctl.engine import envs
 from llmctl.engine.forward_context import get_attn_metadata
 
 logger = logging.getLogger("llmctl")
@@ -37,7 +38,7 @@ _EMPTY = torch.empty(0)
 
 
 def enabled() -> bool:
-    return os.environ.get("LLMCTL_FUSED_DECODE", "1") != "0"
+    return envs.LLMCTL_FUSED_DECODE
 
 
 class DecodeStack:
@@ -82,20 +83,14 @@ class DecodeStack:
         )
 
     @staticmethod
-    def for_step(owner: nn.Module, layers: Sequence[nn.Module], hidden: torch.Tensor):
+    def for_step(owner: nn.Module, layers: Sequence[nn.Module], num_tokens: int):
         """`owner`'s stack for this step's `layers`, or None when the step cannot take it."""
         from llmctl.engine.kernels.cpu.quantized_matmul import SMALL_BATCH
 
-        if not (
-            layers
-            and hidden.dtype == torch.float32
-            and hidden.device.type == "cpu"
-            and hidden.dim() == 2
-            and hidden.shape[0] <= SMALL_BATCH
-        ):
+        if not layers or num_tokens > SMALL_BATCH:
             return None
         md = get_attn_metadata()
-        if md is None or md.prefills or md.num_decodes != hidden.shape[0]:
+        if md is None or md.prefills or md.num_decodes != num_tokens:
             return None
         stack = owner.__dict__.get("_fused_decode_stack")
         if stack is not None and stack.current(layers):
@@ -106,6 +101,57 @@ class DecodeStack:
         stack = DecodeStack(layers, ops) if ops is not None else _NoStack(layers)
         owner.__dict__["_fused_decode_stack"] = stack
         return stack if isinstance(stack, DecodeStack) else None
+
+
+class FusedDecode:
+    """The model runner's CPU path for small decode steps of a Llama-family pipeline stage: what
+    LlamaModel.forward computes (embedding or the previous stage's tensors, the layers, the last
+    stage's final RMSNorm), with the layers in one DecodeStack call. The runner builds one when
+    its attention backend runs the C++ decode kernel and the model has Llama's stage layout;
+    `__call__` returns None for a step the stack cannot take (the runner then runs the model)."""
+
+    def __init__(self, inner: nn.Module):
+        self.inner = inner  # the LlamaModel: its stack is cached on it
+
+    @classmethod
+    def for_model(cls, model: nn.Module, backend) -> FusedDecode | None:
+        inner = getattr(model, "model", None)
+        if not (backend.runs_cpu_decode_kernel and hasattr(inner, "stage_layers")):
+            return None
+        return cls(inner)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate):
+        inner = self.inner
+        layers = inner.stage_layers()
+        stack = DecodeStack.for_step(inner, layers, input_ids.shape[0])
+        if stack is None:
+            return None
+        if inner.shard.is_first:
+            hidden, residual = inner.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate["hidden_states"], intermediate["residual"]
+        final = _final_norm(inner, layers)
+        hidden, residual = stack(hidden, residual, positions, final)
+        if final is not None:
+            return hidden
+        if not inner.shard.is_last:
+            return {"hidden_states": hidden, "residual": residual}
+        return inner.norm(hidden, residual)[0]
+
+
+def _final_norm(inner: nn.Module, layers: Sequence[nn.Module]) -> torch.Tensor | None:
+    """The last stage's final RMSNorm weight when the C++ stack can apply it in the same call (a
+    plain float32 RMSNorm with the layers' epsilon), else None."""
+    from llmctl.engine.layers.layernorm import RMSNorm
+
+    norm = inner.norm if inner.shard.is_last else None
+    if (
+        type(norm) is RMSNorm
+        and norm.weight.dtype == torch.float32
+        and norm.variance_epsilon == layers[0].input_layernorm.variance_epsilon
+    ):
+        return norm.weight
+    return None
 
 
 class _NoStack:
@@ -126,7 +172,6 @@ def _remember_caches(stack, layers: Sequence[nn.Module]) -> None:
 
 def _ops_for(layers: Sequence[nn.Module]) -> tuple[str, str, str] | None:
     """The kernels' op names when `layers` can run fused, else None (said once, at debug)."""
-    from llmctl.engine.attention.layer import use_triton
     from llmctl.engine.distributed.parallel_state import get_tp_group
     from llmctl.engine.kernels.cpu import paged_attention_cpu
     from llmctl.engine.kernels.cpu import quantized_matmul as kernels
@@ -136,8 +181,8 @@ def _ops_for(layers: Sequence[nn.Module]) -> tuple[str, str, str] | None:
         reason = "LLMCTL_FUSED_DECODE=0"
     elif get_tp_group().world_size != 1:
         reason = "tensor parallel"
-    elif use_triton(torch.device("cpu")):
-        reason = "the Triton attention backend"
+    elif not all(_on_cpu_kernel(layer) for layer in layers):
+        reason = "an attention backend other than the CPU's"
     elif not all(_fusable(layer) for layer in layers):
         reason = "a layer that is not a float32 SiLU-gated Llama layer"
     elif _namespace() is None or paged_attention_cpu._kernel() is None:
@@ -158,6 +203,11 @@ def _ops_for(layers: Sequence[nn.Module]) -> tuple[str, str, str] | None:
         logger.debug("fused decode off: the quantized matmul kernel is not built")
         return None
     return int4, int8, attention._qualified_op_name
+
+
+def _on_cpu_kernel(layer: nn.Module) -> bool:
+    backend = layer.self_attn.attn.backend
+    return backend is not None and backend.runs_cpu_decode_kernel
 
 
 def _linears(layer: nn.Module) -> list[nn.Module]:
@@ -193,7 +243,7 @@ def _fusable(layer: nn.Module) -> bool:
     attn = getattr(layer, "self_attn", None)
     mlp = getattr(layer, "mlp", None)
     if attn is None or not isinstance(getattr(mlp, "act_fn", None), SiluAndMul):
-        return False
+        return False  # not a dense Llama layer (a mixture of experts, GPT-2, OPT)
     if attn.qk_norm:  # Qwen3's per-head q/k norm: not in the C++ layer
         return False
     if attn.attn.kv_cache.dtype != torch.float32 or attn.attn.kv_cache.numel() == 0:

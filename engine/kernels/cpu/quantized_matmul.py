@@ -256,7 +256,7 @@ def pack_groups(
 
 
 def _triton_available() -> bool:
-    from llmctl.engine.attention.layer import triton_available
+    from llmctl.engine.platform import triton_available
 
     return triton_available()
 

@@ -1,9 +1,9 @@
 """The packed group-quantized matmul on the GPU, y = x W^T, in Triton.
 
-W is a PackedLinearWeight (kernels.py): W[n, k] = q[n, k] * scales[n, k // G] + zeros[n, k // G],
-q 4-bit (two nibbles a byte; inside each 32-element chunk byte j holds elements j and j + 16,
-GGUF's Q4_0 order) or signed 8-bit, so every GGUF type llmctl reads (Q4_0, Q4_1, Q8_0, Q4_K,
-Q6_K) and --quantization int4/int8 run on it. Two paths, by the number of rows M of x:
+W is a PackedLinearWeight (kernels/cpu/quantized_matmul.py): W[n, k] = q[n, k] * scales[n, k // G] +
+zeros[n, k // G], q 4-bit (two nibbles a byte; inside each 32-element chunk byte j holds elements j
+and j + 16, GGUF's Q4_0 order) or signed 8-bit, so every GGUF type llmctl reads (Q4_0, Q4_1, Q8_0,
+Q4_K, Q6_K) and --quantization int4/int8 run on it. Two paths, by the number of rows M of x:
 
 - M <= FUSED_MAX_ROWS (decode, small batches): group_mm_kernel reads each packed byte once,
   expands the W tile in registers and feeds tl.dot; W is never written out. A 4-bit tile is
@@ -20,7 +20,7 @@ Both kernels load a scale (and zero) once per 32-element chunk (per SUB columns 
 spread it in registers, and address the weight bytes, x and the expanded W as rows of 16-element
 runs, so that tiles move as 16-byte copies (tests/kernels/test_triton_compile.py checks the
 compiled sm_90 code for it). The previous version, which gathered a scale and a zero per weight,
-ran at 0.15-0.45x cuBLAS bfloat16 at decode on an H100 (README, "On a GPU"); this one is not yet
+ran at 0.15-0.45x cuBLAS bfloat16 at decode on an H100 (docs/benchmarks.md); this one is not yet
 measured there.
 
 Activations keep their dtype (bfloat16 on the GPU by default; float32 dots run in IEEE float32,

@@ -1,4 +1,5 @@
-"""GGUF quantized blocks -> the packed-weight contract of kernels.py, in vectorised numpy.
+"""GGUF quantized blocks -> the packed-weight contract of kernels/cpu/quantized_matmul.py, in
+vectorised numpy.
 
     W[n, k] = q[n, k] * scales[n, k // group_size] + zeros[n, k // group_size]
 
@@ -57,10 +58,6 @@ BLOCK_ELEMENTS = {name: block for name, block, _ in _FORMATS.values()}
 def supported_types() -> list[str]:
     """Names of the GGUF quantized types that run natively."""
     return [name for name, _, _ in _FORMATS.values()]
-
-
-def is_supported(ggml_type: int) -> bool:
-    return int(ggml_type) in _FORMATS
 
 
 def block_size(ggml_type: int) -> int:

@@ -5,7 +5,7 @@ vLLM's current config); a linear layer built under one gets a PackedLinearMethod
 - takes the rows this rank's weight loader narrowed (a GGUF QuantizedCheckpointTensor, decoded
   to q/scales/zeros; or float rows, quantized round-to-nearest for int8/int4), so each rank reads
   and packs only its slice; fused layers (QKV, gate/up) store each sub-matrix at its row offset;
-- packs them after loading (`kernels.pack_groups`); sub-matrices of different formats (a
+- packs them after loading (`quantized_matmul.pack_groups`); sub-matrices of different formats (a
   Q4_K_M file's Q6_K attn_v next to Q4_K q/k) stay separate packed weights, concatenated on output;
 - computes y = x W^T (+ b) with `packed.matmul`. Activations stay float.
 """
@@ -156,7 +156,7 @@ class PackedLinearMethod:
 def readable(loaded):
     """A checkpoint slice as store() takes it: a torch tensor or a QuantizedCheckpointTensor
     (a lazy float CheckpointTensor is read now)."""
-    from llmctl.engine.model_loader.weights import QuantizedCheckpointTensor
+    from llmctl.engine.layers.checkpoint_tensor import QuantizedCheckpointTensor
 
     if not isinstance(loaded, (torch.Tensor, QuantizedCheckpointTensor)):
         loaded = loaded.load()  # a whole CheckpointTensor (a replicated layer's)
@@ -167,7 +167,7 @@ def decode_piece(config: QuantizationConfig, loaded) -> tuple:
     """("packed", PackedLinearWeight) or ("float", tensor) of checkpoint rows: a GGUF
     QuantizedCheckpointTensor decoded as it is, float rows quantized round-to-nearest under
     int8/int4, or kept float (a GGUF file's float tensor)."""
-    from llmctl.engine.model_loader.weights import QuantizedCheckpointTensor
+    from llmctl.engine.layers.checkpoint_tensor import QuantizedCheckpointTensor
 
     loaded = readable(loaded)
     if isinstance(loaded, QuantizedCheckpointTensor):

@@ -3,14 +3,15 @@
 A FusedMoE built under a QuantizationConfig holds no stacked float tensors: a GGUF file's
 experts keep their blocks; a float checkpoint's, under --quantization int8/int4, are quantized
 round-to-nearest (per group along the input features) as each rank reads its slice. Each expert
-this rank holds keeps, packed as the dense layers' weights (kernels.PackedLinearWeight):
+this rank holds keeps, packed as the dense layers' weights (quantized_matmul.PackedLinearWeight):
 - w13[e]: its gate rows then its up rows, [2 * I_local, H] (this rank's feature slice under
   tensor parallelism; the whole expert under expert parallelism), one packed weight, or one per
   format when gate and up differ (a Q4_K_M file mixes Q4_K and Q6_K);
 - w2[e]: its down matrix [H, I_local], the columns of this rank's features (whole blocks).
 Only the experts and the rows / blocks this rank holds are read from the file. An expert's
 matmul is `ExpertWeight.matmul(x)`: the C++ kernel on its tokens' rows [n, K] (the decode
-kernel up to kernels.SMALL_BATCH rows, tiles of dequantized weights beyond), float32 inside.
+kernel up to quantized_matmul.SMALL_BATCH rows, tiles of dequantized weights beyond), float32
+inside.
 An expert matrix stored in float (F16/F32) stays float and is multiplied by F.linear.
 """
 

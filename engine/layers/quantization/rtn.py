@@ -2,7 +2,8 @@
 
     quantize_rtn(w [N, K], bits, group_size) -> (q, scales, zeros)
 
-in the packed-weight contract of kernels.py, W ~= q * scales[:, k // g] + zeros[:, k // g]:
+in the packed-weight contract of kernels/cpu/quantized_matmul.py,
+W ~= q * scales[:, k // g] + zeros[:, k // g]:
 - int4: asymmetric per group: scale = (max - min) / 15, zero = min, q = round((w - min) / scale)
   in [0, 15]; |w - W| <= scale / 2.
 - int8: symmetric per group: scale = max|w| / 127, q = round(w / scale) in [-127, 127], zeros

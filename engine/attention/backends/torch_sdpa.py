@@ -1,0 +1,84 @@
+"""TorchSDPABackend: paged attention in plain torch (index_copy_ writes, SDPA over gathered keys).
+
+Decodes gather each sequence's blocks and run scaled_dot_product_attention with a padding mask;
+prefill chunks run SDPA causal over their own keys, or over the gathered cache with an offset
+causal mask after a prefix-cache hit or an earlier chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmctl.engine.attention.backends.base import AttentionBackend
+from llmctl.engine.attention.metadata import AttentionMetadata, PrefillChunk
+from llmctl.engine.kernels.cpu.paged_attention_cpu import paged_decode_attention_sdpa
+
+
+class TorchSDPABackend(AttentionBackend):
+    name = "torch"
+
+    def forward(self, layer, q, k, v, md: AttentionMetadata) -> torch.Tensor:
+        key_cache, value_cache = layer.kv_cache.unbind(0)
+        flat_shape = (-1, layer.num_kv_heads, layer.head_dim)
+        key_cache.view(flat_shape).index_copy_(0, md.slot_mapping, k)
+        value_cache.view(flat_shape).index_copy_(0, md.slot_mapping, v)
+        out = torch.empty_like(q)
+        if md.num_decodes:
+            out[: md.num_decodes] = self.decode(
+                q[: md.num_decodes],
+                key_cache,
+                value_cache,
+                md.decode_block_tables,
+                md.decode_seq_lens,
+                layer.scale,
+                md.sliding_window,
+            )
+        for chunk in md.prefills:
+            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            out[rows] = _prefill(
+                layer, q[rows], k[rows], v[rows], chunk, md, key_cache, value_cache
+            )
+        return out
+
+    def decode(self, q, key_cache, value_cache, block_tables, seq_lens, scale, window):
+        """[num_decodes, num_heads, head_dim]: one query per sequence over its paged keys."""
+        return paged_decode_attention_sdpa(
+            q, key_cache, value_cache, block_tables, seq_lens, scale, window
+        )
+
+
+def _prefill(layer, q, k, v, chunk: PrefillChunk, md, key_cache, value_cache) -> torch.Tensor:
+    window = md.sliding_window
+    mask = None
+    if chunk.context_len or (window is not None and chunk.seq_len > window):
+        mask = md.masks.get(chunk.index)
+        if mask is None:
+            mask = md.masks[chunk.index] = _chunk_mask(chunk, window, q.device)
+    if chunk.context_len:
+        num_blocks = -(-chunk.seq_len // key_cache.shape[1])
+        block_ids = md.prefill_block_tables[chunk.index, :num_blocks]
+        cached = (-1, layer.num_kv_heads, layer.head_dim)
+        k = key_cache.index_select(0, block_ids).view(cached)[: chunk.seq_len]
+        v = value_cache.index_select(0, block_ids).view(cached)[: chunk.seq_len]
+    # [1, heads, tokens, head_dim]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=layer.scale,
+        enable_gqa=layer.group > 1,
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _chunk_mask(chunk: PrefillChunk, window: int | None, device: torch.device) -> torch.Tensor:
+    """[query_len, seq_len] bool, True = attend: causal at an offset, within the window."""
+    q_pos = torch.arange(chunk.context_len, chunk.seq_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(chunk.seq_len, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
