@@ -249,3 +249,40 @@ def test_an_attacker_without_the_secret_runs_nothing_on_the_data_parallel_head(
         if engine is not None:
             engine.shutdown()
     assert not marker.exists()
+
+
+def test_a_node_with_another_secret_exits_1_naming_it_and_node_0_names_it_too(tmp_path):
+    """Node 0's listener (no engine) and a real `llmctl serve --headless` holding another
+    secret: the node exits 1 with an error naming the secret, node 0 logs and names its
+    address when the nodes it waits for never joined."""
+    import os
+    import subprocess
+
+    from test_multinode import LLMCTL
+
+    from llmctl.engine.config.engine_config import ParallelConfig
+    from llmctl.engine.distributed.rendezvous import NodeListener
+    from llmctl.engine.errors import RendezvousTimeoutError
+
+    port = master_port()
+    pc = ParallelConfig(pipeline_parallel_size=2, rendezvous_timeout=1.0, **node_args(port))
+    listener = NodeListener(pc)
+    try:
+        env = {**os.environ, "LLMCTL_CLUSTER_SECRET": "another-secret-of-another-cluster"}
+        node1 = subprocess.run(
+            [LLMCTL, "serve", "-pp", "2", "--nnodes", "2", "--node-rank", "1", "--headless",
+             "--master-addr", "127.0.0.1", "--master-port", str(port)],
+            capture_output=True, text=True, env=env, timeout=120,
+        )  # fmt: skip
+        out = node1.stdout + node1.stderr
+        assert node1.returncode == 1, out
+        assert f"node 0 at 127.0.0.1:{port + 1} refused this node's cluster secret " \
+            "(LLMCTL_CLUSTER_SECRET): the nodes hold different secrets" in out  # fmt: skip
+        assert listener.nodes == {}
+        with pytest.raises(RendezvousTimeoutError) as err:
+            listener.wait_for_nodes()
+        assert "connections refused: 127.0.0.1: its proof of the cluster secret is wrong" in (
+            err.value.message
+        )
+    finally:
+        listener.close()
