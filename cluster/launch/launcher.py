@@ -78,6 +78,8 @@ from llmctl.cluster.launch.up_executor import (
 from llmctl.engine.distributed.join import SECRET_ENV as CLUSTER_SECRET_ENV
 from llmctl.engine.distributed.join import make_secret
 
+_NOT_THERE = ("", "absent", "unreachable")  # a node's status without a container to ask
+
 
 def ssh_transports(inventory: Inventory) -> dict[str, Transport]:
     ssh = inventory.ssh
@@ -372,7 +374,8 @@ class Cluster:
         report.rows = [rows[n.host] for n in self.inventory.nodes]
         head_row = rows[self.inventory.head.host]
         report.backend = self.backend()
-        report.joins = self._joins([n for n in self.inventory.nodes if rows[n.host].status])
+        present = [n for n in self.inventory.nodes if rows[n.host].status not in _NOT_THERE]
+        report.joins = self._joins(present) if present else None
         if head_row.status == "running" and report.backend == "mp":
             group = GroupServer(self.inventory, self.transports, self.container)
             record = group.record()
