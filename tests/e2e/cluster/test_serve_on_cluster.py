@@ -110,8 +110,15 @@ def greedy(head) -> list[str]:
     return out
 
 
+def authorization(head) -> dict[str, str]:
+    """What a client of the cluster's server sends: every route but /health needs the key."""
+    return {"Authorization": f"Bearer {api_key(head)}"}
+
+
 def metric(head, name: str) -> float:
-    text = httpx.get(f"http://{head.ip}:{PORT}/metrics", timeout=5).text
+    text = httpx.get(
+        f"http://{head.ip}:{PORT}/metrics", headers=authorization(head), timeout=5
+    ).text
     for line in text.splitlines():
         if line.startswith((name + "{", name + " ")):
             return float(line.rsplit(" ", 1)[1])
@@ -176,7 +183,9 @@ def test_pipeline_stages_on_two_nodes(cli_env, testbed, hosts, model, offline, t
         assert "Started 2 data-parallel replicas" in log, log
         placed = re.findall(r"Ray worker rank 0 on node (\S+), pid", log)[-2:]
         assert sorted(placed) == sorted([head.ip, worker.ip]), placed
-        metrics = httpx.get(f"http://{head.ip}:{PORT}/metrics", timeout=5).text
+        metrics = httpx.get(
+            f"http://{head.ip}:{PORT}/metrics", headers=authorization(head), timeout=5
+        ).text
         served = re.findall(
             r'llmctl:prompt_tokens_total\{[^}]*replica="(\d)"[^}]*\} (\S+)', metrics
         )
