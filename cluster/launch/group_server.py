@@ -128,11 +128,13 @@ class GroupServer(HeadServer):
         # The workers first: each waits for node 0 (--rendezvous-timeout), as on real hosts.
         self._parallel(lambda host: self._launch(host, dict(record.workers)[host]),
                        [host for host, _ in record.workers])  # fmt: skip
-        self._launch(self.head.host, record.argv)
+        self._launch(self.head.host, record.argv, record.api_key_file)  # node 0 serves the API
         return self.wait_healthy(record, wait_s)
 
-    def _launch(self, host: str, argv: tuple[str, ...]) -> None:
-        result = self.transports[host].run(launch_argv(self.container, list(argv)))
+    def _launch(self, host: str, argv: tuple[str, ...], env_file: str | None = None) -> None:
+        result = self.transports[host].run(
+            launch_argv(self.container, list(argv), env_file=env_file)
+        )
         check(result, host, "docker exec (llmctl serve)")
 
     def wait_healthy(self, record: ServerRecord, wait_s: float) -> ServerState:

@@ -5,12 +5,18 @@ container's /root/.llmctl), waits until /health answers, and records what it sta
 `~/.llmctl/NAME-server.json` on the head node; `cluster status` reads that record and asks the
 container (`python3 -m llmctl.cluster.launch.head_server probe PORT`) whether the server is alive
 and healthy. The argv builders and the layout choice are pure; HeadServer does the I/O.
+
+The API key: unless --no-api-key (or the inventory's env sets LLMCTL_API_KEY), `serve -i` makes
+one, keeps it in `~/.llmctl/NAME-api.env` on the head node (mode 0600, reused by the next
+`serve -i`) and hands it to the server as the cluster secret reaches the containers: `docker exec
+--env-file`, so that it is on no command line, on the node or in the container.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 import time
 import urllib.error
@@ -25,6 +31,7 @@ from llmctl.cluster.launch.transport import Transport, check
 from llmctl.cluster.plan.node_commands import Layout
 from llmctl.cluster.plan.plan import RunStep
 
+API_KEY_ENV = "LLMCTL_API_KEY"
 STATE_DIR = "/root/.llmctl"  # inside the container
 PID_FILE = f"{STATE_DIR}/server.pid"
 LOG_FILE = f"{STATE_DIR}/server.log"
@@ -46,6 +53,8 @@ class ServerRecord:
     backend: str = "ray"
     # mp: (host, argv) of nodes 1..N-1, in node-rank order (group_server.py)
     workers: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # on the head node: the env file that gives the server LLMCTL_API_KEY; None: no key made
+    api_key_file: str | None = None
 
     @classmethod
     def from_steps(
@@ -82,10 +91,16 @@ class ServerState:
 
 
 def launch_argv(
-    container: str, argv: list[str], pid_file: str = PID_FILE, log_file: str = LOG_FILE
+    container: str,
+    argv: list[str],
+    pid_file: str = PID_FILE,
+    log_file: str = LOG_FILE,
+    env_file: str | None = None,
 ) -> list[str]:
-    """Detached in the container; its pid in `pid_file` and its output in `log_file`."""
-    return ["docker", "exec", "--detach", container, "sh", "-c", _LAUNCH, "sh", pid_file,
+    """Detached in the container; its pid in `pid_file` and its output in `log_file`; with
+    `env_file` (on the node), its variables too, which no command line then shows."""
+    env = ["--env-file", env_file] if env_file else []
+    return ["docker", "exec", "--detach", *env, container, "sh", "-c", _LAUNCH, "sh", pid_file,
             log_file, *argv]  # fmt: skip
 
 
@@ -103,6 +118,22 @@ def stop_argv(container: str) -> list[str]:
 
 def record_path(home: str, cluster: str) -> str:
     return f"{home}/.llmctl/{cluster}-server.json"
+
+
+def api_key_path(home: str, cluster: str) -> str:
+    return f"{home}/.llmctl/{cluster}-api.env"
+
+
+def api_key_source(record: ServerRecord | None, inventory: Inventory) -> str:
+    """Where the server's API key is, for `cluster status` and `serve -i`'s last line."""
+    if record is not None and record.api_key_file:
+        return (
+            f"LLMCTL_API_KEY in {inventory.head.host}:{record.api_key_file} (mode 0600; clients "
+            "send Authorization: Bearer KEY)"
+        )
+    if API_KEY_ENV in {**inventory.env, **inventory.head.env}:
+        return f"{API_KEY_ENV} from {inventory.source}'s env"
+    return "none (--no-api-key): anyone who reaches the port can use the model"
 
 
 class HeadServer:
@@ -146,12 +177,27 @@ class HeadServer:
         self.transport.write_file(
             record_path(home, self.inventory.name), json.dumps(asdict(record)).encode()
         )
-        check(
-            self.transport.run(launch_argv(self.container, list(record.argv))),
-            self.head.host,
-            "docker exec (llmctl serve)",
-        )
+        argv = launch_argv(self.container, list(record.argv), env_file=record.api_key_file)
+        check(self.transport.run(argv), self.head.host, "docker exec (llmctl serve)")
         return self.wait_healthy(record, wait_s)
+
+    def api_key_file(self) -> str | None:
+        """The head node's API key env file, made (mode 0600) with a new key unless it exists;
+        None when the inventory's env gives the key."""
+        if API_KEY_ENV in {**self.inventory.env, **self.head.env}:
+            return None
+        home = self.transport.home()
+        path = api_key_path(home, self.inventory.name)
+        try:
+            with self.transport.open(path, "rb") as f:
+                if f.read().decode().startswith(f"{API_KEY_ENV}="):
+                    return path
+        except OSError:
+            pass
+        self.transport.makedirs(f"{home}/.llmctl")
+        key = secrets.token_urlsafe(32)
+        self.transport.write_file(path, f"{API_KEY_ENV}={key}\n".encode(), mode=0o600)
+        return path
 
     def wait_healthy(self, record: ServerRecord, wait_s: float) -> ServerState:
         deadline = time.monotonic() + wait_s
