@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 
 from llmctl.cluster.errors import ClusterError, RemoteCommandError
 from llmctl.cluster.inventory import Inventory
@@ -67,6 +67,29 @@ class ServerRecord:
             model, port, layout.tensor_parallel_size, layout.pipeline_parallel_size,
             head.argv, backend=backend, workers=tuple((s.host, s.argv) for s in workers),
         )  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: object) -> ServerRecord | None:
+        """The record as any llmctl version wrote it (the head's ~/.llmctl is shared by every
+        version run against it): the fields this one knows, unknown ones ignored, missing
+        optional ones at their defaults; None (as if there were no record) when a field this
+        version needs is missing or malformed."""
+        if not isinstance(data, dict):
+            return None
+        known = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+        required = [f.name for f in fields(cls) if f.default is MISSING]
+        if any(name not in known for name in required):
+            return None
+        try:
+            known["port"] = int(known["port"])
+            known["argv"] = tuple(str(arg) for arg in known["argv"])
+            known["workers"] = tuple(
+                (str(host), tuple(str(arg) for arg in argv))
+                for host, argv in known.get("workers", ())
+            )
+        except (TypeError, ValueError):
+            return None
+        return cls(**known)
 
     def endpoint(self, head_ip: str) -> str:
         return f"http://{head_ip}:{self.port}/v1"
@@ -146,15 +169,32 @@ class HeadServer:
         self.head = inventory.head
 
     def record(self) -> ServerRecord | None:
+        """What the last `serve -i` started; None when there is no record, or one this llmctl
+        cannot read (unreadable_record() says which)."""
+        return self._read_record()[1]
+
+    def unreadable_record(self) -> str | None:
+        """The path of a record that is there but that this llmctl cannot read (another
+        version's, or damaged); None when there is none, or it reads."""
+        there, record = self._read_record()
+        return (
+            record_path(self.transport.home(), self.inventory.name)
+            if there and not record
+            else None
+        )
+
+    def _read_record(self) -> tuple[bool, ServerRecord | None]:
+        """(whether the record file is there, the record as this version reads it)."""
         path = record_path(self.transport.home(), self.inventory.name)
         try:
             with self.transport.open(path, "rb") as f:
-                data = json.loads(f.read().decode())
-        except (OSError, ValueError):
-            return None
-        data["argv"] = tuple(data["argv"])
-        data["workers"] = tuple((host, tuple(argv)) for host, argv in data.get("workers", ()))
-        return ServerRecord(**data)
+                raw = f.read()
+        except OSError:
+            return False, None
+        try:
+            return True, ServerRecord.from_json(json.loads(raw.decode()))
+        except ValueError:  # not JSON (UnicodeDecodeError is one)
+            return True, None
 
     def state(self, port: int) -> ServerState:
         result = self.transport.run(probe_argv(self.container, port), timeout=30)
@@ -172,6 +212,8 @@ class HeadServer:
                 return self.wait_healthy(record, wait_s)
             log(f"stopping the server started with {' '.join(current.argv)}")
             self.stop()
+        elif current is None:
+            self.stop_unrecorded(log)
         home = self.transport.home()
         self.transport.makedirs(f"{home}/.llmctl")
         self.transport.write_file(
@@ -228,6 +270,13 @@ class HeadServer:
         if len(lines) >= 2 and lines[-1].startswith("hint:"):  # a typed error: what, then how
             return f"{lines[-2]} ({lines[-1]})"
         return lines[-1] if lines else "(no output)"
+
+    def stop_unrecorded(self, log: Callable[[str], None]) -> None:
+        """Stop a server whose record this llmctl cannot read (another version started it): the
+        new one would find its port taken, and the old one would lose its pid file."""
+        path = self.unreadable_record()
+        if path is not None and self.stop():
+            log(f"stopped the running server: its record {path} is not one this llmctl reads")
 
     def stop(self) -> bool:
         """SIGTERM the server and wait for it to finish its requests; True if one ran."""

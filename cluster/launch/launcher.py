@@ -383,6 +383,7 @@ class Cluster:
                 states = group.node_states(record)
                 report.server = (record, states[self.inventory.head.host])
                 report.server_nodes = states
+            report.server_note = self._unreadable(group)
         elif head_row.status == "running":
             by_ip = {n.ip: n for n in self._ray_nodes(self.inventory.head.host) if n.alive}
             for row in report.rows:
@@ -399,6 +400,7 @@ class Cluster:
             record = server.record()
             if record is not None:
                 report.server = (record, server.state(record.port))
+            report.server_note = self._unreadable(server)
         if report.server is not None:
             record = report.server[0]
             report.api_key = api_key_source(record, self.inventory)
@@ -406,6 +408,17 @@ class Cluster:
             if any("--insecure-join" in argv for argv in argvs):
                 report.joins = "not authenticated: the server runs with --insecure-join"
         return report
+
+    def _unreadable(self, server: HeadServer) -> str | None:
+        """What status says of a server record that this llmctl cannot read."""
+        path = server.unreadable_record()
+        if path is None:
+            return None
+        return (
+            f"unknown: the record {self.inventory.head.host}:{path} is not one this llmctl "
+            f"reads (another version's?); `llmctl serve -i {self.inventory.source}` stops that "
+            "server and starts its own"
+        )
 
     def _joins(self, nodes: list[NodeSpec]) -> str:
         """Whether the nodes prove one cluster secret when they join: each node's env file

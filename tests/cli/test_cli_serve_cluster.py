@@ -246,3 +246,81 @@ def test_status_says_whether_the_group_is_authenticated_and_where_the_api_key_is
     out = status()
     assert "Joins: not authenticated: the server runs with --insecure-join" in out
     assert "API key: none (--no-api-key)" in out
+
+
+# The head's ~/.llmctl outlives the llmctl that wrote it (the test bed's hosts share /root).
+RECORD = "/root/.llmctl/demo-server.json"
+OLD_ARGV = ["llmctl", "serve", "/models/old", "--port", "8011"]
+
+
+def test_serve_replaces_a_server_whose_record_another_version_wrote(invoke, monkeypatch, tmp_path):
+    """A record with a field this llmctl does not know is read (serve -i names the server it
+    replaces); one lacking a field it needs is no record, and serve -i stops the server it
+    described, says so, and starts its own (it crashed with a TypeError)."""
+    head = FakeTransport("n1")
+    head.reply(r"^docker exec --detach (--env-file \S+ )?llmctl-demo ", "")
+    head.reply(r"head_server probe 8011$", json.dumps({"running": True, "health": 200, "pid": 7}))
+    head.reply(r"head_server stop$", "")
+    monkeypatch.setattr(
+        launcher, "ssh_transports", lambda inventory: {"n1": head, "n2": FakeTransport("n2")}
+    )
+    path = tmp_path / "cluster.yaml"
+    path.write_text(INVENTORY)
+    serve = ("serve", "-i", str(path), "/models/smol", "--port", "8011", "--no-api-key")
+    newer = {
+        "model": "/models/old", "port": 8011, "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1, "argv": OLD_ARGV, "backend": "ray", "workers": [],
+        "api_key_file": None, "served_by": "a later llmctl",
+    }  # fmt: skip
+    head.files[RECORD] = json.dumps(newer).encode()
+
+    result = invoke(*serve, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert f"stopping the server started with {' '.join(OLD_ARGV)}" in result.output
+    assert len(head.ran(r"head_server stop$")) == 1
+
+    older = {k: v for k, v in newer.items() if k not in ("pipeline_parallel_size", "served_by")}
+    for stale in (json.dumps(older).encode(), b"{not json"):
+        head.files[RECORD] = stale
+        head.calls.clear()
+        result = invoke(*serve, env={"COLUMNS": "200"})
+        assert result.exit_code == 0, result.output
+        said = " ".join(result.output.split())
+        assert f"stopped the running server: its record {RECORD} is not one this llmctl" in said
+        assert len(head.ran(r"head_server stop$")) == 1
+        assert head.ran(r"^docker exec --detach llmctl-demo .* /models/smol ")
+        assert json.loads(head.files[RECORD])["model"] == "/models/smol"  # this version's
+
+
+def test_status_and_serve_on_an_mp_cluster_with_an_unreadable_record(invoke, monkeypatch, tmp_path):
+    """`cluster status` says the record cannot be read and what replaces the server; serve -i
+    stops the old group's process on every node (its workers are not known) before its own."""
+    head = mp_node("n1", {"running": True, "health": 200, "pid": 7})
+    worker = mp_node("n2", {"running": True, "health": None, "pid": 9})
+    versions = json.dumps({"python": "3.11.2", "torch": "2.13.0", "ray": None, "llmctl": "0.1"})
+    for fake in (head, worker):
+        fake.reply(r"^docker exec llmctl-demo python3 -c ", versions)
+        fake.reply(r"head_server stop$", "")
+    monkeypatch.setattr(launcher, "ssh_transports", lambda inventory: {"n1": head, "n2": worker})
+    path = tmp_path / "cluster.yaml"
+    path.write_text(INVENTORY)
+    head.files[RECORD] = json.dumps({"model": "/models/old", "argv": OLD_ARGV}).encode()
+
+    status = invoke("cluster", "status", "-i", str(path), env={"COLUMNS": "250"})
+    assert status.exit_code == 0, status.output
+    assert (
+        f"Server: unknown: the record n1:{RECORD} is not one this llmctl reads (another "
+        f"version's?); `llmctl serve -i {path}` stops that server and starts its own"
+    ) in " ".join(status.stdout.split())
+
+    serve = ("serve", "-i", str(path), "/models/smol", "--port", "8011", "--backend", "mp")
+    result = invoke(*serve, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert f"its record {RECORD} is not one this llmctl reads" in " ".join(result.output.split())
+    for fake in (head, worker):
+        stop = fake.ran(r"head_server stop$")
+        launch = fake.ran(r"^docker exec --detach (--env-file \S+ )?llmctl-demo ")
+        assert len(stop) == 1 and fake.calls.index(stop[0]) < fake.calls.index(launch[0])
+    status = invoke("cluster", "status", "-i", str(path), env={"COLUMNS": "250"})
+    assert "Server: /models/smol (tp=2, pp=2, mp on 2 nodes)" in status.stdout
+    assert "is not one this llmctl reads" not in status.stdout
