@@ -97,6 +97,13 @@ _VARIABLES = (
         "~/.cache/llmctl for the former, torch's extension directory for the latter.",
     ),
     EnvVar(
+        "LLMCTL_CLUSTER_SECRET", None, _optional_text, "a string of 16 characters or more",
+        "The cluster's secret: nodes (--nnodes > 1) and data-parallel replicas of other nodes "
+        "prove to each other that they hold it when they join, before anything they send is "
+        "read (--cluster-secret-file instead names a file holding it). The same on every node; "
+        "`llmctl cluster up` gives each of its nodes one.",
+    ),
+    EnvVar(
         "LLMCTL_CONFIGURE_LOGGING", True, _flag, _FLAG,
         "`LLM()` shows the engine's INFO lines on stderr when the program configured no logging "
         "(vLLM's VLLM_CONFIGURE_LOGGING); 0: leave logging alone.",

@@ -17,6 +17,11 @@ from support import TinyModels, byte_level_tokenizer
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Nodes join only with the cluster's secret (engine/distributed/join.py): every multi-node group
+# a test starts, and the `llmctl serve --headless` nodes it spawns, share this one. Tests of a
+# missing secret remove it.
+os.environ.setdefault("LLMCTL_CLUSTER_SECRET", "llmctl-test-suite-cluster-secret")
+
 
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:

@@ -242,6 +242,23 @@ class EngineArgs:
         default=ParallelConfig.rendezvous_timeout,
         panel=PARALLEL,
     )
+    cluster_secret_file: str | None = option(
+        "A file holding the cluster's secret (the same on every node): nodes and data-parallel "
+        "replicas prove to each other that they hold it when they join (HMAC-SHA256 over fresh "
+        "nonces, both ways), before anything they send is read. Needed with --nnodes > 1 or "
+        "replicas on other nodes.",
+        default=None,
+        default_help="$LLMCTL_CLUSTER_SECRET",
+        panel=PARALLEL,
+    )
+    insecure_join: bool = option(
+        "Let nodes join without a cluster secret. RISK: nodes exchange pickled Python objects, "
+        "so anyone who reaches node 0's (or the data-parallel head's) ports, or poses as node 0, "
+        "runs code on the nodes; only for a network no one else reaches.",
+        default=False,
+        negatable=False,
+        panel=PARALLEL,
+    )
     data_parallel_size: int = option(
         "Engine replicas, each of tp x pp ranks with its own workers and KV cache; requests go "
         "to the least busy replica, or to the one that cached their prefix.",
@@ -330,6 +347,16 @@ class EngineArgs:
             from llmctl.engine.dp.lockstep import check_engine_args
 
             check_engine_args(self, placement)
+        if parallel.nnodes > 1 or placement.multi_node:  # refused without a secret: typed
+            from llmctl.engine.distributed.join import ClusterSecret
+
+            ClusterSecret.load(
+                self.cluster_secret_file,
+                self.insecure_join,
+                needed_by=f"--nnodes {self.nnodes}"
+                if parallel.nnodes > 1
+                else "data parallel across nodes (--data-parallel-address)",
+            )
         if self.headless and self.node_rank == 0 and not placement.headless:
             raise ConfigError(
                 "--headless runs no API server, but node rank 0 serves it",
@@ -501,6 +528,8 @@ class EngineArgs:
             master_addr=self.master_addr,
             master_port=self.master_port,
             rendezvous_timeout=self.rendezvous_timeout,
+            cluster_secret_file=self.cluster_secret_file,
+            insecure_join=bool(self.insecure_join),
         )
 
     def data_parallel_placement(self):

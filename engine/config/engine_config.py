@@ -192,6 +192,11 @@ class ParallelConfig:
     master_addr: str | None = None
     master_port: int = 29501
     rendezvous_timeout: float = 300.0  # seconds the nodes wait for each other
+    # How nodes prove they belong to the cluster when they join (engine/distributed/join.py):
+    # the secret's file (None: LLMCTL_CLUSTER_SECRET), or no proof at all. The secret itself is
+    # never a field: configs travel to the workers, each node reads its own.
+    cluster_secret_file: str | None = None
+    insecure_join: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):

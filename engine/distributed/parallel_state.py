@@ -64,14 +64,17 @@ class GroupCoordinator:
         dist.all_gather(pieces, tensor, group=self.device_group)
         return torch.cat(pieces)
 
-    def all_gather_object(self, obj) -> list:
+    def all_gather_int(self, value: int) -> list[int]:
+        """Every rank's `value`, in rank order. A tensor, never a pickle: nothing a peer sends
+        over torch.distributed is unpickled (its connections are not authenticated)."""
         if self.world_size == 1:
-            return [obj]
+            return [value]
+        import torch
         import torch.distributed as dist
 
-        out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.cpu_group)
-        return out
+        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(out, torch.tensor([value], dtype=torch.int64), group=self.cpu_group)
+        return [int(t.item()) for t in out]
 
     def gather(self, tensor, dim: int = -1, sizes: list[int] | None = None):
         """Concatenate the ranks' tensors along `dim` on the group's first rank (None elsewhere).
@@ -85,7 +88,7 @@ class GroupCoordinator:
         import torch
         import torch.distributed as dist
 
-        sizes = sizes or self.all_gather_object(tensor.shape[dim])
+        sizes = sizes or self.all_gather_int(tensor.shape[dim])
         largest = max(sizes)
         if self.shm is not None:
             per_unit = tensor.numel() // max(tensor.shape[dim], 1) * tensor.element_size()
@@ -242,9 +245,9 @@ def _attach_shared_memory(group: GroupCoordinator) -> None:
         return
     if not envs.LLMCTL_SHM_COLLECTIVES:
         return
-    from llmctl.engine.distributed.shm_communicator import ShmCommunicator, same_node
+    from llmctl.engine.distributed.shm_communicator import ShmCommunicator, host_id
 
-    if same_node(group.all_gather_object(socket.gethostname())):
+    if len(set(group.all_gather_int(host_id(socket.gethostname())))) == 1:
         group.shm = ShmCommunicator(group.cpu_group, group.rank_in_group, group.world_size)
 
 

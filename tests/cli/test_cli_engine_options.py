@@ -116,7 +116,7 @@ def test_plan_takes_the_engine_options(invoke):
 def test_serve_on_a_cluster_forwards_the_engine_options(invoke, served, monkeypatch):
     seen = {}
 
-    def record(inventory, model, tp, pp, port, options, *, server, stop, wait, backend):
+    def record(inventory, model, tp, pp, port, options, *, server, stop, wait, backend, api_key):
         seen.update(tp=tp, pp=pp, port=port, options=options, server=server, backend=backend)
 
     monkeypatch.setattr(serve_command, "_serve_on_cluster", record)

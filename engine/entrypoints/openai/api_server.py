@@ -245,6 +245,8 @@ def run_server(
     import uvicorn
 
     config = server_config or ServerConfig()
+    if (warning := config.api_key_warning()) is not None:
+        logger.warning("%s", warning)
     engine_client = build_engine_client(engine_args, progress)
     try:
         name = engine_client.engine.config.model_config.served_model_name
