@@ -345,10 +345,7 @@ class _Ctx:
 def _resolve(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> _Ctx:
     from llmctl.engine.platform import resolve_dtype
 
-    quantized = spec.prequantized or options.quantization is not None
-    dtype = resolve_dtype(
-        normalize_dtype(options.dtype), options.device, _ckpt(spec.dtype), quantized=quantized
-    )
+    dtype = resolve_dtype(normalize_dtype(options.dtype), options.device, _ckpt(spec.dtype))
     dtype_bytes = DTYPE_BYTES[dtype]
     kv_bytes = _KV_DTYPES[options.kv_cache_dtype] or dtype_bytes
     dense = dense_format(dtype, dtype_bytes)

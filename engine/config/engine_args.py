@@ -416,9 +416,7 @@ class EngineArgs:
         check_group_split(
             shape, self.tensor_parallel_size, quantization, self.enable_expert_parallel
         )
-        resolved_dtype = platform.resolve_dtype(
-            dtype, device, checkpoint_dtype(hf_config), quantized=quantization is not None
-        )
+        resolved_dtype = platform.resolve_dtype(dtype, device, checkpoint_dtype(hf_config))
         max_model_len = resolve_max_model_len(shape, self.max_model_len)
         model_config = ModelConfig(
             model=self.model or "",

@@ -155,12 +155,13 @@ class LlamaModel(nn.Module):
 
     def fused_final_norm(self, layers) -> torch.Tensor | None:
         """The last stage's final RMSNorm weight when the C++ stack can apply it in the same
-        call (a plain float32 RMSNorm with the layers' epsilon), else None."""
+        call (a plain RMSNorm of the layers' dtype and epsilon), else None."""
         norm = self.norm if self.shard.is_last else None
+        first = layers[0].input_layernorm
         if (
             type(norm) is RMSNorm
-            and norm.weight.dtype == torch.float32
-            and norm.variance_epsilon == layers[0].input_layernorm.variance_epsilon
+            and norm.weight.dtype == first.weight.dtype
+            and norm.variance_epsilon == first.variance_epsilon
         ):
             return norm.weight
         return None

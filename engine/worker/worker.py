@@ -55,6 +55,8 @@ class Worker:
         device = self.config.device_config.device
         if device == "cpu":
             platform.tune_cpu_allocator()
+            if self.rank == 0:
+                platform.log_cpu_path()
         else:
             torch.cuda.set_device(self.local_rank)
         if pc.world_size_across_dp > 1:  # data-parallel replicas may share one world

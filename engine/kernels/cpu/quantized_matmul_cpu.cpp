@@ -33,6 +33,7 @@
 // bits on an AVX2 node and an AVX-512 node.
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -42,6 +43,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <vector>
+
+#include "quantized_matmul_cpu.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define LLMCTL_Q_AVX2 1
@@ -54,15 +58,9 @@
 
 namespace {
 
-// A scale or zero as float: float32 as it is, float16 widened (F16C where the CPU has it).
-inline float ld(const float* p, int64_t i) { return p[i]; }
-inline float ld(const c10::Half* p, int64_t i) {
-#if defined(__F16C__)
-  return _cvtsh_ss(p[i].x);
-#else
-  return static_cast<float>(p[i]);
-#endif
-}
+using llmctl_quantized::check_dequant;
+using llmctl_quantized::is_scale_dtype;
+using llmctl_quantized::ld;
 
 constexpr int kMaxRows = 4;  // activation rows handled per pass over a weight row
 
@@ -297,13 +295,10 @@ struct Int4Row {
 #endif
 };
 
-bool is_scale_dtype(const at::Tensor& t) {
-  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf;
-}
-
 void check_common(const at::Tensor& x, const at::Tensor& scales, int64_t N, int64_t K, int64_t g) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be a contiguous float32 or bfloat16 [M, K] tensor");
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " features, the weight ", K);
   TORCH_CHECK(g > 0 && K % g == 0, "K=", K, " is not a multiple of group_size=", g);
   TORCH_CHECK(is_scale_dtype(scales) && scales.is_contiguous() && scales.size(0) == N &&
@@ -311,18 +306,27 @@ void check_common(const at::Tensor& x, const at::Tensor& scales, int64_t N, int6
               "scales must be contiguous float32 or float16 [N, K / group_size]");
 }
 
-// rows [begin, end) of y for activation rows handled R at a time; zp: [N, G] zeros or nullptr
+// rows [begin, end) of y for activation rows handled R at a time; zp: [N, G] zeros or nullptr.
+// bfloat16 x is widened to float32 first (exactly) and y rounded back at the end: the same sums.
 template <typename S, typename RowFn>
 at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes, const S* zp,
                     const RowFn& row) {
   const int64_t M = x.size(0), K = x.size(1), G = K / g;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  std::vector<float> x32, y32;  // bfloat16 x: float32 copies of x and y
+  if (bf16) {
+    const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
+    x32.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) x32[i] = static_cast<float>(xb[i]);
+    y32.resize(M * N);
+  }
+  const float* xp = bf16 ? x32.data() : x.data_ptr<float>();
+  float* yp = bf16 ? y32.data() : y.data_ptr<float>();
   const bool has_zeros = zp != nullptr;
   at::Tensor xsum;
   if (has_zeros) {  // [M, G]: per-group sums of x, for the zero term
-    xsum = at::empty({M, G}, x.options());
+    xsum = at::empty({M, G}, x.options().dtype(at::kFloat));
     float* s = xsum.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m)
       for (int64_t gi = 0; gi < G; ++gi) s[m * G + gi] = group_sum(xp + m * K + gi * g, g);
@@ -371,6 +375,11 @@ at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes
           yp[(m0 + r) * N + n] = v;
         }
       }
+    }
+    if (bf16) {  // this thread's columns, rounded
+      c10::BFloat16* yb = y.data_ptr<c10::BFloat16>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t c = begin; c < end; ++c) yb[m * N + c] = c10::BFloat16(yp[m * N + c]);
     }
   });
   return y;
@@ -455,17 +464,6 @@ void dequantize_into(const at::Tensor& q, const S* sp, const S* zp, int64_t bits
   }
 }
 
-void check_dequant(const at::Tensor& q, const at::Tensor& scales,
-                   const std::optional<at::Tensor>& zeros, int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(q.is_contiguous() && scales.is_contiguous() && is_scale_dtype(scales),
-              "q and scales must be contiguous, scales float32 or float16");
-  TORCH_CHECK(q.scalar_type() == (bits == 4 ? at::kByte : at::kChar), "q has the wrong dtype");
-  TORCH_CHECK(!zeros.has_value() ||
-                  (zeros->is_contiguous() && zeros->scalar_type() == scales.scalar_type()),
-              "zeros must be contiguous and of the scales' dtype");
-}
-
 // Rows [n0, n1) of W in float32: embedding rows and references.
 at::Tensor dequantize_rows(const at::Tensor& q, const at::Tensor& scales,
                            const std::optional<at::Tensor>& zeros, int64_t bits,
@@ -494,6 +492,11 @@ at::Tensor dequantize_rows(const at::Tensor& q, const at::Tensor& scales,
 at::Tensor tiled_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                           const std::optional<at::Tensor>& zeros, int64_t bits,
                           int64_t group_size, int64_t tile_rows) {
+  if (x.scalar_type() == at::kBFloat16) {  // tiles in bfloat16 for oneDNN's brgemm
+    TORCH_CHECK(tile_rows % 16 == 0, "tile_rows must be a multiple of 16 for bfloat16 x");
+    return llmctl_quantized::bf16_tiled_group_mm(x, q, scales, zeros, bits, group_size,
+                                                 tile_rows);
+  }
   check_dequant(q, scales, zeros, bits);
   const int64_t N = q.size(0), K = bits == 4 ? q.size(1) * 2 : q.size(1);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
@@ -543,6 +546,9 @@ LLMCTL_LIBRARY(LLMCTL_OP_NAMESPACE, m) {
   m.def(
       "dequantize_rows(Tensor q, Tensor scales, Tensor? zeros, int bits, int group_size, "
       "int n0, int n1) -> Tensor");
+  m.def(
+      "dequantize_rows_bf16(Tensor q, Tensor scales, Tensor? zeros, int bits, int group_size, "
+      "int n0, int n1) -> Tensor");
 }
 
 LLMCTL_LIBRARY_IMPL(LLMCTL_OP_NAMESPACE, CPU, m) {
@@ -550,4 +556,5 @@ LLMCTL_LIBRARY_IMPL(LLMCTL_OP_NAMESPACE, CPU, m) {
   m.impl("int4_group_mm", &int4_group_mm);
   m.impl("dequantize_rows", &dequantize_rows);
   m.impl("tiled_group_mm", &tiled_group_mm);
+  m.impl("dequantize_rows_bf16", &llmctl_quantized::dequantize_rows_bf16);
 }
