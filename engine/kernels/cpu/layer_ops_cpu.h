@@ -21,6 +21,10 @@
 // SLEEF's exp with 1-ulp error, as linked into libtorch_cpu: the one ATen's vectorised silu calls.
 extern "C" __m256 Sleef_expf8_u10avx2(__m256);
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define LLMCTL_LAYERS_AVX512 1
+extern "C" __m512 Sleef_expf16_u10avx512f(__m512);  // ATen's with AVX-512: 16 lanes
+#endif
 
 namespace llmctl_layers {
 
@@ -153,9 +157,48 @@ void rope_row(T* v, int64_t heads, int64_t D, const float* cos, const float* sin
 // output rounded to T before the product. With AVX2 a loop on SLEEF's exp (ATen's, the same
 // bits): at::silu and mul_ (two TensorIterators and an allocation) took ~11 us a layer for
 // SmolLM2's 1536 columns in float32 decode, the loop 2 us.
+#if defined(LLMCTL_LAYERS_AVX512)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const BFloat16* p) {
+  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+inline __m512 round16(__m512 v) {  // to bfloat16 (nearest even) and back, as round8
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+template <typename T>
+inline __m512 rnd16(__m512 v) {
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    return round16(v);
+  } else {
+    return v;
+  }
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(BFloat16* p, __m512 v) {
+  const __m512i hi = _mm512_srli_epi32(_mm512_castps_si512(round16(v)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(hi));
+}
+#endif
+
 template <typename T>
 void silu_mul_row(const T* gate, const T* up, T* out, int64_t I) {
   int64_t i = 0;
+#if defined(LLMCTL_LAYERS_AVX512)
+  {  // 16 lanes where ATen runs 16 (the same exp): twice the 8-lane loop's rate
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= I; i += 16) {
+      const __m512 g = load16(gate + i);
+      const __m512 e = Sleef_expf16_u10avx512f(_mm512_castsi512_ps(
+          _mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(int(0x80000000u)))));
+      store16(out + i, rnd16<T>(_mm512_mul_ps(rnd16<T>(_mm512_div_ps(g, _mm512_add_ps(one, e))),
+                                              load16(up + i))));
+    }
+  }
+#endif
 #if defined(LLMCTL_LAYERS_AVX2)
   const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
   auto eight = [&](__m256 g, __m256 u) {

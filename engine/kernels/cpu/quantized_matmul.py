@@ -8,10 +8,22 @@ with q unsigned in [0, 15] for bits=4 and signed in [-128, 127] for bits=8 (zero
 N is the output features (rows, split by column-parallel layers), K the input features (split by
 row-parallel layers in whole groups).
 
-Kernels (quantized_matmul_cpu.cpp, compiled on first use like the paged-attention kernel, with
-AVX-512 / AVX2 / scalar paths picked for the CPU that builds it):
+Kernels (quantized_matmul_cpu.cpp and quantized_matmul_bf16.cpp, one extension compiled on first
+use like the paged-attention kernel, with AVX-512 / AVX2 / scalar paths picked for the CPU that
+builds it):
 - M <= SMALL_BATCH rows (decode): int8_group_mm / int4_group_mm read each weight byte once and
-  dequantize in registers; activations and accumulation stay float32 (bf16 inputs are widened).
+  dequantize in registers; accumulation is float32, bfloat16 rows are widened in the kernel and
+  the output rounded back (the float32 result's bits, rounded).
+- bfloat16 x on a CPU whose path has bfloat16 tiles (platform.cpu_path: AMX or AVX512-BF16),
+  more than BF16_SMALL_BATCH rows: tiled_group_mm expands tiles of W into bfloat16, in the layout
+  oneDNN's brgemm kernel reads, and multiplies them on AMX tiles (or AVX512-BF16 dot products)
+  into float32 sums; from LARGE_BATCH rows, W in bfloat16 chunks for torch's bfloat16 GEMM. The
+  tiles hold exactly the float path's weights in bfloat16 (W dequantized, rounded to nearest).
+  On the Intel AMX kind, single-thread CPU time of SmolLM2's 30 layers and LM head at M = 64:
+  37 ms, against 154 ms for the float32 tiles and 22 ms for the float bfloat16 weights
+  prepacked for oneDNN; at M = 8192 the chunks run at the float path's speed. The decode kernels
+  stay up to 4 rows: 10 ms at M = 1 against 25 ms for the tiles (the expansion of the weights).
+The float32 paths (AVX2 CPUs, or float32 activations anywhere):
 - larger M (prefill): tiled_group_mm expands tiles of W to float32 (about 1 MiB each) and runs
   torch's float GEMM on them, every tile on one thread inside a single parallel region, so the
   dequantization is amortised over the M rows.
