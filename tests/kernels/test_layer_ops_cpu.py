@@ -103,3 +103,18 @@ def test_silu_and_mul(dtype, rows, inner):
 def test_other_dtypes_and_devices_take_the_torch_code():
     assert layer_ops.ops_for(torch.zeros(2, dtype=torch.float64)) is None
     assert layer_ops.ops_for(torch.zeros(2, dtype=torch.float16)) is None
+
+
+@pytest.mark.parametrize("vocab", [1, 37, 49155])
+def test_argmax_rows_is_torchs_argmax(vocab):
+    logits = random(9, vocab, dtype=torch.float32)
+    if vocab > 1:
+        logits[1, vocab // 2] = logits[1, vocab - 1] = logits[1].max() + 1  # a tie: the first
+        logits[2, vocab - 1] = float("nan")  # a NaN counts as the largest
+        logits[2, vocab // 3] = float("nan")
+        logits[3, 0] = -0.0  # equal to 0.0: the first of them
+        logits[3, 1:] = torch.minimum(logits[3, 1:], torch.tensor(0.0))
+    logits[4] = float("-inf")
+    got = OPS.argmax_rows(logits)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, logits.argmax(dim=-1))
