@@ -25,12 +25,11 @@
 // with torch's GEMM, the dequantization amortised over the M rows.
 //
 // Built with -march=native on the machine that runs it (the build cache key hashes the CPU's
-// flags): the 256-bit AVX2 path wherever the CPU has AVX2 and FMA, AVX-512 CPUs included (the
-// compiler may still use EVEX encodings and 32 registers), with a scalar path for anything else.
-// 512-bit versions of these loops (with and without a block of 4 rows a pass at M = 1) were
-// 5-19% slower at M = 1 and M = 4 on this project's AVX-512 machine (AMD EPYC Zen 4, where
-// 512-bit operations are split in two), so they were removed; one path also gives a row the same
-// bits on an AVX2 node and an AVX-512 node.
+// flags): the 256-bit AVX2 path wherever the CPU has AVX2 and FMA, with a scalar path for anything
+// else, and 512-bit versions of the decode loops on Intel CPUs with AMX (LLMCTL_Q_512 below).
+// On AMD's Zen 4 (AVX-512, 512-bit operations split in two) 512-bit loops were 5-19% slower at
+// M = 1 and M = 4: AVX-512 CPUs without AMX keep the 256-bit loops. A row gets the same bits on
+// every node of one kind (and on AVX2 and Zen 4 nodes alike), not across the two loop widths.
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -50,6 +49,14 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #define LLMCTL_Q_AVX2 1
 #include <immintrin.h>
+#endif
+// 512-bit decode loops where the CPU runs them whole: Intel's AMX cores (two 512-bit FMA units),
+// 1.29x the 256-bit loops' rate on one core of the Intel AMX kind (int4, SmolLM2's 53 MB of
+// layers, cold: 4.55 against 5.85 ms). AMD's Zen 4 splits 512-bit operations in two, and there
+// they were 5-19% slower: it keeps the 256-bit loops (as a build with LLMCTL_CPU_MARCH=znver4 on
+// an Intel CPU does).
+#if defined(LLMCTL_Q_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AMX_TILE__)
+#define LLMCTL_Q_512 1
 #endif
 
 #ifndef LLMCTL_OP_NAMESPACE
@@ -93,11 +100,47 @@ inline void nibbles_to_ps(const uint8_t* b16, __m128i /*mask*/, __m256* w) {
 }
 #endif
 
+#if defined(LLMCTL_Q_512)
+// 32 nibbles (16 bytes, Q4_0's order) -> weights 0-15 and 16-31 as 16 floats each
+inline void nibbles_to_ps512(const uint8_t* b16, __m512* w) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b16)));
+  w[0] = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
+  w[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+#endif
+
 #if defined(LLMCTL_Q_AVX2)
 // Decode (one activation row): NR weight rows per pass share each load of x, and their NR
 // independent FMA chains hide each other's latency (one row alone is latency bound). Per row,
 // the same operations in the same order as row_int4 / row_int8 with R = 1.
 constexpr int kBlockRows = 4;
+#if defined(LLMCTL_Q_512)
+template <int NR, typename S>
+void rows_int4_m1(const uint8_t* qp, int64_t row_bytes, const S* scales, int64_t G,
+                  const float* x, int64_t g, float* out) {
+  __m512 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < G; ++gi) {
+    __m512 p[NR];
+    for (int r = 0; r < NR; ++r) p[r] = _mm512_setzero_ps();
+    for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
+      const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* b = qp + r * row_bytes + k / 2;
+        if ((k / 2) % 64 == 0)  // the next pass's line of this row, as below
+          _mm_prefetch(reinterpret_cast<const char*>(b + NR * row_bytes), _MM_HINT_T0);
+        __m512 w[2];
+        nibbles_to_ps512(b, w);
+        p[r] = _mm512_fmadd_ps(w[0], x0, p[r]);
+        p[r] = _mm512_fmadd_ps(w[1], x1, p[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      acc[r] = _mm512_fmadd_ps(p[r], _mm512_set1_ps(ld(scales, r * G + gi)), acc[r]);
+  }
+  for (int r = 0; r < NR; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+#else
 template <int NR, typename S>
 void rows_int4_m1(const uint8_t* qp, int64_t row_bytes, const S* scales, int64_t G,
                   const float* x, int64_t g, float* out) {
@@ -129,6 +172,7 @@ void rows_int4_m1(const uint8_t* qp, int64_t row_bytes, const S* scales, int64_t
   }
   for (int r = 0; r < NR; ++r) out[r] = hsum(acc[r]);
 }
+#endif
 
 #endif
 
@@ -139,7 +183,25 @@ template <int R, typename S>
 void row_int8(const int8_t* q, const S* scales, const float* x, int64_t ldx, int64_t K,
               int64_t g, float* out) {
   const int64_t G = K / g;
-#if defined(LLMCTL_Q_AVX2)
+#if defined(LLMCTL_Q_512)
+  if (g % 16 == 0) {  // one chain per row and group, 16 lanes
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t gi = 0; gi < G; ++gi) {
+      __m512 p[R];
+      for (int r = 0; r < R; ++r) p[r] = _mm512_setzero_ps();
+      for (int64_t k = gi * g; k < (gi + 1) * g; k += 16) {
+        const __m512 w = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
+        for (int r = 0; r < R; ++r) p[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * ldx + k), p[r]);
+      }
+      const __m512 s = _mm512_set1_ps(ld(scales, gi));
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(p[r], s, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+    return;
+  }
+#elif defined(LLMCTL_Q_AVX2)
   if (g % 16 == 0) {  // one chain per row and group
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -176,7 +238,28 @@ template <int R, typename S>
 void row_int4(const uint8_t* qp, const S* scales, const float* x, int64_t ldx, int64_t K,
               int64_t g, float* out) {
   const int64_t G = K / g;
-#if defined(LLMCTL_Q_AVX2)
+#if defined(LLMCTL_Q_512)
+  // The order of rows_int4_m1's (one chain per row and group), so that a row's sum has the same
+  // bits whether its sequence is decoded alone or in a batch.
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < G; ++gi) {
+    __m512 p[R];
+    for (int r = 0; r < R; ++r) p[r] = _mm512_setzero_ps();
+    for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
+      __m512 w[2];
+      nibbles_to_ps512(qp + k / 2, w);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * ldx + k;
+        p[r] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xr), p[r]);
+        p[r] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xr + 16), p[r]);
+      }
+    }
+    const __m512 s = _mm512_set1_ps(ld(scales, gi));
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(p[r], s, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+#elif defined(LLMCTL_Q_AVX2)
   // The order of rows_int4_m1's (one chain per row and group), so that a row's sum has the same
   // bits whether its sequence is decoded alone or in a batch.
   __m256 acc[R];
