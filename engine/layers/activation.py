@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmctl.engine.errors import UnsupportedArchitectureError
+from llmctl.engine.kernels.cpu import layer_ops
 
 
 class SiluAndMul(nn.Module):
@@ -15,6 +16,10 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
+        ops = layer_ops.ops_for(x)
+        if ops is not None:  # on the CPU: one C++ pass (kernels/cpu/layer_ops.py)
+            rows = x.reshape(-1, 2 * d).contiguous()
+            return ops.silu_and_mul(rows).view(*x.shape[:-1], d)
         return F.silu(x[..., :d]) * x[..., d:]
 
 

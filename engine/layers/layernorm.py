@@ -1,9 +1,13 @@
-"""RMSNorm (Llama family), with the residual add fused in, as Hugging Face computes it."""
+"""RMSNorm (Llama family), with the residual add fused in, as Hugging Face computes it.
+
+On the CPU one C++ pass per row does the same arithmetic (kernels/cpu/layer_ops.py)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from llmctl.engine.kernels.cpu import layer_ops
 
 
 class RMSNorm(nn.Module):
@@ -23,6 +27,15 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or (norm(x + residual), x + residual) when a residual is given."""
+        ops = layer_ops.ops_for(x)
+        if ops is not None and self.weight.dtype == x.dtype:
+            shape, width = x.shape, x.shape[-1]
+            rows = x.reshape(-1, width).contiguous()
+            if residual is None:
+                return ops.rms_norm(rows, self.weight, self.variance_epsilon).view(shape)
+            res = residual.reshape(-1, width).contiguous()
+            out, res = ops.fused_add_rms_norm(rows, res, self.weight, self.variance_epsilon)
+            return out.view(shape), res.view(shape)
         if residual is None:
             return self._norm(x)
         x = x + residual
