@@ -68,6 +68,34 @@ def test_fused_decode_in_bfloat16_gives_the_module_paths_bits(
             assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_a_batch_of_40_decodes_fused_in_bfloat16(quantization, tiny_models, monkeypatch):
+    # Above SMALL_BATCH rows the stack takes a step when its matmuls are the module path's at any
+    # batch (float weights through oneDNN; packed weights through their bfloat16 tiles): 40
+    # sequences decode in one call per step, with the module path's tokens and logprobs.
+    from llmctl.engine.kernels.cpu import quantized_matmul
+
+    if quantization and not quantized_matmul._bf16_tiles():
+        pytest.skip("this CPU has no bfloat16 tiles (AMX or AVX512-BF16): its stack stops at 24")
+    rows: list[int] = []
+    call = DecodeStack.__call__
+
+    def counted(self, hidden, *args):
+        rows.append(hidden.shape[0])
+        return call(self, hidden, *args)
+
+    monkeypatch.setattr(DecodeStack, "__call__", counted)
+    path = tiny_models.path("llama")
+    prompts = random_prompts([3 + (7 * i) % 37 for i in range(40)], seed=2)
+    kw = dict(quantization=quantization, dtype="bfloat16")
+    fused = run(path, monkeypatch, True, prompts, **kw)
+    assert max(rows) == 40  # every sequence in one decode step of the stack
+    modules = run(path, monkeypatch, False, prompts, **kw)
+    for a, b in zip(fused, modules, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
 def test_fused_decode_on_gguf_blocks_matches_the_module_path(tmp_path, monkeypatch):
     # Q4_K_M's mix: a layer's qkv is Q4_K rows then Q6_K rows, two parts of one linear.
     tiny_gguf = tmp_path / "tiny-q4_k_m.gguf"

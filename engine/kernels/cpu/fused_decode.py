@@ -11,7 +11,8 @@ the module path up to float rounding (reduction order in the norms, FMA contract
 `FusedDecode` is the model runner's entry (worker/model_runner.py; the model file never asks which
 kernel runs). `DecodeStack.for_step` returns the stack when a step can take it, None otherwise
 (the runner then runs the model's modules): CPU float32 or bfloat16 (activations, norms and KV
-cache of one dtype), a decode-only step of at most SMALL_BATCH tokens, tensor parallel size 1,
+cache of one dtype), a decode-only step of at most MAX_ROWS tokens (SMALL_BATCH for packed weights
+on float32 rows, whose decode kernel the stack calls), tensor parallel size 1,
 the CPU attention backend with the C++ kernels built, every layer's MLP SiLU-gated, plain RMSNorm,
 plain RoPE over the whole head, one sliding window (or none) for every layer, no attention sinks,
 one KV cache group. Layers it cannot run (Qwen3's q/k norm, Gemma 3, Phi-3's LongRoPE, gpt-oss,
@@ -43,6 +44,10 @@ _SOURCE = tuple(
 )
 _PREFIX = "llmctl_fused_decode"
 _EMPTY = torch.empty(0)
+# Decode steps of up to this many sequences run in one call: with bfloat16 tiles (or float
+# weights) the stack's matmuls are the module path's at any batch, and at 64 sequences its one
+# call saves the module path's ~1200 ops a step. float32 rows on packed weights: SMALL_BATCH.
+MAX_ROWS = 256
 
 
 def enabled() -> bool:
@@ -60,6 +65,14 @@ class DecodeStack:
         namespace = getattr(torch.classes, _namespace())
         self.stack = namespace.DecodeStack(tensors, meta, float(eps), float(attn.scale), ops)
         self.sliding_window = attn.sliding_window  # every layer's (_ops_for checked)
+        from llmctl.engine.kernels.cpu.quantized_matmul import SMALL_BATCH
+
+        # Float weights (oneDNN) and bfloat16 tiles take any batch; packed weights on float32
+        # rows only their decode kernel, which beats the tiles up to SMALL_BATCH rows.
+        quantized = any(
+            p.bits > 0 for layer in layers for lin in _linears(layer) for p in _parts(lin)
+        )
+        self.max_rows = SMALL_BATCH if quantized and not tile_from else MAX_ROWS
 
     def current(self, layers: Sequence[nn.Module]) -> bool:
         """Whether this was built for `layers` (the model's one list of them) and their
@@ -94,22 +107,22 @@ class DecodeStack:
     @staticmethod
     def for_step(owner: nn.Module, layers: Sequence[nn.Module], num_tokens: int):
         """`owner`'s stack for this step's `layers`, or None when the step cannot take it."""
-        from llmctl.engine.kernels.cpu.quantized_matmul import SMALL_BATCH
-
-        if not layers or num_tokens > SMALL_BATCH:
+        if not layers or num_tokens > MAX_ROWS:
             return None
         md = get_attn_metadata()
         if md is None or md.prefills or md.num_decodes != num_tokens:
             return None
         stack = owner.__dict__.get("_fused_decode_stack")
         if stack is not None and stack.current(layers):
-            return stack if isinstance(stack, DecodeStack) else None
+            fits = isinstance(stack, DecodeStack) and num_tokens <= stack.max_rows
+            return stack if fits else None
         # Decided again whenever the KV caches are rebound (a step before they are bound is no
         # reason to give up the stack for good).
         ops = _ops_for(layers)
         stack = DecodeStack(layers, *ops) if ops is not None else _NoStack(layers)
         owner.__dict__["_fused_decode_stack"] = stack
-        return stack if isinstance(stack, DecodeStack) else None
+        fits = isinstance(stack, DecodeStack) and num_tokens <= stack.max_rows
+        return stack if fits else None
 
 
 class FusedDecode:

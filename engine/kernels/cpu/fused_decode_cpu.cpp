@@ -77,6 +77,14 @@ struct Layer {
 
 using llmctl_layers::BFloat16;
 
+// Rows split across threads where a step has enough of them (a batch of decodes); a single
+// sequence's step stays on its thread (waking the others costs more than its rows).
+template <typename F>
+void for_rows(int64_t rows, int64_t width, const F& f) {
+  constexpr int64_t kGrainValues = 1 << 15;
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainValues / std::max<int64_t>(1, width)), f);
+}
+
 class DecodeStack : public torch::CustomClassHolder {
  public:
   // tensors: cos_cache, sin_cache, then per layer: input_norm, post_norm, kv_cache, then for
@@ -218,9 +226,11 @@ class DecodeStack : public torch::CustomClassHolder {
       at::Tensor qkv = linear(x, L.qkv);  // [M, q + 2 kv]
       T* qkv_p = qkv.data_ptr<T>();
       const int64_t ld = qkv.size(1);
-      for (int64_t r = 0; r < M; ++r)  // RoPE on the query and key heads of each token
-        llmctl_layers::rope_row<T>(qkv_p + r * ld, num_heads_ + num_kv_heads_, D,
-                                   cos_p + pos_p[r] * rope_width, sin_p + pos_p[r] * rope_width);
+      for_rows(M, ld, [&](int64_t begin, int64_t end) {  // RoPE on the query and key heads
+        for (int64_t r = begin; r < end; ++r)
+          llmctl_layers::rope_row<T>(qkv_p + r * ld, num_heads_ + num_kv_heads_, D,
+                                     cos_p + pos_p[r] * rope_width, sin_p + pos_p[r] * rope_width);
+      });
       // The new token's key and value into its slot of the paged cache.
       T* kc = L.key_cache.data_ptr<T>();
       T* vc = L.value_cache.data_ptr<T>();
@@ -242,10 +252,12 @@ class DecodeStack : public torch::CustomClassHolder {
       at::Tensor gu = linear(x, L.gate_up);  // [M, 2 I] as [gate | up]
       const int64_t I = gu.size(1) / 2;
       at::Tensor act = at::empty({M, I}, gu.options());
-      for (int64_t r = 0; r < M; ++r) {
-        const T* g = gu.data_ptr<T>() + r * 2 * I;
-        llmctl_layers::silu_mul_row<T>(g, g + I, act.data_ptr<T>() + r * I, I);
-      }
+      const T* gu_p = gu.data_ptr<T>();
+      T* act_p = act.data_ptr<T>();
+      for_rows(M, 2 * I, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r)
+          llmctl_layers::silu_mul_row<T>(gu_p + r * 2 * I, gu_p + r * 2 * I + I, act_p + r * I, I);
+      });
       h = linear(act, L.down);
     }
     if (final_norm.has_value()) {
@@ -265,10 +277,13 @@ class DecodeStack : public torch::CustomClassHolder {
                     bool have_residual) {
     TORCH_CHECK(h.is_contiguous() && h.scalar_type() == dtype_, "a layer's output changed dtype");
     const int64_t M = h.size(0), H = h.size(1);
-    for (int64_t r = 0; r < M; ++r)
-      llmctl_layers::add_rms_norm_row<T>(h.data_ptr<T>() + r * H, res.data_ptr<T>() + r * H,
-                                         have_residual, w.data_ptr<T>(), x.data_ptr<T>() + r * H,
-                                         H, eps_);
+    const T *hp = h.data_ptr<T>(), *wp = w.data_ptr<T>();
+    T *rp = res.data_ptr<T>(), *xp = x.data_ptr<T>();
+    for_rows(M, H, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        llmctl_layers::add_rms_norm_row<T>(hp + r * H, rp + r * H, have_residual, wp, xp + r * H,
+                                           H, eps_);
+    });
   }
 
   at::Tensor part_mm(const at::Tensor& x, const Part& p) {
