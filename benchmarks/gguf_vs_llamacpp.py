@@ -40,6 +40,7 @@ alternating rounds compare the engines under the same conditions.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -420,14 +421,22 @@ def setup() -> None:
     cmake_args = " ".join(llamacpp_cmake_args(cpu_flags()))
     env = {**os.environ, "CMAKE_ARGS": cmake_args}
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
-    pip = [sys.executable, "-m", "pip", "install", "--no-cache-dir"]
-    # rebuilt even when a (native, crashing) build is installed; its dependencies left as they are
-    rebuild = [*pip, "--force-reinstall", "--no-deps", "--no-binary", "llama-cpp-python"]
-    rebuild += ["-r", str(REQUIREMENTS)]
+    pip = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-cache-dir",
+        "--no-binary",
+        "llama-cpp-python",
+    ]
+    install = [*pip, "-r", str(REQUIREMENTS)]
+    if importlib.util.find_spec("llama_cpp") is not None:
+        # rebuilt even when a (native, crashing) build is installed; its dependencies kept
+        install = [*pip, "--force-reinstall", "--no-deps", "-r", str(REQUIREMENTS)]
     print(f"building llama-cpp-python from source (several minutes):\n  CMAKE_ARGS={cmake_args!r}")
-    print("  " + " ".join(rebuild))
-    subprocess.run([*pip, "-r", str(REQUIREMENTS)], check=True, env=env)  # its dependencies
-    subprocess.run(rebuild, check=True, env=env)
+    print("  " + " ".join(install))
+    subprocess.run(install, check=True, env=env)
 
 
 def main() -> None:
