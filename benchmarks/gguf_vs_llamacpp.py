@@ -13,13 +13,22 @@ API only, LLM(model=path_to_gguf), so it measures whichever GGUF path the tree h
 driven through llama-cpp-python's low-level API (llama_batch + llama_decode with one sequence id per
 prompt, a unified KV cache, greedy argmax on its logits): its batched API.
 
-The float path is compared the same way against Hugging Face transformers: both load the GGUF's
-weights dequantized to a Hugging Face directory (written once by transformers, cached), llmctl as
-LLM(model=that_dir), transformers with generate().
+The GGUF section also runs Hugging Face transformers on the same weights dequantized (a Hugging
+Face directory written once by transformers, cached) in float32 and in bfloat16, and prints
+llmctl's ratio to the best peer of each workload (the fastest of llama.cpp and transformers in
+either dtype): issue 35's goals are W1 >= 1.2x llama.cpp, W2 and W3 >= 2x the best peer.
+The float path is compared the same way: llmctl as LLM(model=that_dir) against transformers.
 
-    python benchmarks/gguf_vs_llamacpp.py --setup     # once: pip install llama-cpp-python
+    python benchmarks/gguf_vs_llamacpp.py --setup     # once: builds llama-cpp-python (minutes)
     python benchmarks/gguf_vs_llamacpp.py             # everything (bundled SmolLM2 Q4_1)
     python benchmarks/gguf_vs_llamacpp.py --gguf model.gguf --workloads W1 --threads 2 --no-float
+
+--setup builds llama-cpp-python from source with CMAKE_ARGS derived from this CPU's flags
+(`llamacpp_cmake_args`, printed): GGML_NATIVE=OFF and each x86 extension the CPU has turned on
+by name, AMX off. A native build turns AMX_INT8 on where the CPU has it, and 0.3.36 built so
+crashes in its first llama_decode on the Intel AMX kind of this project's machine; with AMX off it
+runs there with AVX-512, VNNI and BF16. LLMCTL_CPU_FLAGS_OFF (flags treated as absent) gives an
+older CPU's build, e.g. `LLMCTL_CPU_FLAGS_OFF='avx512*,amx*'` an AVX2-only one.
 
 --interleave N: for llmctl vs llama.cpp, both engines stay up (one process each) and take turns,
 N rounds per workload, the order swapped every round; the table gives each engine's median and
@@ -31,6 +40,7 @@ alternating rounds compare the engines under the same conditions.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -43,6 +53,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 WORKLOADS = {"W1": (1, 32, 128), "W2": (64, 32, 128), "W3": (16, 512, 1)}  # batch, prompt, out
+TRANSFORMERS_DTYPES = {"transformers": "float32", "transformers-bf16": "bfloat16"}
+GOALS = {"W1": ("llamacpp", 1.2), "W2": (None, 2.0), "W3": (None, 2.0)}  # None: the best peer
 REQUIREMENTS = HERE / "requirements-llamacpp.txt"
 
 
@@ -68,12 +80,13 @@ class LlmctlRunner:
 
 
 class TransformersRunner:
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, dtype: str = "float32") -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(model).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
+        self.model.eval()
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         ids = self.torch.tensor(prompts)
@@ -169,8 +182,8 @@ def child(args) -> dict:
     threads = None if args.threads == "default" else int(args.threads)
     if args.child == "llmctl":
         runner = LlmctlRunner(spec["model"])
-    elif args.child == "transformers":
-        runner = TransformersRunner(spec["model"])
+    elif args.child.startswith("transformers"):
+        runner = TransformersRunner(spec["float_model"], TRANSFORMERS_DTYPES[args.child])
     else:
         runner = LlamaCppRunner(spec["model"], threads)
     first = runner.generate([spec["prompts"]["W1"][0]], 1)
@@ -361,10 +374,69 @@ def print_table(title: str, rows: dict, pairs: list[tuple[str, str]], workloads)
                 print(f"    W1 greedy tokens: {same}")
 
 
+def print_best_peer(rows: dict, ours: str, peers: list[str], workloads) -> None:
+    """llmctl's ratio to the fastest peer of each workload, and to issue 35's goal."""
+    for threads in sorted({t for _, t in rows}):
+        a = rows.get((ours, threads))
+        present = [p for p in peers if (p, threads) in rows]
+        if not a or not present:
+            continue
+        parts = []
+        for w in workloads:
+            best = max(present, key=lambda p: rows[(p, threads)][w]["tok_s"])
+            ratio = a[w]["tok_s"] / rows[(best, threads)][w]["tok_s"]
+            goal_peer, goal = GOALS[w]
+            if goal_peer is not None and goal_peer in present:
+                goal_ratio = a[w]["tok_s"] / rows[(goal_peer, threads)][w]["tok_s"]
+                verdict = f"{goal_ratio:.2f}x {goal_peer}, goal {goal}x"
+            else:
+                verdict = f"goal {goal}x"
+            parts.append(f"{w} {ratio:.2f}x {best} ({verdict})")
+        print(f"  {ours} / best peer, threads {threads}: " + "; ".join(parts))
+
+
+def llamacpp_cmake_args(flags: set[str]) -> list[str]:
+    """CMAKE_ARGS for a llama.cpp build that runs on a CPU with `flags` (/proc/cpuinfo names):
+    no -march=native, each extension it has by name, AMX off (see the module doc)."""
+    options = {
+        "GGML_AVX": "avx",
+        "GGML_AVX2": "avx2",
+        "GGML_FMA": "fma",
+        "GGML_F16C": "f16c",
+        "GGML_BMI2": "bmi2",
+        "GGML_AVX_VNNI": "avx_vnni",
+        "GGML_AVX512": "avx512f",
+        "GGML_AVX512_VBMI": "avx512vbmi",
+        "GGML_AVX512_VNNI": "avx512_vnni",
+        "GGML_AVX512_BF16": "avx512_bf16",
+    }
+    args = ["-DGGML_NATIVE=OFF"]
+    args += [f"-D{option}={'ON' if flag in flags else 'OFF'}" for option, flag in options.items()]
+    return args + ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+
+
 def setup() -> None:
-    cmd = [sys.executable, "-m", "pip", "install", "-r", str(REQUIREMENTS)]
-    print("building llama-cpp-python from source (several minutes): " + " ".join(cmd))
-    subprocess.run(cmd, check=True)
+    from llmctl.engine.platform import cpu_flags
+
+    cmake_args = " ".join(llamacpp_cmake_args(cpu_flags()))
+    env = {**os.environ, "CMAKE_ARGS": cmake_args}
+    env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
+    pip = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-cache-dir",
+        "--no-binary",
+        "llama-cpp-python",
+    ]
+    install = [*pip, "-r", str(REQUIREMENTS)]
+    if importlib.util.find_spec("llama_cpp") is not None:
+        # rebuilt even when a (native, crashing) build is installed; its dependencies kept
+        install = [*pip, "--force-reinstall", "--no-deps", "-r", str(REQUIREMENTS)]
+    print(f"building llama-cpp-python from source (several minutes):\n  CMAKE_ARGS={cmake_args!r}")
+    print("  " + " ".join(install))
+    subprocess.run(install, check=True, env=env)
 
 
 def main() -> None:
@@ -378,11 +450,16 @@ def main() -> None:
     parser.add_argument("--no-float", action="store_true", help="skip llmctl float vs transformers")
     parser.add_argument("--no-llamacpp", action="store_true", help="skip llmctl vs llama.cpp")
     parser.add_argument(
+        "--no-peers", action="store_true", help="GGUF section: llama.cpp only, no transformers"
+    )
+    parser.add_argument(
         "--interleave", type=int, default=0, metavar="N",
         help="llmctl vs llama.cpp: both engines up, N alternating rounds per workload",
     )  # fmt: skip
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--child", choices=["llmctl", "llamacpp", "transformers"], help="internal")
+    parser.add_argument(
+        "--child", choices=["llmctl", "llamacpp", *TRANSFORMERS_DTYPES], help=argparse.SUPPRESS
+    )
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--start-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -402,41 +479,59 @@ def main() -> None:
     prompts = make_prompts(gguf_vocab_size(gguf))
     print(f"{gguf.name}; workloads {', '.join(f'{w} {WORKLOADS[w]}' for w in workloads)}")
     with tempfile.TemporaryDirectory() as tmp:
+        float_dir = float_directory(gguf) if not (args.no_float and args.no_peers) else None
 
         def spec(model: Path) -> Path:
             path = Path(tmp) / f"spec-{abs(hash(str(model)))}.json"
-            body = {"model": str(model), "prompts": prompts, "workloads": workloads}
-            path.write_text(json.dumps({**body, "repeats": args.repeats}))
+            body = {"model": str(model), "float_model": str(float_dir), "prompts": prompts}
+            path.write_text(json.dumps({**body, "workloads": workloads, "repeats": args.repeats}))
             return path
 
+        transformers = [] if args.no_peers else list(TRANSFORMERS_DTYPES)
         sections = []
         if not args.no_llamacpp:
-            sections.append(("GGUF: llmctl LLM(model=gguf) vs llama.cpp", gguf, "llamacpp"))
+            title = "GGUF: llmctl LLM(model=gguf) vs llama.cpp and transformers"
+            sections.append((title, gguf, ["llamacpp", *transformers]))
         if not args.no_float:
-            sections.append(("Float path: llmctl vs transformers", float_directory(gguf), None))
-        for title, model, rival in sections:
-            rival = rival or "transformers"
-            path, rows = spec(model), {}
-            for t in threads if args.interleave and rival == "llamacpp" else []:
-                print(
-                    f"  llmctl and {rival} in turns, threads {t} ...", file=sys.stderr, flush=True
-                )
-                pair = ("llmctl", rival)
-                for engine, row in interleaved(pair, t, path, workloads, args.interleave).items():
-                    rows[(engine, t)] = row
-            for engine in ("llmctl", rival) if not rows else ():
-                for t in threads:
-                    print(f"  running {engine}, threads {t} ...", file=sys.stderr, flush=True)
-                    rows[(engine, t)] = r = run_child(engine, t, path)
-                    done = ", ".join(f"{w} {r[w]['tok_s']:.1f} tok/s" for w in workloads)
-                    print(f"    start {r['start_s']:.1f} s, {done}", file=sys.stderr, flush=True)
-            if not args.no_cold and rival == "llamacpp":
-                for engine in ("llmctl", rival):
-                    with tempfile.TemporaryDirectory() as cache:
-                        env = {"LLMCTL_CACHE_DIR": cache}
-                        cold = run_child(engine, threads[0], path, env, start_only=True)
-                    rows[(engine, threads[0])]["cold_s"] = cold["start_s"]
-            print_table(title, rows, [("llmctl", rival)], workloads)
+            title = "Float path: llmctl LLM(model=dequantized dir) vs transformers"
+            sections.append((title, float_dir, list(TRANSFORMERS_DTYPES)))
+        known: dict = {}  # transformers' rows, the same runs in both sections
+        for title, model, peers in sections:
+            rows = run_section(args, spec(model), workloads, threads, peers, known)
+            print_table(title, rows, [("llmctl", p) for p in peers], workloads)
+            print_best_peer(rows, "llmctl", peers, workloads)
+
+
+def run_section(args, path: Path, workloads, threads, peers: list[str], known: dict) -> dict:
+    """{(engine, threads): results} for llmctl and its peers on one spec; `known`: transformers'
+    rows of an earlier section (the same weights and prompts), reused and filled."""
+    rows = {key: row for key, row in known.items() if key[0] in peers}
+    if args.interleave and "llamacpp" in peers:
+        for t in threads:
+            print(f"  llmctl and llamacpp in turns, threads {t} ...", file=sys.stderr, flush=True)
+            for engine, row in interleaved(
+                ("llmctl", "llamacpp"), t, path, workloads, args.interleave
+            ).items():
+                rows[(engine, t)] = row
+    for engine in ("llmctl", *peers):
+        for t in threads:
+            if (engine, t) in rows:
+                continue
+            print(f"  running {engine}, threads {t} ...", file=sys.stderr, flush=True)
+            rows[(engine, t)] = r = run_child(engine, t, path)
+            if engine in TRANSFORMERS_DTYPES:
+                known[(engine, t)] = r
+            done = ", ".join(f"{w} {r[w]['tok_s']:.1f} tok/s" for w in workloads)
+            print(f"    start {r['start_s']:.1f} s, {done}", file=sys.stderr, flush=True)
+    if not args.no_cold and "llamacpp" in peers:
+        for engine in ("llmctl", "llamacpp"):
+            with tempfile.TemporaryDirectory() as cache:
+                env = {"LLMCTL_CACHE_DIR": cache}
+                cold = run_child(engine, threads[0], path, env, start_only=True)
+            rows[(engine, threads[0])]["cold_s"] = cold["start_s"]
+    order = ["llmctl", *peers]
+    rank = {key: (order.index(key[0]), threads.index(key[1])) for key in rows}
+    return dict(sorted(rows.items(), key=lambda item: rank[item[0]]))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@
 For M=1 (decode) and M=64 (a batch), on the linear shapes of SmolLM2-135M and one 4096x4096:
 float32 F.linear on the oneDNN-prepacked weight (what engine/layers/linear.py runs on the CPU),
 our int4 and int8 kernels (kernels.pack_groups), and PyTorch's aten int4pack matmul with bf16
-activations (its fast path). Prints the best-of-N time in ms and the weight bytes read per second.
+activations (its fast path); on a CPU with bfloat16 tiles (AMX, AVX512-BF16) also bfloat16 rows
+against the prepacked bfloat16 weight and our int4 kernel on them (the decode kernel at M=1, the
+bfloat16 tiles at M=64). Prints the best-of-N time in ms and the weight bytes read per second.
 For a long prefill (M=--prefill-rows, 8192 by default: one step of the GGUF benchmark's W3), on
 SmolLM2-135M's layer shapes: int4 as the engine runs it (W expanded in large chunks, one GEMM
 each) against the tiled path it replaced at that size (1 MiB tiles, one thread each).
@@ -54,10 +56,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from llmctl.engine.kernels.cpu import quantized_matmul as kernels
     from llmctl.engine.kernels.cpu.quantized_matmul import kernel_available, pack_groups
+    from llmctl.engine.platform import cpu_path
 
+    bf16_tiles = cpu_path().bf16_tiles
     print(
         f"torch {torch.__version__}, {args.threads} threads, group {args.group_size}, "
-        f"C++ kernel: {kernel_available()}"
+        f"C++ kernel: {kernel_available()}, {cpu_path().describe()}"
     )
     g = args.group_size
     header = f"{'N x K':>12} {'M':>4} | {'kind':<14} {'ms':>8} {'GB/s':>7} {'vs f32':>7}"
@@ -67,6 +71,7 @@ def main() -> None:
     for n, k in SHAPES:
         w = torch.randn(n, k)
         prepacked = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+        prepacked_bf16 = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 64)
         s = torch.rand(n, k // g) + 0.01
         q4 = pack_groups(torch.randint(0, 16, (n, k), dtype=torch.uint8), s, -8 * s, 4, g)
         q8 = pack_groups(torch.randint(-127, 128, (n, k), dtype=torch.int8), s, None, 8, g)
@@ -99,6 +104,14 @@ def main() -> None:
                         kernels.LARGE_BATCH = chunked_from
 
                 runs["int4 tiled"] = (tiled, q4.nbytes)
+            if bf16_tiles:  # bfloat16 rows: the dense bfloat16 weight and our bfloat16 tiles
+                runs["bf16 dense"] = (
+                    lambda x=xb, w=prepacked_bf16: torch.ops.mkldnn._linear_pointwise(
+                        x, w, None, "none", [], ""
+                    ),
+                    2 * n * k,
+                )
+                runs["int4 ours bf16"] = (lambda x=xb, w=q4: w.matmul(x), q4.nbytes)
             if aten is not None and m < kernels.LARGE_BATCH:
                 runs["int4 aten bf16"] = (
                     lambda x=xb, w=aten, sz=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(

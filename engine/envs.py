@@ -77,6 +77,10 @@ def _optional_text(raw: str) -> str | None:
     return raw or None
 
 
+def _patterns(raw: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in raw.split(",") if p.strip())
+
+
 _FLAG = "0 or 1"
 _VARIABLES = (
     EnvVar(
@@ -112,6 +116,11 @@ _VARIABLES = (
         "LLMCTL_CPU_DEVICES", None, _positive(int), "a positive integer",
         "On the CPU, how many ranks this node may host for the executor backend rule (mp when "
         "tp x pp fits, else Ray). Default: the cores this process may use.",
+    ),
+    EnvVar(
+        "LLMCTL_CPU_FLAGS_OFF", None, _patterns, "a comma list of CPU flags or patterns",
+        "CPU flags treated as absent when the CPU path is chosen (`amx*`: the AVX512-BF16 "
+        "path; `avx512*,amx*`: the AVX2 one), so one machine runs an older CPU's code paths.",
     ),
     EnvVar(
         "LLMCTL_CPU_MARCH", "native", lambda raw: raw or "native", "a gcc -march value",

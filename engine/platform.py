@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import fnmatch
 import functools
 import logging
 import os
+from dataclasses import dataclass
 
 from llmctl.engine import envs
 from llmctl.engine.errors import ConfigError
@@ -53,33 +55,85 @@ def resolve_device(device: str) -> str:
 
 
 def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo), less those LLMCTL_CPU_FLAGS_OFF names.
+
+    LLMCTL_CPU_FLAGS_OFF: a comma list of flags or shell patterns (`amx*,avx512*`) treated as
+    absent, so one machine can run the code paths of an older CPU (with LLMCTL_CPU_MARCH for
+    what the compiler emits). This is the one place that reads it."""
+    flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    flags = set(line.split(":", 1)[1].split())
+                    break
     except OSError:
         pass
-    return set()
+    off = envs.LLMCTL_CPU_FLAGS_OFF or ()
+    return {f for f in flags if not any(fnmatch.fnmatchcase(f, p) for p in off)}
+
+
+@dataclass(frozen=True)
+class CpuPath:
+    """Which CPU code path the engine takes, decided from the CPU's flags (`cpu_path()`).
+
+    amx: AMX-BF16 tiles; avx512_bf16: AVX512-BF16 dot products (Zen 4, Cooper Lake); avx2: AVX2
+    with FMA; baseline: neither. On the first two the activations are bfloat16 (dtype "auto",
+    quantized weights included) and a quantized matmul of more than a few rows expands bfloat16
+    tiles of its weight for oneDNN's bfloat16 GEMM kernel (AMX or AVX512-BF16); on the others
+    activations are float32 and the tiles float32, for torch's float32 GEMM.
+    """
+
+    name: str
+    bf16_tiles: bool  # batched quantized matmuls through bfloat16 tiles
+
+    @property
+    def activation_dtype(self) -> str:
+        return "bfloat16" if self.bf16_tiles else "float32"
+
+    def describe(self) -> str:
+        tiles = "bfloat16" if self.bf16_tiles else "float32"
+        gemm = {"amx": "AMX", "avx512_bf16": "AVX512-BF16"}.get(self.name, "float32")
+        return (
+            f"CPU path {self.name}: {self.activation_dtype} activations by default; batched "
+            f"quantized matmuls expand {tiles} weight tiles for the {gemm} GEMM"
+        )
+
+
+def cpu_path(flags: set[str] | None = None) -> CpuPath:
+    """The code path for `flags` (default: this CPU's, LLMCTL_CPU_FLAGS_OFF applied)."""
+    flags = cpu_flags() if flags is None else flags
+    if {"amx_bf16", "amx_tile"} <= flags:
+        return CpuPath("amx", bf16_tiles=True)
+    if "avx512_bf16" in flags:
+        return CpuPath("avx512_bf16", bf16_tiles=True)
+    if {"avx2", "fma"} <= flags:
+        return CpuPath("avx2", bf16_tiles=False)
+    return CpuPath("baseline", bf16_tiles=False)
+
+
+@functools.cache
+def log_cpu_path() -> CpuPath:
+    """This process's CPU path, said once in the log (at a CPU worker's start)."""
+    path = cpu_path()
+    logger.info("%s", path.describe())
+    return path
 
 
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: bfloat16 matmuls at twice the float32 rate."""
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    """AVX512-BF16 or AMX: bfloat16 matmuls at twice the float32 rate or more."""
+    return cpu_path().bf16_tiles
 
 
-def resolve_dtype(
-    dtype: str, device: str, checkpoint_dtype: str | None, quantized: bool = False
-) -> str:
+def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str | None) -> str:
     """Turn "auto" into the dtype that is fast on `device`.
 
     CUDA: the checkpoint's dtype (float16 for float32 checkpoints, as vLLM does).
-    CPU with quantized weights (a quantized GGUF, --quantization): float32, the activations the
-    quantized matmul and fused decode kernels take; in bfloat16 the bundled Q4_1 model decoded
-    2.1x slower on an AVX512-BF16 machine (1.9 vs 0.89 s for 128 tokens).
-    CPU with native bfloat16 (AVX512-BF16, AMX): bfloat16, as vLLM's CPU backend does; on this
-    project's machine (AMD EPYC, AVX512-BF16) it runs SmolLM2 about 1.6x faster than float32.
-    CPU without it: float32, because emulated bfloat16 matmuls are several times slower.
+    CPU: the CPU path's activation dtype (`cpu_path()`), for float and quantized weights alike:
+    bfloat16 with native bfloat16 (AVX512-BF16, AMX), as vLLM's CPU backend does; float32
+    without it, because emulated bfloat16 matmuls are several times slower. Quantized weights
+    follow the same rule: their batched matmuls run bfloat16 tiles through the same GEMM as the
+    float path, and their decode kernels widen bfloat16 activations in registers.
     Pass dtype="float32" explicitly for outputs identical to Hugging Face's float32 model.
     """
     if dtype != "auto":
@@ -93,7 +147,7 @@ def resolve_dtype(
         if checkpoint_dtype in (None, "float32"):
             return "float16"
         return checkpoint_dtype
-    return "bfloat16" if cpu_has_native_bf16() and not quantized else "float32"
+    return cpu_path().activation_dtype
 
 
 def torch_dtype(dtype: str):

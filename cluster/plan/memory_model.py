@@ -66,10 +66,7 @@ class PlanContext:
 def resolve_context(spec: ModelSpec, inventory: Inventory, options: PlanOptions) -> PlanContext:
     from llmctl.engine.platform import resolve_dtype
 
-    quantized = spec.prequantized or options.quantization is not None
-    dtype = resolve_dtype(
-        normalize_dtype(options.dtype), options.device, _ckpt(spec.dtype), quantized=quantized
-    )
+    dtype = resolve_dtype(normalize_dtype(options.dtype), options.device, _ckpt(spec.dtype))
     dtype_bytes = DTYPE_BYTES[dtype]
     kv_bytes = dtype_bytes  # the KV cache is held in the model's dtype, as the engine holds it
     dense = dense_format(dtype, dtype_bytes)

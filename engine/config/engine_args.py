@@ -419,9 +419,7 @@ class EngineArgs:
         quantization = self._check_split(shape, layer_partition, source.gguf_file, hf_config)
         if quantization is not None and quantization.method == FP8_METHOD:
             platform.check_fp8(device)
-        resolved_dtype = platform.resolve_dtype(
-            dtype, device, checkpoint_dtype(hf_config), quantized=quantization is not None
-        )
+        resolved_dtype = platform.resolve_dtype(dtype, device, checkpoint_dtype(hf_config))
         max_model_len = resolve_max_model_len(shape, self.max_model_len)
         model_config = ModelConfig(
             model=self.model or "",

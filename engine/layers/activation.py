@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmctl.engine.errors import UnsupportedArchitectureError
+from llmctl.engine.kernels.cpu import layer_ops
 from llmctl.engine.layers.fused_kernels import kernel_ops, use_fused_kernels
 
 
@@ -25,6 +26,10 @@ class SiluAndMul(nn.Module):
         if self._fused:
             return kernel_ops().silu_and_mul(x)
         d = x.shape[-1] // 2
+        ops = layer_ops.ops_for(x)
+        if ops is not None:  # on the CPU: one C++ pass (kernels/cpu/layer_ops.py)
+            rows = x.reshape(-1, 2 * d).contiguous()
+            return ops.silu_and_mul(rows).view(*x.shape[:-1], d)
         return F.silu(x[..., :d]) * x[..., d:]
 
 

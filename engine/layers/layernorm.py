@@ -1,11 +1,13 @@
 """RMSNorm (Llama family), with the residual add fused in, as Hugging Face computes it; on the
-GPU one Triton kernel each (layers/fused_kernels.py), the residual add and the norm in place."""
+GPU one Triton kernel each (layers/fused_kernels.py), the residual add and the norm in place; on
+the CPU one C++ pass per row doing the same arithmetic (kernels/cpu/layer_ops.py)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from llmctl.engine.kernels.cpu import layer_ops
 from llmctl.engine.layers.fused_kernels import kernel_ops, use_fused_kernels
 
 
@@ -36,6 +38,15 @@ class RMSNorm(nn.Module):
                 return ops.rms_norm(x, self.weight, self.variance_epsilon)
             ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
             return x, residual
+        ops = layer_ops.ops_for(x)
+        if ops is not None and self.weight.dtype == x.dtype:
+            shape, width = x.shape, x.shape[-1]
+            rows = x.reshape(-1, width).contiguous()
+            if residual is None:
+                return ops.rms_norm(rows, self.weight, self.variance_epsilon).view(shape)
+            res = residual.reshape(-1, width).contiguous()
+            out, res = ops.fused_add_rms_norm(rows, res, self.weight, self.variance_epsilon)
+            return out.view(shape), res.view(shape)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -31,6 +31,7 @@ from torch import nn
 from llmctl.engine.config.rope_parameters import long_rope_threshold, rope_parameters
 from llmctl.engine.errors import UnsupportedArchitectureError
 from llmctl.engine.forward_context import get_attn_metadata, pass_memo
+from llmctl.engine.kernels.cpu import layer_ops
 from llmctl.engine.layers.fused_kernels import kernel_ops, use_fused_kernels
 
 _SUPPORTED = ("default", "linear", "llama3", "yarn", "longrope")
@@ -169,6 +170,11 @@ class RotaryEmbedding(nn.Module):
         memo[key] = (positions, cos, sin)
         return cos, sin
 
+    def _fits(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """q and k as the C++ op takes them: whole heads of this table's width, one dtype."""
+        width = self.cos_cache.shape[1]
+        return k.dtype == q.dtype and _heads_contiguous(q, width) and _heads_contiguous(k, width)
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,6 +185,10 @@ class RotaryEmbedding(nn.Module):
         if self._fused:
             kernel_ops().rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
             return q, k
+        ops = layer_ops.ops_for(q) if self.plain else None
+        if ops is not None and self._fits(q, k):
+            # on the CPU: one C++ pass per token (kernels/cpu/layer_ops.py), the same rounding
+            return ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
         cos, sin = self._cos_sin(positions, q.dtype)
         if self.rotary_dim == self.head_dim and not self.interleaved:
             return _apply(q, cos, sin), _apply(k, cos, sin)
@@ -226,6 +236,11 @@ def _apply_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     cos, sin = cos[..., :half], sin[..., :half]
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _heads_contiguous(x: torch.Tensor, head_dim: int) -> bool:
+    """[tokens, heads, head_dim] with each token's heads side by side (any token stride)."""
+    return x.dim() == 3 and x.shape[2] == head_dim and x.stride(2) == 1 and x.stride(1) == head_dim
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

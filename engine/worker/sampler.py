@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from llmctl.engine.core.model_runner_output import TokenLogprobs
+from llmctl.engine.kernels.cpu import layer_ops
 
 
 def make_generator(device: torch.device, seed: int) -> torch.Generator | None:
@@ -83,7 +84,7 @@ class Sampler:
             logits.index_put_((rows, token_ids), biases, accumulate=True)
         if md.presence_penalty is not None:
             logits = _apply_penalties(logits, md)
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = _argmax(logits)
         if md.all_greedy:
             sampled = greedy_tokens
         else:
@@ -118,6 +119,15 @@ class Sampler:
         for row in seeded:
             noise[row].exponential_(generator=md.generators[row])
         return (probs / noise).argmax(dim=-1)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1); on the CPU one vectorised C++ pass per row (kernels/cpu/
+    layer_ops.py: torch's is a scalar loop, ~7 ms a step for 64 rows of a 49152-token vocab)."""
+    ops = layer_ops.ops_for(logits)
+    if ops is not None and logits.dtype == torch.float32 and logits.dim() == 2:
+        return ops.argmax_rows(logits.contiguous())
+    return logits.argmax(dim=-1)
 
 
 def _apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """The CPU decode step in one C++ call (engine/kernels/cpu/fused_decode.py) against the module path.
 
 Every family it takes (Llama with GQA, Mistral's sliding window, Qwen2's QKV bias, float
-weights prepacked for oneDNN, int4/int8 packed weights, GGUF blocks) must give the module path's
-greedy tokens, alone and in a batch, and each test checks that the fused stack really ran (and,
-under LLMCTL_FUSED_DECODE=0, that it did not): a silently skipped fast path would pass otherwise.
+weights prepacked for oneDNN, int4/int8 packed weights, GGUF blocks), in float32 and bfloat16,
+must give the module path's greedy tokens, alone and in a batch, and each test checks that the
+fused stack really ran (and, under LLMCTL_FUSED_DECODE=0, that it did not): a silently skipped
+fast path would pass otherwise.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def fused_stack(llm: LLM):
 
 def run(path, monkeypatch, fused: bool, prompts, **kw):
     monkeypatch.setenv("LLMCTL_FUSED_DECODE", "1" if fused else "0")
-    llm = LLM(str(path), **TINY, **kw)
+    llm = LLM(str(path), **{**TINY, **kw})
     with llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         stack = fused_stack(llm)
@@ -46,6 +47,53 @@ def test_fused_decode_gives_the_module_paths_tokens(family, quantization, tiny_m
         fused = run(path, monkeypatch, True, prompts, quantization=quantization)
         modules = run(path, monkeypatch, False, prompts, quantization=quantization)
         assert_same_greedy(fused, modules)
+
+
+@pytest.mark.parametrize(
+    "family, quantization", [("llama", None), ("qwen2", None), ("llama", "int4")]
+)
+def test_fused_decode_in_bfloat16_gives_the_module_paths_bits(
+    family, quantization, tiny_models, monkeypatch
+):
+    # The stack rounds where torch's bfloat16 ops round and calls the module path's matmul ops
+    # (a packed weight's decode kernel up to BF16_SMALL_BATCH rows, its bfloat16 tiles above
+    # where the CPU has them): the same tokens and logprobs, alone and in a batch of 5.
+    path = tiny_models.path(family)
+    kw = dict(quantization=quantization, dtype="bfloat16")
+    for prompts in (random_prompts([7]), random_prompts([3, 9, 17, 30, 40], seed=1)):
+        fused = run(path, monkeypatch, True, prompts, **kw)
+        modules = run(path, monkeypatch, False, prompts, **kw)
+        for a, b in zip(fused, modules, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_a_batch_of_40_decodes_fused_in_bfloat16(quantization, tiny_models, monkeypatch):
+    # Above SMALL_BATCH rows the stack takes a step when its matmuls are the module path's at any
+    # batch (float weights through oneDNN; packed weights through their bfloat16 tiles): 40
+    # sequences decode in one call per step, with the module path's tokens and logprobs.
+    from llmctl.engine.kernels.cpu import quantized_matmul
+
+    if quantization and not quantized_matmul._bf16_tiles():
+        pytest.skip("this CPU has no bfloat16 tiles (AMX or AVX512-BF16): its stack stops at 24")
+    rows: list[int] = []
+    call = DecodeStack.__call__
+
+    def counted(self, hidden, *args):
+        rows.append(hidden.shape[0])
+        return call(self, hidden, *args)
+
+    monkeypatch.setattr(DecodeStack, "__call__", counted)
+    path = tiny_models.path("llama")
+    prompts = random_prompts([3 + (7 * i) % 37 for i in range(40)], seed=2)
+    kw = dict(quantization=quantization, dtype="bfloat16")
+    fused = run(path, monkeypatch, True, prompts, **kw)
+    assert max(rows) == 40  # every sequence in one decode step of the stack
+    modules = run(path, monkeypatch, False, prompts, **kw)
+    for a, b in zip(fused, modules, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
 def test_fused_decode_on_gguf_blocks_matches_the_module_path(tmp_path, monkeypatch):

@@ -73,13 +73,12 @@ def test_chat_uses_the_gguf_chat_template(smol, hf_smol, hf_greedy):
 
 @pytest.mark.parametrize("dequantize", [False, True], ids=["gguf", "dequantized"])
 def test_default_dtype_on_this_cpu_still_answers(dequantize):
-    """dtype="auto": float32 for the GGUF's quantized weights (the kernels' activations), and for
-    the weights dequantized to float bfloat16 where the CPU has it; either gives a sensible
-    answer."""
+    """dtype="auto": bfloat16 where the CPU has it natively, float32 elsewhere, for the GGUF's
+    quantized weights and for them dequantized alike; either gives a sensible answer."""
     from llmctl.engine.platform import cpu_has_native_bf16
 
     llm = LLM(use_tqdm_on_load=False, kv_cache_space_gib=0.5, gguf_dequantize=dequantize)
-    expected = "bfloat16" if dequantize and cpu_has_native_bf16() else "float32"
+    expected = "bfloat16" if cpu_has_native_bf16() else "float32"
     assert llm.llm_engine.config.model_config.dtype == expected
     out = llm.chat(
         [{"role": "user", "content": "What is the capital of France?"}],
@@ -146,15 +145,23 @@ def test_a_rank_on_another_node_reads_the_gguf_there(tmp_path, monkeypatch):
     assert local_gguf_path(elsewhere) == gguf
 
 
-def test_the_bundled_gguf_runs_float32_activations_on_a_bfloat16_cpu(monkeypatch):
-    """dtype "auto" picks bfloat16 on a CPU with native bfloat16, but the GGUF's quantized
-    weights run in kernels that take float32 activations: the engine keeps float32 for them (and
-    bfloat16 when the file is dequantized to float)."""
+@pytest.mark.parametrize(
+    "flags, dtype",
+    [
+        ({"avx2", "fma", "avx512f", "avx512_bf16"}, "bfloat16"),
+        ({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "bfloat16"),
+        ({"avx2", "fma"}, "float32"),
+    ],
+)
+def test_the_bundled_gguf_takes_the_float_paths_dtype(monkeypatch, flags, dtype):
+    """dtype "auto" follows the CPU path for quantized weights as for float ones: bfloat16 where
+    the CPU has native bfloat16 (the quantized matmuls run bfloat16 tiles there), float32 on
+    AVX2."""
     from llmctl.engine import platform
     from llmctl.engine.config.engine_args import EngineArgs
 
-    monkeypatch.setattr(platform, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    monkeypatch.setattr(platform, "cpu_flags", lambda: flags)
     gguf = str(default_model_path())
-    assert EngineArgs(model=gguf).create_engine_config().model_config.dtype == "float32"
+    assert EngineArgs(model=gguf).create_engine_config().model_config.dtype == dtype
     dequantized = EngineArgs(model=gguf, gguf_dequantize=True).create_engine_config()
-    assert dequantized.model_config.dtype == "bfloat16"
+    assert dequantized.model_config.dtype == dtype

@@ -1,19 +1,25 @@
-"""dtype="auto" picks what is fast on the device."""
+"""dtype="auto" picks what is fast on the device; the CPU path follows the CPU's flags."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 
 from llmctl.engine import platform
 from llmctl.engine.errors import ConfigError
 
+AMX = {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8"}
+ZEN4 = {"avx2", "fma", "avx512f", "avx512_bf16"}
+AVX2 = {"avx2", "fma"}
+
 
 @pytest.mark.parametrize(
     "flags, expected",
     [
-        ({"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),
-        ({"avx2", "amx_bf16", "amx_tile"}, "bfloat16"),
-        ({"avx2", "avx512f"}, "float32"),  # AVX-512 without BF16: emulated, slow
+        (ZEN4, "bfloat16"),
+        ({"avx2", "fma", "amx_bf16", "amx_tile"}, "bfloat16"),
+        ({"avx2", "fma", "avx512f"}, "float32"),  # AVX-512 without BF16: emulated, slow
         (set(), "float32"),
     ],
 )
@@ -35,11 +41,36 @@ def test_explicit_dtypes():
     assert "--dtype float32" in err.value.hint
 
 
-def test_auto_keeps_quantized_weights_float32_on_a_bfloat16_cpu(monkeypatch):
-    # The quantized matmul and fused decode kernels take float32 activations: in bfloat16 the
-    # bundled Q4_1 model decoded 2.1x slower on an AVX512-BF16 machine.
-    monkeypatch.setattr(platform, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
-    assert platform.resolve_dtype("auto", "cpu", "bfloat16", quantized=True) == "float32"
-    assert platform.resolve_dtype("auto", "cpu", "bfloat16") == "bfloat16"
-    assert platform.resolve_dtype("bfloat16", "cpu", None, quantized=True) == "bfloat16"
-    assert platform.resolve_dtype("auto", "cuda", "bfloat16", quantized=True) == "bfloat16"
+@pytest.mark.parametrize(
+    "flags, name, dtype",
+    [
+        (AMX, "amx", "bfloat16"),
+        (ZEN4, "avx512_bf16", "bfloat16"),
+        (AVX2 | {"avx512f"}, "avx2", "float32"),
+        (AVX2, "avx2", "float32"),
+        ({"sse4_2"}, "baseline", "float32"),
+    ],
+)
+def test_the_cpu_path_follows_the_flags(flags, name, dtype):
+    path = platform.cpu_path(flags)
+    assert (path.name, path.activation_dtype, path.bf16_tiles) == (name, dtype, dtype != "float32")
+    assert path.describe().startswith(f"CPU path {name}: {dtype} activations")
+
+
+def test_flags_named_off_are_absent(monkeypatch, tmp_path):
+    real = platform.cpu_flags()
+    monkeypatch.setenv("LLMCTL_CPU_FLAGS_OFF", "amx*, avx512*")
+    masked = platform.cpu_flags()
+    assert not any(f.startswith(("amx", "avx512")) for f in masked)
+    assert masked == {f for f in real if not f.startswith(("amx", "avx512"))}
+    assert platform.cpu_path().name in ("avx2", "baseline")
+    assert platform.resolve_dtype("auto", "cpu", "bfloat16") == "float32"
+
+
+def test_the_cpu_path_is_logged_once(caplog):
+    platform.log_cpu_path.cache_clear()
+    with caplog.at_level(logging.INFO, logger="llmctl"):
+        first = platform.log_cpu_path()
+        assert platform.log_cpu_path() is first
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU path")]
+    assert lines == [first.describe()]

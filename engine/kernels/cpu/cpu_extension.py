@@ -35,9 +35,10 @@ _BUILT_MARKER = "built.ok"
 
 
 def build_spec(
-    source: Path, prefix: str, march: str, extra_cflags: tuple[str, ...]
+    source: Path | tuple[Path, ...], prefix: str, march: str, extra_cflags: tuple[str, ...]
 ) -> tuple[str, list[str], list[str]]:
-    """(extension name, cflags, ldflags); the name hashes everything the binary depends on."""
+    """(extension name, cflags, ldflags); the name hashes everything the binary depends on.
+    `source`: one C++ file, or the files of one extension (.cpp compiled, headers hashed)."""
     from llmctl.engine.platform import cpu_flags
 
     if march == "native":
@@ -49,7 +50,9 @@ def build_spec(
             )
     cflags = ["-O3", f"-march={march}", "-fopenmp", *extra_cflags]
     ldflags = ["-fopenmp"]  # resolves to the libgomp torch already loaded (same soname)
-    key = hashlib.sha256(source.read_bytes())
+    key = hashlib.sha256()
+    for path in _files(source):
+        key.update(path.read_bytes() + b"\0")
     for part in (
         " ".join(cflags),
         " ".join(ldflags),
@@ -61,8 +64,16 @@ def build_spec(
     return f"{prefix}_{key.hexdigest()[:16]}", cflags, ldflags
 
 
+def _files(source: Path | tuple[Path, ...]) -> tuple[Path, ...]:
+    return (source,) if isinstance(source, Path) else tuple(source)
+
+
 def compile_extension(
-    source: Path, prefix: str, what: str, march: str, extra_cflags: tuple[str, ...]
+    source: Path | tuple[Path, ...],
+    prefix: str,
+    what: str,
+    march: str,
+    extra_cflags: tuple[str, ...],
 ) -> str:
     """Compile (or load the cached build of) `source` for -march=`march`; returns its op
     namespace name (`getattr(torch.ops, name)`). `what` names the kernel in the log and the
@@ -93,7 +104,7 @@ def compile_extension(
             with ninja_on_path(), build_spinner(what):
                 cpp_extension.load(
                     name=name,
-                    sources=[str(source)],
+                    sources=[str(p) for p in _files(source) if p.suffix in (".cpp", ".cc")],
                     extra_cflags=[*cflags, f"-DLLMCTL_OP_NAMESPACE={name}"],
                     extra_ldflags=ldflags,
                     build_directory=str(build_dir),

@@ -10,13 +10,16 @@ the module path up to float rounding (reduction order in the norms, FMA contract
 
 `FusedDecode` is the model runner's entry (worker/model_runner.py; the model file never asks which
 kernel runs). `DecodeStack.for_step` returns the stack when a step can take it, None otherwise
-(the runner then runs the model's modules): CPU float32, a decode-only step of at most
-SMALL_BATCH tokens, tensor parallel size 1, the CPU attention backend with the C++ kernels built,
-every layer's MLP SiLU-gated, plain RoPE over the whole head, one sliding window (or none) for
-every layer, no attention sinks, one KV cache group. Layers it cannot run (Qwen3's q/k norm,
-Gemma 3, Phi-3's LongRoPE, gpt-oss) are refused, never run wrong. LLMCTL_FUSED_DECODE=0 turns
-it off. The extension is compiled with
-the other CPU kernels at
+(the runner then runs the model's modules): CPU float32 or bfloat16 (activations, norms and KV
+cache of one dtype), a decode-only step of at most MAX_ROWS tokens (SMALL_BATCH for packed weights
+on float32 rows, whose decode kernel the stack calls), tensor parallel size 1,
+the CPU attention backend with the C++ kernels built, every layer's MLP SiLU-gated, plain RMSNorm,
+plain RoPE over the whole head, one sliding window (or none) for every layer, no attention sinks,
+one KV cache group. Layers it cannot run (Qwen3's q/k norm, Gemma 3, Phi-3's LongRoPE, gpt-oss,
+MLA) are refused, never run wrong. In bfloat16 the elementwise steps round where torch's bfloat16
+ops round, and a packed weight multiplies more than BF16_SMALL_BATCH rows through its bfloat16
+tiles, as the module path does. LLMCTL_FUSED_DECODE=0 turns it off. The extension is compiled
+with the other CPU kernels at
 set-up (`python -m llmctl.engine.kernels.cpu.cpu_kernels`), else on first use.
 """
 
@@ -35,9 +38,16 @@ from llmctl.engine.forward_context import get_attn_metadata
 
 logger = logging.getLogger("llmctl")
 
-_SOURCE = Path(__file__).with_name("fused_decode_cpu.cpp")
+_SOURCE = tuple(
+    Path(__file__).with_name(name)
+    for name in ("fused_decode_cpu.cpp", "layer_ops_cpu.cpp", "layer_ops_cpu.h")
+)
 _PREFIX = "llmctl_fused_decode"
 _EMPTY = torch.empty(0)
+# Decode steps of up to this many sequences run in one call: with bfloat16 tiles (or float
+# weights) the stack's matmuls are the module path's at any batch, and at 64 sequences its one
+# call saves the module path's ~1200 ops a step. float32 rows on packed weights: SMALL_BATCH.
+MAX_ROWS = 256
 
 
 def enabled() -> bool:
@@ -47,14 +57,22 @@ def enabled() -> bool:
 class DecodeStack:
     """The C++ stack of `layers` (LlamaDecoderLayer), rebuilt when the KV caches are rebound."""
 
-    def __init__(self, layers: Sequence[nn.Module], ops: tuple[str, str, str]):
+    def __init__(self, layers: Sequence[nn.Module], ops: list[str], tile_from: int):
         _remember_caches(self, layers)
-        tensors, meta = _flatten(layers)
+        tensors, meta = _flatten(layers, tile_from)
         attn = layers[0].self_attn.attn
         eps = layers[0].input_layernorm.variance_epsilon
         namespace = getattr(torch.classes, _namespace())
-        self.stack = namespace.DecodeStack(tensors, meta, float(eps), float(attn.scale), *ops)
+        self.stack = namespace.DecodeStack(tensors, meta, float(eps), float(attn.scale), ops)
         self.sliding_window = attn.sliding_window  # every layer's (_ops_for checked)
+        from llmctl.engine.kernels.cpu.quantized_matmul import SMALL_BATCH
+
+        # Float weights (oneDNN) and bfloat16 tiles take any batch; packed weights on float32
+        # rows only their decode kernel, which beats the tiles up to SMALL_BATCH rows.
+        quantized = any(
+            p.bits > 0 for layer in layers for lin in _linears(layer) for p in _parts(lin)
+        )
+        self.max_rows = SMALL_BATCH if quantized and not tile_from else MAX_ROWS
 
     def current(self, layers: Sequence[nn.Module]) -> bool:
         """Whether this was built for `layers` (the model's one list of them) and their
@@ -89,22 +107,22 @@ class DecodeStack:
     @staticmethod
     def for_step(owner: nn.Module, layers: Sequence[nn.Module], num_tokens: int):
         """`owner`'s stack for this step's `layers`, or None when the step cannot take it."""
-        from llmctl.engine.kernels.cpu.quantized_matmul import SMALL_BATCH
-
-        if not layers or num_tokens > SMALL_BATCH:
+        if not layers or num_tokens > MAX_ROWS:
             return None
         md = get_attn_metadata()
         if md is None or md.prefills or md.num_decodes != num_tokens:
             return None
         stack = owner.__dict__.get("_fused_decode_stack")
         if stack is not None and stack.current(layers):
-            return stack if isinstance(stack, DecodeStack) else None
+            fits = isinstance(stack, DecodeStack) and num_tokens <= stack.max_rows
+            return stack if fits else None
         # Decided again whenever the KV caches are rebound (a step before they are bound is no
         # reason to give up the stack for good).
         ops = _ops_for(layers)
-        stack = DecodeStack(layers, ops) if ops is not None else _NoStack(layers)
+        stack = DecodeStack(layers, *ops) if ops is not None else _NoStack(layers)
         owner.__dict__["_fused_decode_stack"] = stack
-        return stack if isinstance(stack, DecodeStack) else None
+        fits = isinstance(stack, DecodeStack) and num_tokens <= stack.max_rows
+        return stack if fits else None
 
 
 class FusedDecode:
@@ -145,14 +163,15 @@ class FusedDecode:
 
 def _final_norm(inner: nn.Module, layers: Sequence[nn.Module]) -> torch.Tensor | None:
     """The last stage's final RMSNorm weight when the C++ stack can apply it in the same call (a
-    plain float32 RMSNorm with the layers' epsilon), else None."""
+    plain RMSNorm of the layers' dtype and epsilon), else None."""
     from llmctl.engine.layers.layernorm import RMSNorm
 
     norm = inner.norm if inner.shard.is_last else None
+    first = layers[0].input_layernorm
     if (
         type(norm) is RMSNorm
-        and norm.weight.dtype == torch.float32
-        and norm.variance_epsilon == layers[0].input_layernorm.variance_epsilon
+        and norm.weight.dtype == first.weight.dtype
+        and norm.variance_epsilon == first.variance_epsilon
     ):
         return norm.weight
     return None
@@ -174,8 +193,9 @@ def _remember_caches(stack, layers: Sequence[nn.Module]) -> None:
     stack.caches = [a.kv_cache for a in stack.attentions]
 
 
-def _ops_for(layers: Sequence[nn.Module]) -> tuple[str, str, str] | None:
-    """The kernels' op names when `layers` can run fused, else None (said once, at debug)."""
+def _ops_for(layers: Sequence[nn.Module]) -> tuple[list[str], int] | None:
+    """The kernels' op names and the bfloat16 rows from which packed weights run their tiles
+    when `layers` can run fused, else None (said once, at debug)."""
     from llmctl.engine.distributed.parallel_state import get_tp_group
     from llmctl.engine.kernels.cpu import paged_attention_cpu
     from llmctl.engine.kernels.cpu import quantized_matmul as kernels
@@ -188,7 +208,7 @@ def _ops_for(layers: Sequence[nn.Module]) -> tuple[str, str, str] | None:
     elif not all(_on_cpu_kernel(layer) for layer in layers):
         reason = "an attention backend other than the CPU's"
     elif not all(_fusable(layer) for layer in layers):
-        reason = "a layer that is not a float32 SiLU-gated Llama layer with plain attention"
+        reason = "a layer that is not a float32/bfloat16 SiLU-gated Llama layer, plain attention"
     elif len({layer.self_attn.attn.sliding_window for layer in layers}) > 1:
         reason = "layers with different sliding windows"
     elif _namespace() is None or paged_attention_cpu._kernel() is None:
@@ -198,17 +218,20 @@ def _ops_for(layers: Sequence[nn.Module]) -> tuple[str, str, str] | None:
         return None
     quantized = kernels._kernel()
     attention = paged_attention_cpu._kernel()
-    int4 = int8 = ""
+    int4 = int8 = tiled = ""
     if quantized is not None:
         int4 = quantized.int4_group_mm._qualified_op_name
         int8 = quantized.int8_group_mm._qualified_op_name
+        tiled = quantized.tiled_group_mm._qualified_op_name
     needs_int = any(
         part.bits > 0 for layer in layers for lin in _linears(layer) for part in _parts(lin)
     )
     if needs_int and not int4:
         logger.debug("fused decode off: the quantized matmul kernel is not built")
         return None
-    return int4, int8, attention._qualified_op_name
+    bf16 = layers[0].input_layernorm.weight.dtype == torch.bfloat16
+    tile_from = kernels.BF16_SMALL_BATCH if bf16 and kernels._bf16_tiles() else 0
+    return [int4, int8, tiled, attention._qualified_op_name], tile_from
 
 
 def _on_cpu_kernel(layer: nn.Module) -> bool:
@@ -245,11 +268,18 @@ def _parts(linear: nn.Module) -> list[_Part]:
 
 def _fusable(layer: nn.Module) -> bool:
     from llmctl.engine.layers.activation import SiluAndMul
+    from llmctl.engine.layers.layernorm import RMSNorm
 
     attn = getattr(layer, "self_attn", None)
     mlp = getattr(layer, "mlp", None)
     if attn is None or not isinstance(getattr(mlp, "act_fn", None), SiluAndMul):
         return False  # not a dense Llama layer (a mixture of experts, GPT-2, OPT)
+    norms = (
+        getattr(layer, "input_layernorm", None),
+        getattr(layer, "post_attention_layernorm", None),
+    )
+    if any(type(norm) is not RMSNorm for norm in norms) or not hasattr(attn, "qkv_proj"):
+        return False  # Gemma's (1 + weight) norms; MLA's projections
     if getattr(attn, "qk_norm", False):  # Qwen3's per-head q/k norm: not in the C++ layer
         return False
     inner = getattr(attn, "attn", None)
@@ -257,31 +287,36 @@ def _fusable(layer: nn.Module) -> bool:
         return False  # gpt-oss's sinks; a model with several KV cache groups
     if not getattr(attn.rotary_emb, "plain", False):  # LongRoPE, partial rotary
         return False
-    if attn.attn.kv_cache.dtype != torch.float32 or attn.attn.kv_cache.numel() == 0:
+    dtype = layer.input_layernorm.weight.dtype  # the model's: activations, norms, KV cache
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if attn.attn.kv_cache.dtype != dtype or attn.attn.kv_cache.numel() == 0:
+        return False
+    if layer.post_attention_layernorm.weight.dtype != dtype:
         return False
     if attn.rotary_emb.cos_cache.dtype != torch.float32 or attn.head_dim % 2:
         return False
     if attn.rotary_emb.rotary_dim != attn.head_dim or attn.rotary_emb.interleaved:
         return False  # partial or interleaved rotary (GLM-4.5, DeepSeek): not in the C++ layer
     for linear in _linears(layer):
-        if linear.quant_method is None and linear.weight.dtype != torch.float32:  # bf16
+        if linear.quant_method is None and linear.weight.dtype != dtype:
             return False
         if linear.quant_method is not None and any(
             type(p).__name__ == "Fp8LinearWeight" for p in linear.quant_method.parts
         ):
             return False  # block FP8: the C++ stack's matmuls are the integer formats
         for part in _parts(linear):
-            if part.bits == 0 and part.q.dtype != torch.float32:
+            if part.bits == 0 and part.q.dtype != dtype:
                 return False
-    return layer.input_layernorm.weight.dtype == torch.float32
+    return True
 
 
-def _flatten(layers: Sequence[nn.Module]) -> tuple[list[torch.Tensor], list[int]]:
+def _flatten(layers: Sequence[nn.Module], tile_from: int) -> tuple[list[torch.Tensor], list[int]]:
     """The tensors and integers DecodeStack's constructor reads (see fused_decode_cpu.cpp)."""
     first = layers[0].self_attn
     rotary = first.rotary_emb
     tensors: list[torch.Tensor] = [rotary.cos_cache, rotary.sin_cache]
-    meta = [len(layers), first.attn.num_heads, first.attn.num_kv_heads, first.head_dim]
+    meta = [len(layers), first.attn.num_heads, first.attn.num_kv_heads, first.head_dim, tile_from]
     for layer in layers:
         attn = layer.self_attn
         tensors += [

@@ -16,9 +16,15 @@
 //   h = (silu(x W_gate^T) * x W_up^T) W_down^T
 //
 // A linear is one or more row blocks ("parts"; a GGUF Q4_K_M layer mixes Q4_K and Q6_K rows),
-// each int4 or int8 packed (quantization/kernels.py's PackedLinearWeight) or float32 [N, K].
+// each int4 or int8 packed (quantized_matmul.py's PackedLinearWeight) or a float [N, K] weight.
+//
+// Activations, norms' weights and the KV cache are all float32 or all bfloat16 (the model's
+// dtype): the elementwise work runs layer_ops_cpu.h's row routines, which round where torch's
+// bfloat16 ops round, and the matmuls are the module path's own ops (a packed weight's decode
+// kernel widens bfloat16 in registers; above `tile_from` rows of bfloat16, its bfloat16 tiles).
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -34,18 +40,15 @@
 #define LLMCTL_OP_NAMESPACE llmctl_fused_decode
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
-#define LLMCTL_FD_AVX2 1
-#include <immintrin.h>
-// SLEEF's exp with 1-ulp error, as linked into libtorch_cpu: the one ATen's vectorised silu calls.
-extern "C" __m256 Sleef_expf8_u10avx2(__m256);
-#endif
+#include "layer_ops_cpu.h"
 
 namespace {
 
 using Int4Mm = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                           const at::Tensor&, int64_t);
 using Int8Mm = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
+using TiledMm = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const std::optional<at::Tensor>&, int64_t, int64_t, int64_t);
 using PagedAttention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                   const at::Tensor&, const at::Tensor&, double,
                                   std::optional<int64_t>, const std::optional<at::Tensor>&);
@@ -56,7 +59,7 @@ c10::TypedOperatorHandle<Sig> find_op(const std::string& name) {
 }
 
 struct Part {
-  int64_t bits = 0;  // 4, 8; 0: a float32 [N, K] weight in q; -1: oneDNN's prepacked weight
+  int64_t bits = 0;  // 4, 8; 0: a float [N, K] weight in q; -1: oneDNN's prepacked weight
   int64_t group = 0;
   at::Tensor q, scales, zeros;
 };
@@ -72,66 +75,14 @@ struct Layer {
   Linear qkv, o, gate_up, down;
 };
 
-// gu: [M, 2 I] as [gate | up] -> silu(gate) * up: [M, I], silu(g) = g / (1 + exp(-g)) as ATen's
-// silu computes it. With AVX2 a plain loop on the same SLEEF exp (the same bits): at::silu and
-// mul_ (two TensorIterators and an allocation) took ~11 us a layer for SmolLM2's 1536 columns,
-// the loop 2 us. Elsewhere (no AVX2, or another architecture) ATen's own vectorised ops.
-at::Tensor silu_and_mul(const at::Tensor& gu) {
-  const int64_t M = gu.size(0), I = gu.size(1) / 2;
-#if defined(LLMCTL_FD_AVX2)
-  TORCH_CHECK(gu.is_contiguous(), "silu_and_mul: gu must be contiguous");
-  at::Tensor act = at::empty({M, I}, gu.options());
-  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
-  auto eight = [&](const float* g8, const float* u8, float* o8) {
-    const __m256 g = _mm256_loadu_ps(g8);
-    const __m256 e = Sleef_expf8_u10avx2(_mm256_xor_ps(g, sign));
-    _mm256_storeu_ps(o8, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)),
-                                       _mm256_loadu_ps(u8)));
-  };
-  for (int64_t r = 0; r < M; ++r) {
-    const float* gate = gu.data_ptr<float>() + r * 2 * I;
-    const float* up = gate + I;
-    float* o = act.data_ptr<float>() + r * I;
-    int64_t i = 0;
-    for (; i + 8 <= I; i += 8) eight(gate + i, up + i, o + i);
-    if (i < I) {  // the tail through the same vector code, as ATen does it
-      float g8[8] = {}, u8[8] = {}, o8[8];
-      std::copy(gate + i, gate + I, g8);
-      std::copy(up + i, up + I, u8);
-      eight(g8, u8, o8);
-      std::copy(o8, o8 + (I - i), o + i);
-    }
-  }
-  return act;
-#else
-  at::Tensor act = at::silu(gu.narrow(1, 0, I));
-  return act.mul_(gu.narrow(1, I, I));
-#endif
-}
+using llmctl_layers::BFloat16;
 
-// x[M, H] -> w * (x * rsqrt(mean(x^2) + eps)), row by row (RMSNorm as layernorm.py computes it)
-void rmsnorm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t n, float eps,
-                  int64_t x_stride, int64_t out_stride) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * x_stride;
-    float* o = out + r * out_stride;
-    float ss = 0.f;
-    int64_t i = 0;
-#if defined(LLMCTL_FD_AVX2)
-    // 8 partial sums of squares (one chain of n adds was ~1 us a norm at n = 576)
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) {
-      const __m256 v = _mm256_loadu_ps(xr + i);
-      acc = _mm256_fmadd_ps(v, v, acc);
-    }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc);
-    for (float lane : lanes) ss += lane;
-#endif
-    for (; i < n; ++i) ss += xr[i] * xr[i];
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-    for (i = 0; i < n; ++i) o[i] = w[i] * (xr[i] * inv);
-  }
+// Rows split across threads where a step has enough of them (a batch of decodes); a single
+// sequence's step stays on its thread (waking the others costs more than its rows).
+template <typename F>
+void for_rows(int64_t rows, int64_t width, const F& f) {
+  constexpr int64_t kGrainValues = 1 << 15;
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainValues / std::max<int64_t>(1, width)), f);
 }
 
 class DecodeStack : public torch::CustomClassHolder {
@@ -139,11 +90,13 @@ class DecodeStack : public torch::CustomClassHolder {
   // tensors: cos_cache, sin_cache, then per layer: input_norm, post_norm, kv_cache, then for
   //   qkv, o, gate_up, down: per part q, scales, zeros (an empty tensor when none), then the
   //   bias when it has one.
-  // meta: num_layers, num_heads, num_kv_heads, head_dim, then per layer and linear:
-  //   num_parts, has_bias, then per part: bits, group.
-  // ops: the qualified names of int4_group_mm, int8_group_mm and paged_decode_attention.
+  // meta: num_layers, num_heads, num_kv_heads, head_dim, tile_from, then per layer and linear:
+  //   num_parts, has_bias, then per part: bits, group. tile_from: the rows of bfloat16 above
+  //   which a packed weight runs its bfloat16 tiles (tiled_op), 0 for never.
+  // ops: the qualified names of int4_group_mm, int8_group_mm, tiled_group_mm and
+  //   paged_decode_attention.
   DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> meta, double eps,
-              double scale, std::string int4_op, std::string int8_op, std::string attention_op)
+              double scale, std::vector<std::string> ops)
       : eps_(static_cast<float>(eps)), scale_(scale) {
     size_t t = 0, m = 0;
     auto next_t = [&]() {
@@ -154,12 +107,16 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(m < meta.size(), "DecodeStack: too few meta values");
       return meta[m++];
     };
+    TORCH_CHECK(ops.size() == 4, "DecodeStack: four op names");
     cos_ = next_t().contiguous();
     sin_ = next_t().contiguous();
     const int64_t num_layers = next_m();
     num_heads_ = next_m();
     num_kv_heads_ = next_m();
     head_dim_ = next_m();
+    tile_from_ = next_m();
+    TORCH_CHECK(head_dim_ % 2 == 0 && head_dim_ <= llmctl_layers::kMaxHeadDim,
+                "DecodeStack: head_dim must be even, at most ", llmctl_layers::kMaxHeadDim);
     auto read_linear = [&]() {
       Linear lin;
       const int64_t num_parts = next_m();
@@ -181,10 +138,14 @@ class DecodeStack : public torch::CustomClassHolder {
       layer.input_norm = next_t();
       layer.post_norm = next_t();
       layer.kv_cache = next_t();
+      if (i == 0) dtype_ = layer.kv_cache.scalar_type();
       TORCH_CHECK(layer.kv_cache.dim() == 5 && layer.kv_cache.is_contiguous() &&
-                      layer.kv_cache.scalar_type() == at::kFloat,
-                  "DecodeStack: a KV cache must be a contiguous float32 [2, blocks, block_size, "
-                  "kv_heads, head_dim] tensor");
+                      (dtype_ == at::kFloat || dtype_ == at::kBFloat16) &&
+                      layer.kv_cache.scalar_type() == dtype_ &&
+                      layer.input_norm.scalar_type() == dtype_ &&
+                      layer.post_norm.scalar_type() == dtype_,
+                  "DecodeStack: the KV caches (contiguous [2, blocks, block_size, kv_heads, "
+                  "head_dim]) and norms must all be float32 or all bfloat16");
       layer.key_cache = layer.kv_cache.select(0, 0);
       layer.value_cache = layer.kv_cache.select(0, 1);
       layer.qkv = read_linear();
@@ -196,25 +157,46 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(t == tensors.size() && m == meta.size(), "DecodeStack: unused inputs");
     mkldnn_linear_ =
         c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-    if (!int4_op.empty()) int4_ = find_op<Int4Mm>(int4_op);
-    if (!int8_op.empty()) int8_ = find_op<Int8Mm>(int8_op);
-    attention_ = find_op<PagedAttention>(attention_op);
+    if (!ops[0].empty()) int4_ = find_op<Int4Mm>(ops[0]);
+    if (!ops[1].empty()) int8_ = find_op<Int8Mm>(ops[1]);
+    if (!ops[2].empty()) tiled_ = find_op<TiledMm>(ops[2]);
+    attention_ = find_op<PagedAttention>(ops[3]);
   }
 
-  // hidden: [M, H] float32; residual: [M, H] or None at the model's first layer; positions,
-  // slot_mapping: [M] int64; block_tables [M, width], seq_lens [M]: the decode attention's.
-  // Returns (the last MLP's output, the residual), as LlamaModel's layer loop leaves them; with
-  // final_norm (the model's last stage) the first is rmsnorm(residual + that output) * final_norm,
-  // the model's output, and the residual includes it.
+  // hidden: [M, H] of the stack's dtype; residual: [M, H] or None at the model's first layer;
+  // positions, slot_mapping: [M] int64; block_tables [M, width], seq_lens [M]: the decode
+  // attention's. Returns (the last MLP's output, the residual), as LlamaModel's layer loop leaves
+  // them; with final_norm (the model's last stage) the first is rmsnorm(residual + that output) *
+  // final_norm, the model's output, and the residual includes it.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, std::optional<at::Tensor> residual,
                                              at::Tensor positions, at::Tensor slot_mapping,
                                              at::Tensor block_tables, at::Tensor seq_lens,
                                              std::optional<int64_t> sliding_window,
                                              std::optional<at::Tensor> final_norm) {
-    TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat,
-                "hidden must be float32 [num_tokens, hidden_size]");
+    TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == dtype_,
+                "hidden must be [num_tokens, hidden_size] of the KV cache's dtype");
+    if (dtype_ == at::kBFloat16) {
+      return run<BFloat16>(hidden, residual, positions, slot_mapping, block_tables, seq_lens,
+                           sliding_window, final_norm);
+    }
+    return run<float>(hidden, residual, positions, slot_mapping, block_tables, seq_lens,
+                      sliding_window, final_norm);
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  template <typename T>
+  std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& hidden,
+                                         const std::optional<at::Tensor>& residual,
+                                         const at::Tensor& positions,
+                                         const at::Tensor& slot_mapping,
+                                         const at::Tensor& block_tables,
+                                         const at::Tensor& seq_lens,
+                                         std::optional<int64_t> sliding_window,
+                                         const std::optional<at::Tensor>& final_norm) {
     const int64_t M = hidden.size(0), H = hidden.size(1);
-    const int64_t D = head_dim_, half = D / 2;
+    const int64_t D = head_dim_;
     const int64_t q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
     at::Tensor h = hidden.contiguous();
     bool have_residual = residual.has_value();
@@ -239,80 +221,81 @@ class DecodeStack : public torch::CustomClassHolder {
     }
 
     for (auto& L : layers_) {
-      add_and_norm(h, res, x, L.input_norm, have_residual);
+      add_and_norm<T>(h, res, x, L.input_norm, have_residual);
       have_residual = true;
       at::Tensor qkv = linear(x, L.qkv);  // [M, q + 2 kv]
-      float* qkv_p = qkv.data_ptr<float>();
+      T* qkv_p = qkv.data_ptr<T>();
       const int64_t ld = qkv.size(1);
-      // RoPE, "rotate half": x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin
-      for (int64_t r = 0; r < M; ++r) {
-        const float* c = cos_p + pos_p[r] * rope_width;
-        const float* s = sin_p + pos_p[r] * rope_width;
-        float* row = qkv_p + r * ld;
-        for (int64_t head = 0; head < num_heads_ + num_kv_heads_; ++head) {
-          float* v = row + head * D;
-          for (int64_t i = 0; i < half; ++i) {
-            const float x1 = v[i], x2 = v[i + half];
-            v[i] = x1 * c[i] + (-x2) * s[i];
-            v[i + half] = x2 * c[i + half] + x1 * s[i + half];
-          }
-        }
-      }
+      for_rows(M, ld, [&](int64_t begin, int64_t end) {  // RoPE on the query and key heads
+        for (int64_t r = begin; r < end; ++r)
+          llmctl_layers::rope_row<T>(qkv_p + r * ld, num_heads_ + num_kv_heads_, D,
+                                     cos_p + pos_p[r] * rope_width, sin_p + pos_p[r] * rope_width);
+      });
       // The new token's key and value into its slot of the paged cache.
-      const at::Tensor& key_cache = L.key_cache;
-      const at::Tensor& value_cache = L.value_cache;
-      float* kc = key_cache.data_ptr<float>();
-      float* vc = value_cache.data_ptr<float>();
+      T* kc = L.key_cache.data_ptr<T>();
+      T* vc = L.value_cache.data_ptr<T>();
       const int64_t slot_stride = num_kv_heads_ * D;  // [num_blocks * block_size, kvh, D] rows
       for (int64_t r = 0; r < M; ++r) {
         if (slot_p[r] < 0) continue;
-        const float* row = qkv_p + r * ld;
+        const T* row = qkv_p + r * ld;
         std::copy(row + q_size, row + q_size + kv_size, kc + slot_p[r] * slot_stride);
         std::copy(row + q_size + kv_size, row + q_size + 2 * kv_size,
                   vc + slot_p[r] * slot_stride);
       }
       at::Tensor q = qkv.narrow(1, 0, q_size).contiguous().view({M, num_heads_, D});
-      at::Tensor attn =
-          attention_->call(q, key_cache, value_cache, block_tables, seq_lens, scale_,
-                          sliding_window, std::nullopt)
-              .view({M, q_size});
+      at::Tensor attn = attention_
+                            ->call(q, L.key_cache, L.value_cache, block_tables, seq_lens, scale_,
+                                   sliding_window, std::nullopt)
+                            .view({M, q_size});
       at::Tensor o = linear(attn, L.o);
-      add_and_norm(o, res, x, L.post_norm, true);
+      add_and_norm<T>(o, res, x, L.post_norm, true);
       at::Tensor gu = linear(x, L.gate_up);  // [M, 2 I] as [gate | up]
-      h = linear(silu_and_mul(gu), L.down);
+      const int64_t I = gu.size(1) / 2;
+      at::Tensor act = at::empty({M, I}, gu.options());
+      const T* gu_p = gu.data_ptr<T>();
+      T* act_p = act.data_ptr<T>();
+      for_rows(M, 2 * I, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r)
+          llmctl_layers::silu_mul_row<T>(gu_p + r * 2 * I, gu_p + r * 2 * I + I, act_p + r * I, I);
+      });
+      h = linear(act, L.down);
     }
     if (final_norm.has_value()) {
-      TORCH_CHECK(final_norm->scalar_type() == at::kFloat && final_norm->is_contiguous() &&
+      TORCH_CHECK(final_norm->scalar_type() == dtype_ && final_norm->is_contiguous() &&
                       final_norm->numel() == H,
-                  "final_norm must be a contiguous float32 [hidden_size] tensor");
+                  "final_norm must be a contiguous [hidden_size] tensor of the stack's dtype");
       at::Tensor out = at::empty({M, H}, hidden.options());
-      add_and_norm(h, res, out, *final_norm, have_residual);
+      add_and_norm<T>(h, res, out, *final_norm, have_residual);
       return std::make_tuple(out, res);
     }
     return std::make_tuple(h, res);
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
- private:
-  // res += h (res = h when there is none yet); x = rmsnorm(res) * w
+  // res += h (res = h when there is none yet); x = rmsnorm(res) * w, row by row
+  template <typename T>
   void add_and_norm(const at::Tensor& h, at::Tensor& res, at::Tensor& x, const at::Tensor& w,
                     bool have_residual) {
-    const int64_t n = h.numel();
-    const float* hp = h.data_ptr<float>();
-    float* rp = res.data_ptr<float>();
-    if (have_residual) {
-      for (int64_t i = 0; i < n; ++i) rp[i] = hp[i] + rp[i];
-    } else {
-      std::copy(hp, hp + n, rp);
-    }
-    const int64_t H = h.size(1);
-    rmsnorm_rows(rp, w.data_ptr<float>(), x.data_ptr<float>(), h.size(0), H, eps_, H, H);
+    TORCH_CHECK(h.is_contiguous() && h.scalar_type() == dtype_, "a layer's output changed dtype");
+    const int64_t M = h.size(0), H = h.size(1);
+    const T *hp = h.data_ptr<T>(), *wp = w.data_ptr<T>();
+    T *rp = res.data_ptr<T>(), *xp = x.data_ptr<T>();
+    for_rows(M, H, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        llmctl_layers::add_rms_norm_row<T>(hp + r * H, rp + r * H, have_residual, wp, xp + r * H,
+                                           H, eps_);
+    });
   }
 
   at::Tensor part_mm(const at::Tensor& x, const Part& p) {
-    if (p.bits == 4) return int4_->call(x, p.q, p.scales, p.zeros, p.group);
-    if (p.bits == 8) return int8_->call(x, p.q, p.scales, p.group);
+    if (p.bits == 4 || p.bits == 8) {
+      if (tile_from_ > 0 && x.scalar_type() == at::kBFloat16 && x.size(0) > tile_from_) {
+        const std::optional<at::Tensor> zeros =
+            p.bits == 4 ? std::optional<at::Tensor>(p.zeros) : std::nullopt;
+        return tiled_->call(x, p.q, p.scales, zeros, p.bits, p.group, tile_rows(p.q.size(0)));
+      }
+      if (p.bits == 4) return int4_->call(x, p.q, p.scales, p.zeros, p.group);
+      return int8_->call(x, p.q, p.scales, p.group);
+    }
     if (p.bits == -1) {  // linear.py's prepacked float weight: mkldnn::_linear_pointwise
       torch::jit::Stack stack{x, p.q, c10::IValue(), std::string("none"),
                               c10::List<std::optional<c10::Scalar>>(), std::string("")};
@@ -320,6 +303,12 @@ class DecodeStack : public torch::CustomClassHolder {
       return stack[0].toTensor();
     }
     return at::mm(x, p.q.t());
+  }
+
+  // quantized_matmul.py's tile rows for N output rows: 16-64, a multiple of 16, two per thread
+  static int64_t tile_rows(int64_t N) {
+    const int64_t per = (N + 2 * at::get_num_threads() - 1) / (2 * at::get_num_threads());
+    return std::min<int64_t>(64, std::max<int64_t>(16, (per + 15) / 16 * 16));
   }
 
   at::Tensor linear(const at::Tensor& x, const Linear& lin) {
@@ -337,11 +326,13 @@ class DecodeStack : public torch::CustomClassHolder {
 
   float eps_;
   double scale_;
-  int64_t num_heads_ = 0, num_kv_heads_ = 0, head_dim_ = 0;
+  int64_t num_heads_ = 0, num_kv_heads_ = 0, head_dim_ = 0, tile_from_ = 0;
+  at::ScalarType dtype_ = at::kFloat;
   at::Tensor cos_, sin_;
   std::vector<Layer> layers_;
   std::optional<c10::TypedOperatorHandle<Int4Mm>> int4_;
   std::optional<c10::TypedOperatorHandle<Int8Mm>> int8_;
+  std::optional<c10::TypedOperatorHandle<TiledMm>> tiled_;
   std::optional<c10::TypedOperatorHandle<PagedAttention>> attention_;
   std::optional<c10::OperatorHandle> mkldnn_linear_;
 };
@@ -353,8 +344,8 @@ class DecodeStack : public torch::CustomClassHolder {
 
 LLMCTL_LIBRARY(LLMCTL_OP_NAMESPACE, m) {
   m.class_<DecodeStack>("DecodeStack")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double, double, std::string,
-                       std::string, std::string>())
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double, double,
+                       std::vector<std::string>>())
       .def("forward", &DecodeStack::forward)
       .def("num_layers", &DecodeStack::num_layers);
 }

@@ -25,14 +25,14 @@
 // with torch's GEMM, the dequantization amortised over the M rows.
 //
 // Built with -march=native on the machine that runs it (the build cache key hashes the CPU's
-// flags): the 256-bit AVX2 path wherever the CPU has AVX2 and FMA, AVX-512 CPUs included (the
-// compiler may still use EVEX encodings and 32 registers), with a scalar path for anything else.
-// 512-bit versions of these loops (with and without a block of 4 rows a pass at M = 1) were
-// 5-19% slower at M = 1 and M = 4 on this project's AVX-512 machine (AMD EPYC Zen 4, where
-// 512-bit operations are split in two), so they were removed; one path also gives a row the same
-// bits on an AVX2 node and an AVX-512 node.
+// flags): the 256-bit AVX2 path wherever the CPU has AVX2 and FMA, with a scalar path for anything
+// else, and 512-bit versions of the decode loops on Intel CPUs with AMX (LLMCTL_Q_512 below).
+// On AMD's Zen 4 (AVX-512, 512-bit operations split in two) 512-bit loops were 5-19% slower at
+// M = 1 and M = 4: AVX-512 CPUs without AMX keep the 256-bit loops. A row gets the same bits on
+// every node of one kind (and on AVX2 and Zen 4 nodes alike), not across the two loop widths.
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -42,10 +42,21 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <vector>
+
+#include "quantized_matmul_cpu.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define LLMCTL_Q_AVX2 1
 #include <immintrin.h>
+#endif
+// 512-bit decode loops where the CPU runs them whole: Intel's AMX cores (two 512-bit FMA units),
+// 1.29x the 256-bit loops' rate on one core of the Intel AMX kind (int4, SmolLM2's 53 MB of
+// layers, cold: 4.55 against 5.85 ms). AMD's Zen 4 splits 512-bit operations in two, and there
+// they were 5-19% slower: it keeps the 256-bit loops (as a build with LLMCTL_CPU_MARCH=znver4 on
+// an Intel CPU does).
+#if defined(LLMCTL_Q_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AMX_TILE__)
+#define LLMCTL_Q_512 1
 #endif
 
 #ifndef LLMCTL_OP_NAMESPACE
@@ -54,15 +65,9 @@
 
 namespace {
 
-// A scale or zero as float: float32 as it is, float16 widened (F16C where the CPU has it).
-inline float ld(const float* p, int64_t i) { return p[i]; }
-inline float ld(const c10::Half* p, int64_t i) {
-#if defined(__F16C__)
-  return _cvtsh_ss(p[i].x);
-#else
-  return static_cast<float>(p[i]);
-#endif
-}
+using llmctl_quantized::check_dequant;
+using llmctl_quantized::is_scale_dtype;
+using llmctl_quantized::ld;
 
 constexpr int kMaxRows = 4;  // activation rows handled per pass over a weight row
 
@@ -95,11 +100,47 @@ inline void nibbles_to_ps(const uint8_t* b16, __m128i /*mask*/, __m256* w) {
 }
 #endif
 
+#if defined(LLMCTL_Q_512)
+// 32 nibbles (16 bytes, Q4_0's order) -> weights 0-15 and 16-31 as 16 floats each
+inline void nibbles_to_ps512(const uint8_t* b16, __m512* w) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b16)));
+  w[0] = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
+  w[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+#endif
+
 #if defined(LLMCTL_Q_AVX2)
 // Decode (one activation row): NR weight rows per pass share each load of x, and their NR
 // independent FMA chains hide each other's latency (one row alone is latency bound). Per row,
 // the same operations in the same order as row_int4 / row_int8 with R = 1.
 constexpr int kBlockRows = 4;
+#if defined(LLMCTL_Q_512)
+template <int NR, typename S>
+void rows_int4_m1(const uint8_t* qp, int64_t row_bytes, const S* scales, int64_t G,
+                  const float* x, int64_t g, float* out) {
+  __m512 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < G; ++gi) {
+    __m512 p[NR];
+    for (int r = 0; r < NR; ++r) p[r] = _mm512_setzero_ps();
+    for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
+      const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* b = qp + r * row_bytes + k / 2;
+        if ((k / 2) % 64 == 0)  // the next pass's line of this row, as below
+          _mm_prefetch(reinterpret_cast<const char*>(b + NR * row_bytes), _MM_HINT_T0);
+        __m512 w[2];
+        nibbles_to_ps512(b, w);
+        p[r] = _mm512_fmadd_ps(w[0], x0, p[r]);
+        p[r] = _mm512_fmadd_ps(w[1], x1, p[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      acc[r] = _mm512_fmadd_ps(p[r], _mm512_set1_ps(ld(scales, r * G + gi)), acc[r]);
+  }
+  for (int r = 0; r < NR; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+#else
 template <int NR, typename S>
 void rows_int4_m1(const uint8_t* qp, int64_t row_bytes, const S* scales, int64_t G,
                   const float* x, int64_t g, float* out) {
@@ -131,6 +172,7 @@ void rows_int4_m1(const uint8_t* qp, int64_t row_bytes, const S* scales, int64_t
   }
   for (int r = 0; r < NR; ++r) out[r] = hsum(acc[r]);
 }
+#endif
 
 #endif
 
@@ -141,7 +183,25 @@ template <int R, typename S>
 void row_int8(const int8_t* q, const S* scales, const float* x, int64_t ldx, int64_t K,
               int64_t g, float* out) {
   const int64_t G = K / g;
-#if defined(LLMCTL_Q_AVX2)
+#if defined(LLMCTL_Q_512)
+  if (g % 16 == 0) {  // one chain per row and group, 16 lanes
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t gi = 0; gi < G; ++gi) {
+      __m512 p[R];
+      for (int r = 0; r < R; ++r) p[r] = _mm512_setzero_ps();
+      for (int64_t k = gi * g; k < (gi + 1) * g; k += 16) {
+        const __m512 w = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
+        for (int r = 0; r < R; ++r) p[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * ldx + k), p[r]);
+      }
+      const __m512 s = _mm512_set1_ps(ld(scales, gi));
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(p[r], s, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+    return;
+  }
+#elif defined(LLMCTL_Q_AVX2)
   if (g % 16 == 0) {  // one chain per row and group
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -178,7 +238,28 @@ template <int R, typename S>
 void row_int4(const uint8_t* qp, const S* scales, const float* x, int64_t ldx, int64_t K,
               int64_t g, float* out) {
   const int64_t G = K / g;
-#if defined(LLMCTL_Q_AVX2)
+#if defined(LLMCTL_Q_512)
+  // The order of rows_int4_m1's (one chain per row and group), so that a row's sum has the same
+  // bits whether its sequence is decoded alone or in a batch.
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < G; ++gi) {
+    __m512 p[R];
+    for (int r = 0; r < R; ++r) p[r] = _mm512_setzero_ps();
+    for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
+      __m512 w[2];
+      nibbles_to_ps512(qp + k / 2, w);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * ldx + k;
+        p[r] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xr), p[r]);
+        p[r] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xr + 16), p[r]);
+      }
+    }
+    const __m512 s = _mm512_set1_ps(ld(scales, gi));
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(p[r], s, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+#elif defined(LLMCTL_Q_AVX2)
   // The order of rows_int4_m1's (one chain per row and group), so that a row's sum has the same
   // bits whether its sequence is decoded alone or in a batch.
   __m256 acc[R];
@@ -297,13 +378,10 @@ struct Int4Row {
 #endif
 };
 
-bool is_scale_dtype(const at::Tensor& t) {
-  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf;
-}
-
 void check_common(const at::Tensor& x, const at::Tensor& scales, int64_t N, int64_t K, int64_t g) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be a contiguous float32 or bfloat16 [M, K] tensor");
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " features, the weight ", K);
   TORCH_CHECK(g > 0 && K % g == 0, "K=", K, " is not a multiple of group_size=", g);
   TORCH_CHECK(is_scale_dtype(scales) && scales.is_contiguous() && scales.size(0) == N &&
@@ -311,18 +389,27 @@ void check_common(const at::Tensor& x, const at::Tensor& scales, int64_t N, int6
               "scales must be contiguous float32 or float16 [N, K / group_size]");
 }
 
-// rows [begin, end) of y for activation rows handled R at a time; zp: [N, G] zeros or nullptr
+// rows [begin, end) of y for activation rows handled R at a time; zp: [N, G] zeros or nullptr.
+// bfloat16 x is widened to float32 first (exactly) and y rounded back at the end: the same sums.
 template <typename S, typename RowFn>
 at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes, const S* zp,
                     const RowFn& row) {
   const int64_t M = x.size(0), K = x.size(1), G = K / g;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  std::vector<float> x32, y32;  // bfloat16 x: float32 copies of x and y
+  if (bf16) {
+    const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
+    x32.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) x32[i] = static_cast<float>(xb[i]);
+    y32.resize(M * N);
+  }
+  const float* xp = bf16 ? x32.data() : x.data_ptr<float>();
+  float* yp = bf16 ? y32.data() : y.data_ptr<float>();
   const bool has_zeros = zp != nullptr;
   at::Tensor xsum;
   if (has_zeros) {  // [M, G]: per-group sums of x, for the zero term
-    xsum = at::empty({M, G}, x.options());
+    xsum = at::empty({M, G}, x.options().dtype(at::kFloat));
     float* s = xsum.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m)
       for (int64_t gi = 0; gi < G; ++gi) s[m * G + gi] = group_sum(xp + m * K + gi * g, g);
@@ -371,6 +458,11 @@ at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes
           yp[(m0 + r) * N + n] = v;
         }
       }
+    }
+    if (bf16) {  // this thread's columns, rounded
+      c10::BFloat16* yb = y.data_ptr<c10::BFloat16>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t c = begin; c < end; ++c) yb[m * N + c] = c10::BFloat16(yp[m * N + c]);
     }
   });
   return y;
@@ -455,17 +547,6 @@ void dequantize_into(const at::Tensor& q, const S* sp, const S* zp, int64_t bits
   }
 }
 
-void check_dequant(const at::Tensor& q, const at::Tensor& scales,
-                   const std::optional<at::Tensor>& zeros, int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(q.is_contiguous() && scales.is_contiguous() && is_scale_dtype(scales),
-              "q and scales must be contiguous, scales float32 or float16");
-  TORCH_CHECK(q.scalar_type() == (bits == 4 ? at::kByte : at::kChar), "q has the wrong dtype");
-  TORCH_CHECK(!zeros.has_value() ||
-                  (zeros->is_contiguous() && zeros->scalar_type() == scales.scalar_type()),
-              "zeros must be contiguous and of the scales' dtype");
-}
-
 // Rows [n0, n1) of W in float32: embedding rows and references.
 at::Tensor dequantize_rows(const at::Tensor& q, const at::Tensor& scales,
                            const std::optional<at::Tensor>& zeros, int64_t bits,
@@ -494,6 +575,11 @@ at::Tensor dequantize_rows(const at::Tensor& q, const at::Tensor& scales,
 at::Tensor tiled_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                           const std::optional<at::Tensor>& zeros, int64_t bits,
                           int64_t group_size, int64_t tile_rows) {
+  if (x.scalar_type() == at::kBFloat16) {  // tiles in bfloat16 for oneDNN's brgemm
+    TORCH_CHECK(tile_rows % 16 == 0, "tile_rows must be a multiple of 16 for bfloat16 x");
+    return llmctl_quantized::bf16_tiled_group_mm(x, q, scales, zeros, bits, group_size,
+                                                 tile_rows);
+  }
   check_dequant(q, scales, zeros, bits);
   const int64_t N = q.size(0), K = bits == 4 ? q.size(1) * 2 : q.size(1);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
@@ -543,6 +629,9 @@ LLMCTL_LIBRARY(LLMCTL_OP_NAMESPACE, m) {
   m.def(
       "dequantize_rows(Tensor q, Tensor scales, Tensor? zeros, int bits, int group_size, "
       "int n0, int n1) -> Tensor");
+  m.def(
+      "dequantize_rows_bf16(Tensor q, Tensor scales, Tensor? zeros, int bits, int group_size, "
+      "int n0, int n1) -> Tensor");
 }
 
 LLMCTL_LIBRARY_IMPL(LLMCTL_OP_NAMESPACE, CPU, m) {
@@ -550,4 +639,5 @@ LLMCTL_LIBRARY_IMPL(LLMCTL_OP_NAMESPACE, CPU, m) {
   m.impl("int4_group_mm", &int4_group_mm);
   m.impl("dequantize_rows", &dequantize_rows);
   m.impl("tiled_group_mm", &tiled_group_mm);
+  m.impl("dequantize_rows_bf16", &llmctl_quantized::dequantize_rows_bf16);
 }

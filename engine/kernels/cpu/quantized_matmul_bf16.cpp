@@ -1,0 +1,288 @@
+// Batched quantized matmuls with bfloat16 activations: y[M, N] = x[M, K] W^T, W expanded tile by
+// tile into bfloat16 and multiplied by oneDNN's brgemm kernel (torch's cpublas::brgemm), which
+// runs on AMX tiles where the CPU has them and on AVX512-BF16 dot products otherwise.
+//
+// A thread owns whole tiles of NT rows of W (NT a multiple of 16). It expands a tile, once, into
+// the layout brgemm multiplies by ("VNNI": a 32-bit word holds the bfloat16 pair W[n][k],
+// W[n][k + 1], and the words of one k pair lie side by side for the NT rows, B32[k / 2][NT]),
+// then runs every block of MB rows of x against it and rounds the float32 sums into its columns
+// of y. The tile (K * NT * 2 bytes: 72 KiB for SmolLM2's K = 576 and NT = 64) stays in the core's
+// cache while the rows of x stream past, so each weight is expanded once per matmul: at M = 64
+// (a decode step of 64 sequences) the expansion is about a third of the GEMM's time.
+//
+// With AVX512-BF16 a row's 32 weights of one k chunk are expanded in registers (nibbles or int8
+// to float, times scale plus zero, rounded to bfloat16 pairs: 16 words) and 16 rows' words are
+// transposed in registers (64 shuffles per 512 weights) into 16 stores of 64 bytes. Without it
+// (a build for an older CPU) every pair is expanded one by one: the same values, slowly.
+//
+// Rounding: each weight is the float32 value dequantize_rows gives (q * scale + zero, one
+// rounding; exact for GGUF's fp16 scales), rounded to the nearest bfloat16 (ties to even) as
+// torch's .to(torch.bfloat16) rounds it, so these tiles hold exactly the weights of the float path
+// on the dequantized checkpoint in bfloat16. Sums are float32, the output rounded once.
+
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "quantized_matmul_cpu.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define LLMCTL_Q_BF16 1
+#include <immintrin.h>
+#endif
+
+namespace llmctl_quantized {
+namespace {
+
+constexpr int64_t kRowBlock = 256;  // rows of x per brgemm call: a float32 C of 64 KiB at NT = 64
+
+template <typename S>
+struct Rows {  // W[n, k] = q[n, k] * scales[n, k / g] + zeros[n, k / g]
+  const uint8_t* q;  // int4: [N, K / 2] nibble pairs (Q4_0 order); int8: [N, K]
+  const S* scales;
+  const S* zeros;  // nullptr for int8
+  int64_t bits, K, G, g;
+
+  float value(int64_t n, int64_t k) const {
+    const int64_t gi = n * G + k / g;
+    if (bits == 8) return float(reinterpret_cast<const int8_t*>(q)[n * K + k]) * ld(scales, gi);
+    const int64_t chunk = k / 32 * 32, j = k % 32;
+    const uint8_t byte = q[n * (K / 2) + chunk / 2 + j % 16];
+    const float nibble = float(j < 16 ? byte & 0x0F : byte >> 4);
+    return std::fma(nibble, ld(scales, gi), ld(zeros, gi));
+  }
+  // The register path: whole 32-weight chunks, one scale per 16 weights.
+  bool chunked() const { return K % 32 == 0 && g % 16 == 0; }
+};
+
+inline uint16_t bf16_bits(float v) { return c10::BFloat16(v).x; }  // round to nearest even
+
+#if defined(LLMCTL_Q_BF16)
+// 32 weights of one row as 32 bfloat16 values (16 words: pairs k, k + 1 in order). int4: q the
+// chunk's 16 bytes, one group (scale s, zero z); int8: q its 32 bytes, scales s for the first
+// 16 and s2 for the last (a group of 16 may end between them).
+template <int BITS>
+inline __m512i chunk_bf16(const uint8_t* q, float s, float z, float s2) {
+  __m512 lo, hi;
+  if constexpr (BITS == 4) {
+    const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))), vs, vz);
+    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), vs, vz);
+  } else {
+    const __m128i* p = reinterpret_cast<const __m128i*>(q);
+    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))),
+                       _mm512_set1_ps(s));
+    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1))),
+                       _mm512_set1_ps(s2));
+  }
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // lo: the first 16 values
+}
+
+// Row n's weights k .. k + 31 (k a multiple of 32); s, z: the row's float32 scales and zeros.
+template <int BITS, typename S>
+inline __m512i row_chunk(const Rows<S>& w, int64_t n, int64_t k, int64_t gi, int64_t gi2,
+                         const float* s, const float* z) {
+  const int64_t row_bytes = BITS == 4 ? w.K / 2 : w.K;
+  const uint8_t* q = w.q + n * row_bytes + (BITS == 4 ? k / 2 : k);
+  return chunk_bf16<BITS>(q, s[gi], BITS == 4 ? z[gi] : 0.f, s[gi2]);
+}
+
+// v[i] word j -> v[j] word i, for 16 x 16 32-bit words.
+inline void transpose16(__m512i v[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: word pairs of rows i, i + 1
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // v[i + c], lane L: word 4 L + c of rows i .. i + 3
+    v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // gather lane L of v[c], v[4 + c], v[8 + c], v[12 + c]
+    const __m512i a = _mm512_shuffle_i32x4(v[c], v[4 + c], 0x44);  // lanes 0, 1 of each
+    const __m512i b = _mm512_shuffle_i32x4(v[c], v[4 + c], 0xEE);  // lanes 2, 3 of each
+    const __m512i d = _mm512_shuffle_i32x4(v[8 + c], v[12 + c], 0x44);
+    const __m512i e = _mm512_shuffle_i32x4(v[8 + c], v[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(a, d, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(a, d, 0xDD);
+    t[8 + c] = _mm512_shuffle_i32x4(b, e, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(b, e, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) v[i] = t[i];
+}
+#endif
+
+// The float32 scales and zeros of rows [n0, n0 + rows): [rows, G] each (zeros only with int4).
+template <typename S>
+void widen_scales(const Rows<S>& w, int64_t n0, int64_t rows, float* s, float* z) {
+  for (int64_t i = 0; i < rows * w.G; ++i) {
+    s[i] = ld(w.scales, n0 * w.G + i);
+    if (w.zeros != nullptr) z[i] = ld(w.zeros, n0 * w.G + i);
+  }
+}
+
+#if defined(LLMCTL_Q_BF16)
+template <int BITS, typename S>
+void expand_vnni_chunks(const Rows<S>& w, int64_t n0, int64_t rows, int64_t NT, uint32_t* B,
+                        const float* s, const float* z) {
+  for (int64_t r0 = 0; r0 < NT; r0 += 16) {
+    for (int64_t k = 0; k < w.K; k += 32) {
+      const int64_t gi = k / w.g, gi2 = (k + 16) / w.g;  // the groups of the chunk's halves
+      __m512i v[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t r = r0 + i;
+        v[i] = r < rows ? row_chunk<BITS>(w, n0 + r, k, gi, gi2, s + r * w.G, z + r * w.G)
+                        : _mm512_setzero_si512();
+      }
+      transpose16(v);
+      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(B + (k / 2 + j) * NT + r0, v[j]);
+    }
+  }
+}
+#endif
+
+// Rows [n0, n0 + rows) of W into B32[K / 2][NT] (the VNNI layout); columns past `rows` are zero.
+// sz: room for 2 * NT * G floats.
+template <typename S>
+void expand_vnni(const Rows<S>& w, int64_t n0, int64_t rows, int64_t NT, uint32_t* B, float* sz) {
+#if defined(LLMCTL_Q_BF16)
+  if (w.chunked()) {
+    float *s = sz, *z = sz + NT * w.G;
+    widen_scales(w, n0, rows, s, z);
+    if (w.bits == 4) {
+      expand_vnni_chunks<4>(w, n0, rows, NT, B, s, z);
+    } else {
+      expand_vnni_chunks<8>(w, n0, rows, NT, B, s, z);
+    }
+    return;
+  }
+#endif
+  for (int64_t k = 0; k < w.K; k += 2) {
+    uint32_t* out = B + (k / 2) * NT;
+    for (int64_t j = 0; j < NT; ++j) {
+      out[j] = j < rows ? uint32_t(bf16_bits(w.value(n0 + j, k))) |
+                              uint32_t(bf16_bits(w.value(n0 + j, k + 1))) << 16
+                        : 0u;
+    }
+  }
+}
+
+// y[i, 0 .. cols) = bfloat16(C[i, 0 .. cols)) for mb rows; C: [mb, ldc] float32, y: [mb, ldy].
+void store_rows(const float* C, int64_t ldc, int64_t mb, int64_t cols, c10::BFloat16* y,
+                int64_t ldy) {
+  for (int64_t i = 0; i < mb; ++i) {
+    const float* c = C + i * ldc;
+    c10::BFloat16* out = y + i * ldy;
+    int64_t j = 0;
+#if defined(LLMCTL_Q_BF16)
+    for (; j + 16 <= cols; j += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(c + j))));
+#endif
+    for (; j < cols; ++j) out[j] = c10::BFloat16(c[j]);
+  }
+}
+
+template <typename S>
+Rows<S> rows_of(const at::Tensor& q, const at::Tensor& scales,
+                const std::optional<at::Tensor>& zeros, int64_t bits, int64_t g) {
+  const int64_t K = bits == 4 ? q.size(1) * 2 : q.size(1);
+  const S* zp = zeros.has_value() ? zeros->data_ptr<S>() : nullptr;
+  TORCH_CHECK(bits == 8 || zp != nullptr, "4-bit weights need zeros");
+  return Rows<S>{static_cast<const uint8_t*>(q.data_ptr()), scales.data_ptr<S>(), zp, bits, K,
+                 K / g, g};
+}
+
+template <typename S>
+void tiled_mm(const at::Tensor& x, const Rows<S>& w, int64_t N, int64_t NT, at::Tensor& y) {
+  const int64_t M = x.size(0), K = w.K, tiles = (N + NT - 1) / NT;
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> B(K / 2 * NT);
+    std::vector<float> C(std::min(M, kRowBlock) * NT), sz(2 * NT * w.G);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * NT, rows = std::min(NT, N - n0);
+      expand_vnni(w, n0, rows, NT, B.data(), sz.data());
+      const auto* b = reinterpret_cast<const c10::BFloat16*>(B.data());
+      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+        const int64_t mb = std::min(kRowBlock, M - m0);
+        at::native::cpublas::brgemm(mb, NT, K, K, NT, NT, false, xp + m0 * K, b, C.data(), true);
+        store_rows(C.data(), NT, mb, rows, yp + m0 * N + n0, N);
+      }
+    }
+    at::native::cpublas::brgemm_release(true);  // this thread's AMX tile state
+  });
+}
+
+}  // namespace
+
+at::Tensor bf16_tiled_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                               const std::optional<at::Tensor>& zeros, int64_t bits,
+                               int64_t group_size, int64_t tile_rows) {
+  check_dequant(q, scales, zeros, bits);
+  const int64_t N = q.size(0), K = bits == 4 ? q.size(1) * 2 : q.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
+                  x.size(1) == K,
+              "x must be a contiguous bfloat16 [M, K] tensor");
+  TORCH_CHECK(group_size > 0 && K % group_size == 0 && K % 2 == 0,
+              "K must be even and a multiple of group_size");
+  TORCH_CHECK(tile_rows > 0 && tile_rows % 16 == 0, "tile_rows must be a multiple of 16");
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  if (scales.scalar_type() == at::kHalf) {
+    tiled_mm(x, rows_of<c10::Half>(q, scales, zeros, bits, group_size), N, tile_rows, y);
+  } else {
+    tiled_mm(x, rows_of<float>(q, scales, zeros, bits, group_size), N, tile_rows, y);
+  }
+  return y;
+}
+
+at::Tensor dequantize_rows_bf16(const at::Tensor& q, const at::Tensor& scales,
+                                const std::optional<at::Tensor>& zeros, int64_t bits,
+                                int64_t group_size, int64_t n0, int64_t n1) {
+  check_dequant(q, scales, zeros, bits);
+  const int64_t N = q.size(0), K = bits == 4 ? q.size(1) * 2 : q.size(1);
+  TORCH_CHECK(0 <= n0 && n0 <= n1 && n1 <= N, "row range out of bounds");
+  TORCH_CHECK(group_size > 0 && K % group_size == 0, "K must be a multiple of group_size");
+  at::Tensor w = at::empty({n1 - n0, K}, scales.options().dtype(at::kBFloat16));
+  auto* wp = reinterpret_cast<uint16_t*>(w.data_ptr());
+  const int64_t g = group_size;
+  auto run = [&](const auto& rows) {
+    at::parallel_for(n0, n1, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        uint16_t* out = wp + (n - n0) * K;
+#if defined(LLMCTL_Q_BF16)
+        if (rows.chunked()) {
+          std::vector<float> sz(2 * rows.G);
+          const float *s = sz.data(), *z = sz.data() + rows.G;
+          widen_scales(rows, n, 1, sz.data(), sz.data() + rows.G);
+          for (int64_t k = 0; k < K; k += 32) {
+            const int64_t gi = k / g, gi2 = (k + 16) / g;
+            _mm512_storeu_si512(out + k, rows.bits == 4
+                                             ? row_chunk<4>(rows, n, k, gi, gi2, s, z)
+                                             : row_chunk<8>(rows, n, k, gi, gi2, s, z));
+          }
+          continue;
+        }
+#endif
+        for (int64_t k = 0; k < K; ++k) out[k] = bf16_bits(rows.value(n, k));
+      }
+    });
+  };
+  if (scales.scalar_type() == at::kHalf) {
+    run(rows_of<c10::Half>(q, scales, zeros, bits, group_size));
+  } else {
+    run(rows_of<float>(q, scales, zeros, bits, group_size));
+  }
+  return w;
+}
+
+}  // namespace llmctl_quantized

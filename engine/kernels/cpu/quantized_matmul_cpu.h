@@ -1,0 +1,54 @@
+// What the two sources of the quantized matmul extension share: reading a scale, checking a
+// packed weight, and the batched bfloat16 path (quantized_matmul_bf16.cpp) that the float32
+// one (quantized_matmul_cpu.cpp) hands bfloat16 activations to. Layouts: quantized_matmul_cpu.cpp.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <optional>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace llmctl_quantized {
+
+// A scale or zero as float: float32 as it is, float16 widened (F16C where the CPU has it).
+inline float ld(const float* p, int64_t i) { return p[i]; }
+inline float ld(const c10::Half* p, int64_t i) {
+#if defined(__F16C__)
+  return _cvtsh_ss(p[i].x);
+#else
+  return static_cast<float>(p[i]);
+#endif
+}
+
+inline bool is_scale_dtype(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf;
+}
+
+inline void check_dequant(const at::Tensor& q, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& zeros, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(q.is_contiguous() && scales.is_contiguous() && is_scale_dtype(scales),
+              "q and scales must be contiguous, scales float32 or float16");
+  TORCH_CHECK(q.scalar_type() == (bits == 4 ? at::kByte : at::kChar), "q has the wrong dtype");
+  TORCH_CHECK(!zeros.has_value() ||
+                  (zeros->is_contiguous() && zeros->scalar_type() == scales.scalar_type()),
+              "zeros must be contiguous and of the scales' dtype");
+}
+
+// y[M, N] = x[M, K] W^T in bfloat16 (float32 sums), W's tiles expanded to bfloat16 for oneDNN's
+// brgemm kernel (quantized_matmul_bf16.cpp).
+at::Tensor bf16_tiled_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                               const std::optional<at::Tensor>& zeros, int64_t bits,
+                               int64_t group_size, int64_t tile_rows);
+
+// Rows [n0, n1) of W in bfloat16, row-major (the float values of dequantize_rows, rounded).
+at::Tensor dequantize_rows_bf16(const at::Tensor& q, const at::Tensor& scales,
+                                const std::optional<at::Tensor>& zeros, int64_t bits,
+                                int64_t group_size, int64_t n0, int64_t n1);
+
+}  // namespace llmctl_quantized

@@ -1,0 +1,103 @@
+"""Each CPU code path (platform.cpu_path) on the bundled Q4_1 model: its native quantized weights
+give the greedy tokens of the float path on the same weights dequantized, in the dtype the path
+picks (bfloat16 against bfloat16, float32 against float32), with the fused decode stack running.
+
+One machine runs the paths of older CPUs by hiding flags (LLMCTL_CPU_FLAGS_OFF: our side) and
+capping oneDNN's instruction set (ONEDNN_MAX_CPU_ISA: torch's GEMMs and brgemm), each in its own
+process (cpu_path_run.py); a path whose instructions this CPU lacks is skipped with the reason.
+
+bfloat16 logits carry 8 significant bits: at SmolLM2's top logits (below 64) one unit in the last
+place is at most 0.25, and two paths whose sums round differently meet ties and one-ulp gaps
+there. In bfloat16 a first difference is accepted where the reference preferred its token by at
+most that much (MAX_GAP_BF16); in float32 by MAX_GAP, as everywhere else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from support import MAX_GAP
+
+from llmctl.engine.platform import cpu_flags
+
+pytestmark = pytest.mark.slow
+
+MAX_GAP_BF16 = 0.25  # one bfloat16 ulp of a logit below 64
+HERE = Path(__file__).resolve().parent
+# path: (the flags it needs, the environment that selects it here, its dtype)
+PATHS = {
+    "amx": ({"amx_bf16", "amx_tile"}, {}, "bfloat16"),
+    "avx512_bf16": (
+        {"avx512_bf16"},
+        {"LLMCTL_CPU_FLAGS_OFF": "amx*", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+        "bfloat16",
+    ),
+    "avx2": (
+        {"avx2", "fma"},
+        {"LLMCTL_CPU_FLAGS_OFF": "avx512*,amx*", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+        "float32",
+    ),
+}
+
+
+def as_outputs(rows: list[dict]) -> list:
+    """The JSON rows in RequestOutput's shape."""
+    outputs = []
+    for row in rows:
+        logprobs = [
+            {int(t): SimpleNamespace(logprob=v) for t, v in step.items()}
+            for step in row["logprobs"]
+        ]
+        seq = SimpleNamespace(token_ids=row["token_ids"], logprobs=logprobs)
+        outputs.append(SimpleNamespace(outputs=[seq]))
+    return outputs
+
+
+def first_differences(native: list, reference: list) -> list[tuple[int, int, float]]:
+    """(sequence, position, the reference's logprob gap) where the greedy tokens first part."""
+    found = []
+    for i, (got, want) in enumerate(zip(native, reference, strict=True)):
+        got, want = got.outputs[0], want.outputs[0]
+        if got.token_ids == want.token_ids:
+            continue
+        pos = next(
+            p for p, (a, b) in enumerate(zip(got.token_ids, want.token_ids, strict=True)) if a != b
+        )
+        step = want.logprobs[pos]
+        other = got.token_ids[pos]
+        assert other in step, f"sequence {i}, position {pos}: {other} is not in the top 5"
+        found.append((i, pos, step[want.token_ids[pos]].logprob - step[other].logprob))
+    return found
+
+
+@pytest.mark.parametrize("name", list(PATHS))
+def test_quantized_weights_give_the_float_paths_tokens(name):
+    needs, env, dtype = PATHS[name]
+    missing = needs - cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(sorted(missing))}: the {name} path cannot run here")
+    done = subprocess.run(
+        [sys.executable, str(HERE / "cpu_path_run.py")],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    native, reference = result["native"], result["reference"]
+    assert result["path"] == name
+    assert (native["dtype"], reference["dtype"]) == (dtype, dtype)
+    assert (native["quantization"], reference["quantization"]) == ("gguf", None)
+    assert native["fused"] == reference["fused"] == "DecodeStack"  # both decoded in one C++ call
+    gaps = first_differences(as_outputs(native["outputs"]), as_outputs(reference["outputs"]))
+    print(f"{name}: {len(gaps)} of {len(native['outputs'])} sequences part: {gaps}")
+    limit = MAX_GAP_BF16 if dtype == "bfloat16" else MAX_GAP
+    assert all(gap <= limit for _, _, gap in gaps), f"gaps above {limit}: {gaps}"
