@@ -273,10 +273,7 @@ class JoinListener:
     def _serve(self, sock: socket.socket, peer: str) -> None:
         try:
             sock.settimeout(HELLO_TIMEOUT_S)
-            why = self._authenticate(sock)
-            if why is not None:
-                self.refused[peer.rsplit(":", 1)[0]] = why
-                logger.warning("Refused a connection from %s: %s", peer, why)
+            if not self._authenticate(sock, peer):
                 sock.close()
                 return
             hello = recv_line(sock, HELLO_TIMEOUT_S)
@@ -285,47 +282,54 @@ class JoinListener:
             logger.warning("Dropped a connection from %s: %s", peer, exc or type(exc).__name__)
             sock.close()
 
-    def _authenticate(self, sock: socket.socket) -> str | None:
-        """None once the peer proved it holds the secret (or neither side has one); else why
-        it is refused. Reads fixed-size fields only."""
+    def _authenticate(self, sock: socket.socket, peer: str) -> bool:
+        """Whether the peer proved it holds the secret (or neither side has one); a refusal is
+        recorded and logged before the peer hears its verdict. Reads fixed-size fields only."""
         key = self.secret.key
         nonce_l = secrets.token_bytes(NONCE_BYTES) if key else bytes(NONCE_BYTES)
         sock.sendall(MAGIC + bytes([VERSION]) + (b"I" if key is None else b"S") + nonce_l)
         try:
             answer = recv_exact(sock, _ANSWER)
         except ConnectionError:
-            return "it closed the connection before proving that it holds the cluster secret"
+            return self._refuse(
+                peer, "it closed the connection before proving that it holds the cluster secret"
+            )
         mode, nonce_p, proof_p = answer[:1], answer[1 : 1 + NONCE_BYTES], answer[1 + NONCE_BYTES :]
         if key is None:
             if mode != b"I":
-                return self._verdict(sock, b"I", "it holds a cluster secret; this node has none")
+                why = "it holds a cluster secret; this node has none"
+                return self._verdict(sock, peer, b"I", why)
             sock.sendall(b"+" + bytes(_DIGEST_BYTES))
-            return None
+            return True
         if mode != b"S":
-            return self._verdict(
-                sock, b"N", "it offers no cluster secret (--insecure-join, or no llmctl node)"
-            )
+            why = "it offers no cluster secret (--insecure-join, or no llmctl node)"
+            return self._verdict(sock, peer, b"N", why)
         with self._lock:
             replayed = nonce_p in self._seen
             self._seen[nonce_p] = None
             while len(self._seen) > _SEEN_NONCES:
                 self._seen.popitem(last=False)
         if replayed:
-            return self._verdict(sock, b"R", "it replayed an earlier handshake")
+            return self._verdict(sock, peer, b"R", "it replayed an earlier handshake")
         if not hmac.compare_digest(proof_p, _proof(key, _PEER, nonce_l, nonce_p)):
-            return self._verdict(
-                sock, b"S", "its proof of the cluster secret is wrong (another secret, or no node)"
-            )
+            why = "its proof of the cluster secret is wrong (another secret, or no node)"
+            return self._verdict(sock, peer, b"S", why)
         sock.sendall(b"+" + _proof(key, _LISTENER, nonce_l, nonce_p))
-        return None
+        return True
 
-    @staticmethod
-    def _verdict(sock: socket.socket, status: bytes, why: str) -> str:
+    def _refuse(self, peer: str, why: str) -> bool:
+        self.refused[peer.rsplit(":", 1)[0]] = why
+        logger.warning("Refused a connection from %s: %s", peer, why)
+        return False
+
+    def _verdict(self, sock: socket.socket, peer: str, status: bytes, why: str) -> bool:
+        """Refuse the peer (logged first: by the time it reads why, the log says so)."""
+        self._refuse(peer, why)
         try:
             sock.sendall(status + bytes(_DIGEST_BYTES))
         except OSError:
             pass
-        return why
+        return False
 
 
 def _address(sockaddr) -> str:
