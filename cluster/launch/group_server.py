@@ -183,7 +183,7 @@ class GroupServer(HeadServer):
         """SIGTERM node 0 (it ends the group on every node), then any node still running;
         True if a process ran anywhere."""
         there, record = self._read_record()
-        unreadable = there and record is None  # another version's: its workers unknown, all
+        unreadable = there and record is None  # its workers unknown: every other node's
         stopped = super().stop()
         if not unreadable and (record is None or record.backend != "mp"):
             return stopped

@@ -170,12 +170,13 @@ class HeadServer:
 
     def record(self) -> ServerRecord | None:
         """What the last `serve -i` started; None when there is no record, or one this llmctl
-        cannot read (unreadable_record() says which)."""
+        cannot use: another version's that lacks a field, or another inventory's (of the same
+        cluster name) whose nodes are not all in this one (unreadable_record() says which)."""
         return self._read_record()[1]
 
     def unreadable_record(self) -> str | None:
-        """The path of a record that is there but that this llmctl cannot read (another
-        version's, or damaged); None when there is none, or it reads."""
+        """The path of a record that is there but that this llmctl cannot use (another
+        version's, another inventory's, or damaged); None when there is none, or it reads."""
         there, record = self._read_record()
         return (
             record_path(self.transport.home(), self.inventory.name)
@@ -192,9 +193,13 @@ class HeadServer:
         except OSError:
             return False, None
         try:
-            return True, ServerRecord.from_json(json.loads(raw.decode()))
+            record = ServerRecord.from_json(json.loads(raw.decode()))
         except ValueError:  # not JSON (UnicodeDecodeError is one)
             return True, None
+        hosts = {node.host for node in self.inventory.nodes}
+        if record is not None and any(host not in hosts for host, _ in record.workers):
+            return True, None  # another inventory's of the same name (hosts may share a home)
+        return True, record
 
     def state(self, port: int) -> ServerState:
         result = self.transport.run(probe_argv(self.container, port), timeout=30)
@@ -272,11 +277,12 @@ class HeadServer:
         return lines[-1] if lines else "(no output)"
 
     def stop_unrecorded(self, log: Callable[[str], None]) -> None:
-        """Stop a server whose record this llmctl cannot read (another version started it): the
-        new one would find its port taken, and the old one would lose its pid file."""
+        """Stop a server whose record this llmctl cannot use (another version, or another
+        inventory of this name, started it): the new one would find its port taken, and the old
+        one would lose its pid file."""
         path = self.unreadable_record()
         if path is not None and self.stop():
-            log(f"stopped the running server: its record {path} is not one this llmctl reads")
+            log(f"stopped the running server: its record {path} is not one this llmctl can use")
 
     def stop(self) -> bool:
         """SIGTERM the server and wait for it to finish its requests; True if one ran."""

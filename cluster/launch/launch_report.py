@@ -41,7 +41,7 @@ class Report:
     server_nodes: dict[str, ServerState] = field(default_factory=dict)
     joins: str | None = None  # status: whether the nodes prove one cluster secret when they join
     api_key: str | None = None  # status: where the server's API key is
-    # status: the server record this llmctl cannot read (another version's), and what to do
+    # status: a server record this llmctl cannot use (another version's), and what to do
     server_note: str | None = None
 
 

@@ -416,8 +416,8 @@ class Cluster:
             return None
         return (
             f"unknown: the record {self.inventory.head.host}:{path} is not one this llmctl "
-            f"reads (another version's?); `llmctl serve -i {self.inventory.source}` stops that "
-            "server and starts its own"
+            "can use (another version's, or another inventory's of this name); `llmctl serve -i "
+            f"{self.inventory.source}` stops that server and starts its own"
         )
 
     def _joins(self, nodes: list[NodeSpec]) -> str:

@@ -286,7 +286,7 @@ def test_serve_replaces_a_server_whose_record_another_version_wrote(invoke, monk
         result = invoke(*serve, env={"COLUMNS": "200"})
         assert result.exit_code == 0, result.output
         said = " ".join(result.output.split())
-        assert f"stopped the running server: its record {RECORD} is not one this llmctl" in said
+        assert f"stopped the running server: its record {RECORD} is not one this llmctl can" in said
         assert len(head.ran(r"head_server stop$")) == 1
         assert head.ran(r"^docker exec --detach llmctl-demo .* /models/smol ")
         assert json.loads(head.files[RECORD])["model"] == "/models/smol"  # this version's
@@ -309,18 +309,47 @@ def test_status_and_serve_on_an_mp_cluster_with_an_unreadable_record(invoke, mon
     status = invoke("cluster", "status", "-i", str(path), env={"COLUMNS": "250"})
     assert status.exit_code == 0, status.output
     assert (
-        f"Server: unknown: the record n1:{RECORD} is not one this llmctl reads (another "
-        f"version's?); `llmctl serve -i {path}` stops that server and starts its own"
+        f"Server: unknown: the record n1:{RECORD} is not one this llmctl can use (another "
+        f"version's, or another inventory's of this name); `llmctl serve -i {path}` stops that "
+        "server and starts its own"
     ) in " ".join(status.stdout.split())
 
     serve = ("serve", "-i", str(path), "/models/smol", "--port", "8011", "--backend", "mp")
     result = invoke(*serve, env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    assert f"its record {RECORD} is not one this llmctl reads" in " ".join(result.output.split())
+    assert f"its record {RECORD} is not one this llmctl can use" in " ".join(result.output.split())
     for fake in (head, worker):
         stop = fake.ran(r"head_server stop$")
         launch = fake.ran(r"^docker exec --detach (--env-file \S+ )?llmctl-demo ")
         assert len(stop) == 1 and fake.calls.index(stop[0]) < fake.calls.index(launch[0])
     status = invoke("cluster", "status", "-i", str(path), env={"COLUMNS": "250"})
     assert "Server: /models/smol (tp=2, pp=2, mp on 2 nodes)" in status.stdout
-    assert "is not one this llmctl reads" not in status.stdout
+    assert "is not one this llmctl can use" not in status.stdout
+
+
+def test_serve_on_one_node_after_a_group_of_another_inventory_of_the_same_name(
+    invoke, monkeypatch, tmp_path
+):
+    """Hosts that share a home share records: the head alone after a two-node group of the same
+    cluster name finds a record naming a node it does not know (it crashed with a KeyError);
+    that server is stopped and the one-node group starts."""
+    head = mp_node("n1", {"running": True, "health": 200, "pid": 7})
+    head.reply(r"head_server stop$", "")
+    monkeypatch.setattr(launcher, "ssh_transports", lambda inventory: {"n1": head})
+    path = tmp_path / "cluster.yaml"
+    path.write_text(INVENTORY.split("  - {host: n2")[0])
+    two_nodes = {
+        "model": "/models/smol", "port": 8011, "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 2, "argv": OLD_ARGV, "backend": "mp",
+        "workers": [["n2", OLD_ARGV]],
+    }  # fmt: skip
+    head.files[RECORD] = json.dumps(two_nodes).encode()
+
+    result = invoke(
+        "serve", "-i", str(path), "/models/smol", "--port", "8011", "--backend", "mp", "-pp", "2",
+        env={"COLUMNS": "200"},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert f"its record {RECORD} is not one this llmctl can use" in " ".join(result.output.split())
+    assert len(head.ran(r"head_server stop$")) == 1
+    assert json.loads(head.files[RECORD])["workers"] == []
