@@ -13,7 +13,7 @@ STAMP := $(VENV)/.llmctl-setup
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup run test bench bench-llamacpp clean
+.PHONY: setup run test bench bench-llamacpp gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,12 @@ bench: setup
 bench-llamacpp: setup
 	$(PY) benchmarks/gguf_vs_llamacpp.py --setup
 	$(PY) benchmarks/gguf_vs_llamacpp.py
+
+# The GPU check (benchmarks/gpu_check.py, docs/benchmarks.md): needs only torch, transformers and
+# triton, so a GPU machine's own python3 runs it where no .venv was made. Results in GPU_CHECK_OUT.
+GPU_CHECK_OUT ?= gpu-check-results
+gpu-check:
+	$(if $(wildcard $(PY)),$(PY),python3) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

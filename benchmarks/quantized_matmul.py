@@ -16,7 +16,8 @@ each) against the tiled path it replaced at that size (1 MiB tiles, one thread e
 
 On a GPU: the engine's Triton group-quantized matmul (int4 with zeros, Q4_1's format; int8,
 Q8_0's) with bfloat16 activations against cuBLAS's bfloat16 GEMM on the same weights dequantized
-(what the float path runs), and PyTorch's own int4 GPU kernel (tinygemm,
+(what the float path runs), the whole weight expanded then cuBLAS per call (what the engine ran
+above 64 rows before), and PyTorch's own int4 GPU kernel (tinygemm,
 aten._weight_int4pack_mm) where this torch has it, on SmolLM2-135M's and Llama-3-8B's layer
 shapes, M = 1, 16, 256, 2048; CUDA-event timings (triton.testing.do_bench, median).
 """
@@ -134,13 +135,10 @@ def cuda_main(args) -> None:
     from llmctl.engine.kernels.cpu.quantized_matmul import pack_groups
     from llmctl.engine.kernels.triton import triton_group_mm, triton_ops
 
-    def _other_path(w, x):
-        fused_max = triton_group_mm.FUSED_MAX_ROWS
-        triton_group_mm.FUSED_MAX_ROWS = 1 << 30 if x.shape[0] > fused_max else -1
-        try:
-            return ours(w, x)
-        finally:
-            triton_group_mm.FUSED_MAX_ROWS = fused_max
+    def _dequantize_then_cublas(w, x):
+        k = w.in_features
+        full = triton_group_mm.dequantize(w.qweight, w.scales, w.zeros, w.bits, g, k, x.dtype)
+        return torch.nn.functional.linear(x, full)
 
     g, dev = args.group_size, torch.device("cuda")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, group {g}, bf16 activations")
@@ -166,9 +164,8 @@ def cuda_main(args) -> None:
                 "int4 ours": (lambda x=x, w=q4: ours(w, x), q4.nbytes),
                 "int8 ours": (lambda x=x, w=q8: ours(w, x), q8.nbytes),
             }
-            # the other path than the one the engine takes at this M (FUSED_MAX_ROWS)
-            other = "int4 fused" if m > triton_group_mm.FUSED_MAX_ROWS else "int4 deq+cuBLAS"
-            runs[other] = (lambda x=x, w=q4: _other_path(w, x), q4.nbytes)
+            # what the engine ran above 64 rows before: the whole weight expanded per call
+            runs["int4 deq+cuBLAS"] = (lambda x=x, w=q4: _dequantize_then_cublas(w, x), q4.nbytes)
             if tiny is not None:
                 runs["int4 tinygemm"] = (lambda x=x, t=tiny: t(x), n * k // 2 + n * k // g * 4)
             base = None

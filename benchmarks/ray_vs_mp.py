@@ -1,23 +1,30 @@
-"""Ray backend vs mp backend on the test bed: `cluster up` to the first token, and throughput.
+"""Ray backend vs mp backend on the test bed, beside pp=2 on one host: `cluster up` to the first
+token, and throughput.
 
-On two real hosts of tests/e2e/cluster's test bed (network namespaces with their own sshd and
-Docker daemon; needs root), for each backend in turn, with fresh containers:
+On real hosts of tests/e2e/cluster's test bed (network namespaces with their own sshd and Docker
+daemon; needs root), for each layout in turn, with fresh containers:
 
-    ray   llmctl cluster up -i inv                 (image llmctl:e2e, with Ray)
-          llmctl serve -i inv -pp 2 ...            (the head's server on the Ray backend)
-    mp    llmctl cluster up -i inv --backend mp    (image llmctl:e2e-noray, without Ray)
-          llmctl serve -i inv --backend mp -pp 2   (llmctl serve --nnodes 2 on each node)
+    ray       llmctl cluster up -i inv                 (image llmctl:e2e, with Ray; 2 hosts)
+              llmctl serve -i inv -pp 2 ...            (the head's server on the Ray backend)
+    mp        llmctl cluster up -i inv --backend mp    (image llmctl:e2e-noray; 2 hosts)
+              llmctl serve -i inv --backend mp -pp 2   (llmctl serve --nnodes 2 on each node)
+    one host  the same as mp with an inventory of the first host alone: both stages on it
 
 then one streaming completion: `up -> first token` is the wall time from `cluster up`'s start to
 that completion's first token (containers, Ray or nothing, model load, KV cache, first step).
 Then `--requests` streaming completions (`--prompt-len` random token ids, `--output-len` tokens,
 EOS ignored) at `--concurrency` (16) through the openai client: requests/s, output tokens/s,
-TTFT and ITL p50. `cluster down` between the two. Prints both side by side and mp / ray.
+TTFT and ITL p50. `cluster down` between them. Prints the three side by side, mp / ray, and each
+two-host backend / one host. The test bed's hosts share this machine's cores, so two hosts cannot
+be faster than one; what the ratio shows is the cost of crossing hosts.
 
-The model is the bundled SmolLM2-135M GGUF (pp=2: a stage per host). The images are built by
-`llmctl image build --debootstrap [--no-ray]` (skipped when up to date) and loaded on the hosts.
+The model is the bundled SmolLM2-135M GGUF (pp=2: on two hosts, a stage per host). The images are
+built by `llmctl image build --debootstrap [--no-ray]` (skipped when up to date) and loaded on
+the hosts. `--env NAME=VALUE` adds to every node's environment: `--env OMP_WAIT_POLICY=` gives
+the workers libgomp's default spin-waits back (an empty value is not one libgomp knows), which is
+how they ran before they waited passively.
 
-    sudo .venv/bin/python benchmarks/ray_vs_mp.py
+    sudo flock /work/notes/testbed.lock .venv/bin/python benchmarks/ray_vs_mp.py
     sudo .venv/bin/python benchmarks/ray_vs_mp.py --requests 16 --output-len 8   # smoke
 """
 
@@ -64,17 +71,27 @@ def build_images(bed) -> None:
         testbed_image.load(bed.root, tag, hosts, log=lambda line: print(line, file=sys.stderr))
 
 
-def inventory(path: Path, bed, backend: str, model: str) -> Path:
+LAYOUTS = {  # name: (image's backend, hosts, ranks per host)
+    "ray": ("ray", 2, 1),
+    "mp": ("mp", 2, 1),
+    "one host": ("mp", 1, 2),
+}
+
+
+def inventory(path: Path, bed, layout: str, model: str, env: dict[str, str]) -> Path:
     import yaml
 
-    hosts = bed.docker_hosts[:2]
+    backend, count, gpus = LAYOUTS[layout]
+    hosts = bed.docker_hosts[:count]
     doc = {
         "name": "bench",
         "image": IMAGES[backend],
         "model": model,
         "ssh": {"user": "root", "key": str(bed.client_key)},
-        "nodes": [{"host": h.ip, "head": i == 0, "gpus": 1} for i, h in enumerate(hosts)],
+        "nodes": [{"host": h.ip, "head": i == 0, "gpus": gpus} for i, h in enumerate(hosts)],
     }
+    if env:
+        doc["env"] = env
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
 
@@ -96,10 +113,10 @@ async def first_token(base_url: str) -> float:
     return seen
 
 
-def measure(backend: str, bed, model: str, args, env: dict[str, str]) -> dict:
+def measure(layout: str, bed, model: str, args, env: dict[str, str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        inv = str(inventory(Path(tmp) / "bench.yaml", bed, backend, model))
-        choice = ["--backend", "mp"] if backend == "mp" else []
+        inv = str(inventory(Path(tmp) / "bench.yaml", bed, layout, model, args.node_env))
+        choice = ["--backend", "mp"] if LAYOUTS[layout][0] == "mp" else []
         head = bed.docker_hosts[0].ip
         url = f"http://{head}:{PORT}/v1"
         llmctl("cluster", "down", "-i", inv, env=env)  # fresh containers
@@ -107,7 +124,8 @@ def measure(backend: str, bed, model: str, args, env: dict[str, str]) -> dict:
             start = time.monotonic()
             llmctl("cluster", "up", "-i", inv, *choice, env=env)
             up = time.monotonic() - start
-            llmctl("serve", "-i", inv, *choice, "-pp", "2", "--port", str(PORT), *ENGINE, env=env)
+            serve = ["serve", "-i", inv, *choice, "-pp", "2", "--port", str(PORT), "--no-api-key"]
+            llmctl(*serve, *ENGINE, env=env)
             ready = time.monotonic() - start
             token = asyncio.run(first_token(url)) - start
             prompts = make_prompts(args.requests, args.prompt_len)
@@ -125,7 +143,14 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument(
+        "--env", action="append", default=[], metavar="NAME=VALUE",
+        help="add to every node's environment (OMP_WAIT_POLICY= : libgomp's default spin-waits)",
+    )  # fmt: skip
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="which, comma-separated")
     args = parser.parse_args()
+    args.node_env = dict(item.split("=", 1) for item in args.env)
+    layouts = args.layouts.split(",")
 
     from testbed import Testbed, require_root
 
@@ -137,11 +162,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as home, Testbed(2, docker=True) as bed:
         env = {**os.environ, "LLMCTL_KNOWN_HOSTS": f"{home}/known_hosts", "COLUMNS": "200"}
         build_images(bed)
-        results = {backend: measure(backend, bed, model, args, env) for backend in ("ray", "mp")}
+        results = {layout: measure(layout, bed, model, args, env) for layout in layouts}
 
+    report(args, results)
+
+
+def report(args, results: dict[str, dict]) -> None:
+    env = f", env {args.node_env}" if args.node_env else ""
     print(
-        f"\npp=2 over 2 test-bed hosts, {args.requests} requests at concurrency "
-        f"{args.concurrency}, {args.prompt_len} prompt + {args.output_len} output tokens"
+        f"\npp=2 on test-bed hosts, {args.requests} requests at concurrency {args.concurrency}, "
+        f"{args.prompt_len} prompt + {args.output_len} output tokens{env}"
     )
     rows = [
         ("cluster up (s)", "up_s", "{:.1f}"),
@@ -152,10 +182,15 @@ def main() -> None:
         ("TTFT p50 (s)", "ttft_p50", "{:.3f}"),
         ("ITL p50 (s)", "itl_p50", "{:.4f}"),
     ]
-    print(f"{'':24} {'ray':>10} {'mp':>10} {'mp / ray':>9}")
+    names = list(results)
+    ratios = [(a, b) for a, b in (("mp", "ray"), ("ray", "one host"), ("mp", "one host"))
+              if a in results and b in results]  # fmt: skip
+    print(f"{'':24}" + "".join(f"{name:>10}" for name in names)
+          + "".join(f"{a + ' / ' + b:>16}" for a, b in ratios))  # fmt: skip
     for label, key, fmt in rows:
-        ray, mp = results["ray"][key], results["mp"][key]
-        print(f"{label:24} {fmt.format(ray):>10} {fmt.format(mp):>10} {mp / ray:>8.2f}x")
+        values = "".join(f"{fmt.format(results[name][key]):>10}" for name in names)
+        shares = "".join(f"{results[a][key] / results[b][key]:>15.2f}x" for a, b in ratios)
+        print(f"{label:24}{values}{shares}")
 
 
 if __name__ == "__main__":

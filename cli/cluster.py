@@ -188,6 +188,12 @@ def status(inventory: Inventory = None) -> None:
             f" pp={record.pipeline_parallel_size}{where}) at {record.endpoint(head_ip)}:"
             f" {state.label}"
         )
+    if report.server_note is not None:
+        stdout_console().print(f"Server: {report.server_note}", soft_wrap=True)
+    if report.joins is not None:
+        stdout_console().print(f"Joins: {report.joins}", soft_wrap=True)
+    if report.api_key is not None:
+        stdout_console().print(f"API key: {report.api_key}", soft_wrap=True)
 
 
 @app.command()

@@ -158,6 +158,24 @@ def nccl(
     master_port: Annotated[
         int, typer.Option(help="The rendezvous port (and the next).", rich_help_panel=_NODES)
     ] = 29501,
+    cluster_secret_file: Annotated[
+        str | None,
+        typer.Option(
+            help="A file holding the cluster's secret, which the nodes prove they hold when "
+            "they join. (default: $LLMCTL_CLUSTER_SECRET)",
+            show_default=False,
+            rich_help_panel=_NODES,
+        ),
+    ] = None,
+    insecure_join: Annotated[
+        bool,
+        typer.Option(
+            "--insecure-join",
+            help="Let nodes join without a cluster secret. RISK: anyone who reaches this node's "
+            "ports, or poses as it, runs code on the nodes.",
+            rich_help_panel=_NODES,
+        ),
+    ] = False,
 ) -> None:
     """The all-reduce sanity check: latency, bus bandwidth and per-link numbers, the sums
     checked, and the transport NCCL chose; exit 1 if a rank hangs, dies or sums wrong."""
@@ -166,6 +184,8 @@ def nccl(
             _on_cluster(inventory, True, backend, timeout, None, json_output)
             return
         nodes = dict(nnodes=nnodes, master_addr=master_addr, master_port=master_port)
+        if nnodes > 1:
+            nodes.update(cluster_secret_file=cluster_secret_file, insecure_join=insecure_join)
         _nccl(ray, backend, world_size, timeout, json_output, nodes)
 
 

@@ -29,7 +29,8 @@ Model = Annotated[
     str | None,
     typer.Argument(
         help="A Hugging Face model directory, a .gguf file, or a hub id already in the local "
-        "Hugging Face cache. Omitted: the bundled SmolLM2-135M-Instruct.",
+        "Hugging Face cache; with --load-format dummy also a catalog name (llmctl plan "
+        "--list-models). Omitted: the bundled SmolLM2-135M-Instruct.",
         metavar="MODEL",
         show_default=False,
     ),

@@ -17,7 +17,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from llmctl.cli import cluster, doctor, generate, image, plan, serve
+from llmctl.cli import bench, cluster, doctor, generate, image, plan, serve
 from llmctl.cli.console import CliState, configure_logging, print_error
 from llmctl.engine.errors import LLMCtlError
 
@@ -54,6 +54,7 @@ app.add_typer(plan.app)
 app.add_typer(cluster.app)
 app.add_typer(image.app)
 app.add_typer(doctor.app)
+app.add_typer(bench.app)
 
 
 def _print_version(value: bool) -> None:

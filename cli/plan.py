@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from llmctl.cli.console import stdout_console
+from llmctl.cli.console import stderr_console, stdout_console
 from llmctl.cli.engine_options import EngineKwargs, engine_options
 from llmctl.cluster.inventory import INVENTORY_PANEL, InventoryFlags
 from llmctl.cluster.plan import manifests as kube_manifests
@@ -105,12 +105,26 @@ def plan(
         console.out(json.dumps(result.to_json(), indent=2), highlight=False)
     elif kube_opts is not None and emit.output is None:
         _emit(console, result, kube_opts, None)
+        _secret_note(stderr_console(), result, kube_opts)  # the YAML alone on stdout
     elif kube_opts is not None:
         wrote = _emit(console, result, kube_opts, emit.output)
         _print_plan(console, result)
         console.print(wrote, highlight=False, soft_wrap=True)
+        _secret_note(console, result, kube_opts)
     else:
         _print_plan(console, result)
+
+
+def _secret_note(console, plan, options) -> None:
+    """Pods that join each other read the cluster secret from a Secret: how to make it."""
+    if kube_manifests.joins_nodes(plan, options):
+        name = kube_manifests.cluster_secret_name(options)
+        console.print(
+            f"The pods prove the cluster secret in the Secret {name} when they join; make it "
+            f"first: {kube_manifests.cluster_secret_command(options)}",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def _emit(console, plan, options, output: str | None) -> str:

@@ -58,6 +58,15 @@ def serve(
             "--stop", help="With -i: stop the cluster's server.", rich_help_panel=_CLUSTER
         ),
     ] = False,
+    no_api_key: Annotated[
+        bool,
+        typer.Option(
+            "--no-api-key",
+            help="With -i: serve without an API key. (default: serve -i makes one, kept in "
+            "~/.llmctl/NAME-api.env on the head node; `cluster status` says where)",
+            rich_help_panel=_CLUSTER,
+        ),
+    ] = False,
     wait: Annotated[
         float,
         typer.Option(help="With -i: seconds to wait for /health.", rich_help_panel=_CLUSTER),
@@ -76,12 +85,19 @@ def serve(
         _serve_on_cluster(
             inventory, model, o.tensor_parallel_size, o.pipeline_parallel_size, o.port,
             o.engine, server=o.server, stop=stop, wait=wait, backend=o.backend,
+            api_key=not no_api_key,
         )  # fmt: skip
         return
     if backend is not None:
         raise ConfigError("--backend picks a cluster's backend", "add -i cluster.yaml")
     if stop:
         raise ConfigError("--stop stops a cluster's server", "add -i cluster.yaml")
+    if no_api_key:
+        raise ConfigError(
+            "--no-api-key keeps `serve -i` from making a key; here there is none unless "
+            "--api-key gives one",
+            "drop --no-api-key",
+        )
     from llmctl.engine.config.engine_args import EngineArgs
     from llmctl.engine.entrypoints.openai.api_server import run_server
     from llmctl.engine.progress import rich_progress
@@ -120,11 +136,12 @@ def _serve_on_cluster(
     stop: bool,
     wait: float,
     backend: str | None = None,
+    api_key: bool = True,
 ) -> None:
     from llmctl.cluster.launch.cluster_serve import ClusterServeOptions, serve_on_cluster
 
     log = lambda line: stderr_console().print(f"[dim]{line}[/dim]")  # noqa: E731
-    asked = ClusterServeOptions(tp, pp, port, options, server, backend)
+    asked = ClusterServeOptions(tp, pp, port, options, server, backend, make_api_key=api_key)
     done = serve_on_cluster(inventory_path, model, asked, stop=stop, wait=wait, log=log)
     if stop:
         outcome = "server stopped" if done.stopped else "no server was running"
@@ -137,3 +154,4 @@ def _serve_on_cluster(
         f"tp={record.tensor_parallel_size}, pp={record.pipeline_parallel_size}, "
         f"pid {done.state.pid}) at {done.endpoint}"
     )
+    stdout_console().print(f"API key: {done.api_key}", soft_wrap=True)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 os.environ.setdefault("MKL_DISABLE_FAST_MM", "1")
 
 from llmctl.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from llmctl.engine.config.engine_args import EngineArgs
@@ -30,6 +30,7 @@ __all__ = [
     "LLMEngine",
     "Logprob",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
 ]
 

@@ -101,6 +101,13 @@ _VARIABLES = (
         "~/.cache/llmctl for the former, torch's extension directory for the latter.",
     ),
     EnvVar(
+        "LLMCTL_CLUSTER_SECRET", None, _optional_text, "a string of 16 characters or more",
+        "The cluster's secret: nodes (--nnodes > 1) and data-parallel replicas of other nodes "
+        "prove to each other that they hold it when they join, before anything they send is "
+        "read (--cluster-secret-file instead names a file holding it). The same on every node; "
+        "`llmctl cluster up` gives each of its nodes one.",
+    ),
+    EnvVar(
         "LLMCTL_CONFIGURE_LOGGING", True, _flag, _FLAG,
         "`LLM()` shows the engine's INFO lines on stderr when the program configured no logging "
         "(vLLM's VLLM_CONFIGURE_LOGGING); 0: leave logging alone.",
@@ -123,6 +130,16 @@ _VARIABLES = (
     EnvVar(
         "LLMCTL_CPU_PREPACK", True, _flag, _FLAG,
         "Repack float weights for oneDNN at load on the CPU (0: plain F.linear).",
+    ),
+    EnvVar(
+        "LLMCTL_CUSTOM_ALL_REDUCE", True, _flag, _FLAG,
+        "Tensor-parallel GPUs of one node with peer access all-reduce tensors up to 8 MiB "
+        "through symmetric memory (one kernel) instead of NCCL (0: NCCL always).",
+    ),
+    EnvVar(
+        "LLMCTL_FUSED_LAYER_KERNELS", True, _flag, _FLAG,
+        "On the GPU, the layers' fused Triton kernels: RMSNorm with its residual add, rotary "
+        "embedding, SiLU-and-mul (0: the plain torch ops, for comparison).",
     ),
     EnvVar(
         "LLMCTL_FUSED_DECODE", True, _flag, _FLAG,

@@ -147,6 +147,12 @@ class RendezvousError(LLMCtlError, RuntimeError):
     Nothing is left running on the node that raises it."""
 
 
+class ClusterSecretError(RendezvousError):
+    """A join between nodes failed on the cluster secret (engine/distributed/join.py): the other
+    side holds another secret or none, could not prove it holds ours, or replayed a handshake.
+    Nothing sent by a peer that failed is parsed or unpickled."""
+
+
 class RendezvousTimeoutError(RendezvousError):
     """Nodes did not join within --rendezvous-timeout. `missing_node_ranks` are the nodes that
     did not, `missing_ranks` their global ranks."""

@@ -203,3 +203,17 @@ def check_fp8(device: str) -> None:
         )
     capability = torch.cuda.get_device_capability() if device == "cuda" else None
     check_fp8_device(device, capability, triton_available())
+
+
+def passive_openmp_waits() -> None:
+    """Make this process's OpenMP threads sleep when they wait, instead of spinning: call it in a
+    worker process before torch is imported (libgomp reads OMP_WAIT_POLICY once, as it loads).
+
+    By default libgomp spins a thread that waits at a barrier or for the next parallel region
+    (GOMP_SPINCOUNT, 300,000 pauses) before it sleeps. With every core busy, the spinning thread
+    holds a core that the thread it waits for needs: two pipeline stages of 2 threads each on 2
+    cores (two nodes on one machine, or any busy machine) spent half their cycles in libgomp's
+    spin and ran 10-20x slower than one process group (docs/benchmarks.md, "Pipeline stages
+    across nodes"). A passive wait costs a futex wake per region instead, which the benchmarks
+    do not see. A policy the user set is kept."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

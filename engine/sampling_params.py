@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -26,12 +27,21 @@ _FLOAT_HINTS = {
 _OPTIONAL_INT_FIELDS = ("max_tokens", "logprobs", "seed")
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request holds (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far, every step (a copy that grows with the output)
+    DELTA = 1  # only what is new since the last output (streaming)
+    FINAL_ONLY = 2  # one output, when the request finishes (LLM.generate, non-streamed API)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters for text generation, in the vocabulary of vLLM and the OpenAI API.
 
     temperature=0 is greedy decoding. `seed` makes one request reproducible whatever else runs in
-    the same batch. `stop` strings end the text and are never included in it. `logprobs=k`
+    the same batch. `stop` strings end the text and are never included in it. `output_kind`
+    says whether each output is cumulative, a delta, or only the final one. `logprobs=k`
     returns, for every generated token, its log-probability and the k most likely alternatives
     (of the model's own distribution, before penalties and `logit_bias`). `logit_bias` maps token
     ids to a bias in [-100, 100] added to their logits before sampling, as in the OpenAI API.
@@ -54,6 +64,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Tokens that end the request: EOS (unless ignore_eos) and stop_token_ids; set by the engine.
     all_stop_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
 

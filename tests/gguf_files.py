@@ -30,7 +30,7 @@ def transformers_config(gguf: Path):
     from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from llmctl.engine.config.model_shape import GGUF_ARCHITECTURES
+    from llmctl.engine.config.architectures import GGUF_ARCHITECTURES
 
     metadata, types = read_gguf_metadata(gguf)
     shape = ModelShape.from_gguf_metadata(metadata, tuple(n for n, _ in types))

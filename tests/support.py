@@ -308,6 +308,32 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+def byte_level_tokenizer():
+    """A byte-level tokenizer with no merges (ids 0-255: bytes, 256: <|endoftext|>), built in
+    memory: the tiny models' tokenizer where the bundled SmolLM2 is not installed. Token ids
+    past 256 decode to nothing."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # GPT-2's printable stand-ins for the 256 bytes: printable Latin-1 maps to itself, the rest
+    # to the characters from U+0100 on, in byte order.
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = [], 0
+    for byte in range(256):
+        if byte in printable:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    vocab = {c: i for i, c in enumerate(chars)} | {"<|endoftext|>": 256}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )
+
+
 class TinyModels:
     """Builds (once per session) a tiny random model per family: seeded, saved with its
     tokenizer, and kept in memory as the Hugging Face oracle."""

@@ -320,6 +320,8 @@ def run_local(
     nnodes: int = 1,
     master_addr: str | None = None,
     master_port: int = 29501,
+    cluster_secret_file: str | None = None,
+    insecure_join: bool = False,
 ) -> CollectiveReport:
     """The check with `world_size` worker processes on this machine (the mp executor); with
     `nnodes` > 1, this is node 0 and ranks run on every node: each other node runs `llmctl serve
@@ -336,6 +338,8 @@ def run_local(
             master_addr=master_addr,
             master_port=master_port,
             rendezvous_timeout=timeout_s,
+            cluster_secret_file=cluster_secret_file,
+            insecure_join=insecure_join,
         )
     config = check_config(world_size, backend, "mp", nodes=node_options)
     host = socket.gethostname()

@@ -10,11 +10,12 @@ The CLI (cli/serve.py) parses and prints; everything between is here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from llmctl.cluster.launch.head_server import ServerRecord, ServerState
+from llmctl.cluster.launch.head_server import ServerRecord, ServerState, api_key_source
 from llmctl.engine.errors import ConfigError
 
 # ServerConfig fields `serve -i` sets itself on the head (it listens on every address) or
@@ -32,6 +33,7 @@ class ClusterServeOptions:
     engine: dict[str, Any]  # further EngineArgs keywords
     server: dict[str, Any]  # ServerConfig fields that differ from their defaults
     backend: str | None
+    make_api_key: bool = True  # make the server's API key (head_server.py), unless --no-api-key
 
 
 def cluster_serve_options(
@@ -75,6 +77,7 @@ class ClusterServed:
     endpoint: str = ""
     data_parallel_size: int = 1
     stopped: bool = False  # --stop: a server was running and was stopped
+    api_key: str = ""  # where the server's API key is (head_server.api_key_source)
 
 
 def check_replicas_on(backend: str | None, dp: int) -> None:
@@ -116,6 +119,8 @@ def serve_on_cluster(
             raise ConfigError(f"{inv.source} names no model", "pass MODEL or add `model:` to it")
         check_replicas_on(backend, dp)
         record, reason = _record(inv, model, options, backend, dp)
+        if options.make_api_key:  # its env file on the head node: on no command line
+            record = dataclasses.replace(record, api_key_file=head.api_key_file())
         where = f"{len(inv.nodes)} nodes, mp backend" if backend == "mp" else inv.head.host
         log(
             f"serving {model} with tp={record.tensor_parallel_size} "
@@ -123,8 +128,9 @@ def serve_on_cluster(
         )
         state = head.start(record, wait_s=wait, log=log)
     return ClusterServed(
-        inv.name, model, record, state, record.endpoint(inv.head.ip), data_parallel_size=dp
-    )
+        inv.name, model, record, state, record.endpoint(inv.head.ip), data_parallel_size=dp,
+        api_key=api_key_source(record, inv),
+    )  # fmt: skip
 
 
 def _backend(asked: str | None, running_on: str, source: str, stop: bool) -> str:

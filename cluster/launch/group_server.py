@@ -100,6 +100,10 @@ class GroupServer(HeadServer):
             futures = {host: pool.submit(fn, host) for host in hosts}
             return {host: future.result() for host, future in futures.items()}
 
+    def _other_hosts(self) -> list[str]:
+        """Every node but the head (node 0)."""
+        return [node.host for node in self.inventory.nodes if node.host != self.head.host]
+
     def node_state(self, host: str, port: int) -> ServerState:
         """The process on `host` (the API's /health only answers on the head)."""
         return HeadServer(self.inventory, self.transports[host], self.container).state(port)
@@ -120,6 +124,8 @@ class GroupServer(HeadServer):
             if any(state.running for state in states.values()):
                 log(f"stopping the server started with {' '.join(current.argv)}")
                 self.stop()
+        elif current is None:
+            self.stop_unrecorded(log)
         home = self.transport.home()
         self.transport.makedirs(f"{home}/.llmctl")
         self.transport.write_file(
@@ -128,11 +134,13 @@ class GroupServer(HeadServer):
         # The workers first: each waits for node 0 (--rendezvous-timeout), as on real hosts.
         self._parallel(lambda host: self._launch(host, dict(record.workers)[host]),
                        [host for host, _ in record.workers])  # fmt: skip
-        self._launch(self.head.host, record.argv)
+        self._launch(self.head.host, record.argv, record.api_key_file)  # node 0 serves the API
         return self.wait_healthy(record, wait_s)
 
-    def _launch(self, host: str, argv: tuple[str, ...]) -> None:
-        result = self.transports[host].run(launch_argv(self.container, list(argv)))
+    def _launch(self, host: str, argv: tuple[str, ...], env_file: str | None = None) -> None:
+        result = self.transports[host].run(
+            launch_argv(self.container, list(argv), env_file=env_file)
+        )
         check(result, host, "docker exec (llmctl serve)")
 
     def wait_healthy(self, record: ServerRecord, wait_s: float) -> ServerState:
@@ -174,10 +182,12 @@ class GroupServer(HeadServer):
     def stop(self) -> bool:
         """SIGTERM node 0 (it ends the group on every node), then any node still running;
         True if a process ran anywhere."""
-        record = self.record()
+        there, record = self._read_record()
+        unreadable = there and record is None  # another version's: its workers unknown, all
         stopped = super().stop()
-        if record is None or record.backend != "mp":
+        if not unreadable and (record is None or record.backend != "mp"):
             return stopped
+        workers = [host for host, _ in record.workers] if record else self._other_hosts()
 
         def stop_node(host: str) -> bool:
             result = self.transports[host].run(stop_argv(self.container), timeout=120)
@@ -189,5 +199,5 @@ class GroupServer(HeadServer):
                 )
             return result.returncode == 0
 
-        others = self._parallel(stop_node, [host for host, _ in record.workers])
+        others = self._parallel(stop_node, workers)
         return stopped or any(others.values())

@@ -5,18 +5,24 @@ container's /root/.llmctl), waits until /health answers, and records what it sta
 `~/.llmctl/NAME-server.json` on the head node; `cluster status` reads that record and asks the
 container (`python3 -m llmctl.cluster.launch.head_server probe PORT`) whether the server is alive
 and healthy. The argv builders and the layout choice are pure; HeadServer does the I/O.
+
+The API key: unless --no-api-key (or the inventory's env sets LLMCTL_API_KEY), `serve -i` makes
+one, keeps it in `~/.llmctl/NAME-api.env` on the head node (mode 0600, reused by the next
+`serve -i`) and hands it to the server as the cluster secret reaches the containers: `docker exec
+--env-file`, so that it is on no command line, on the node or in the container.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 
 from llmctl.cluster.errors import ClusterError, RemoteCommandError
 from llmctl.cluster.inventory import Inventory
@@ -25,6 +31,7 @@ from llmctl.cluster.launch.transport import Transport, check
 from llmctl.cluster.plan.node_commands import Layout
 from llmctl.cluster.plan.plan import RunStep
 
+API_KEY_ENV = "LLMCTL_API_KEY"
 STATE_DIR = "/root/.llmctl"  # inside the container
 PID_FILE = f"{STATE_DIR}/server.pid"
 LOG_FILE = f"{STATE_DIR}/server.log"
@@ -46,6 +53,8 @@ class ServerRecord:
     backend: str = "ray"
     # mp: (host, argv) of nodes 1..N-1, in node-rank order (group_server.py)
     workers: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # on the head node: the env file that gives the server LLMCTL_API_KEY; None: no key made
+    api_key_file: str | None = None
 
     @classmethod
     def from_steps(
@@ -58,6 +67,29 @@ class ServerRecord:
             model, port, layout.tensor_parallel_size, layout.pipeline_parallel_size,
             head.argv, backend=backend, workers=tuple((s.host, s.argv) for s in workers),
         )  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: object) -> ServerRecord | None:
+        """The record as any llmctl version wrote it (the head's ~/.llmctl is shared by every
+        version run against it): the fields this one knows, unknown ones ignored, missing
+        optional ones at their defaults; None (as if there were no record) when a field this
+        version needs is missing or malformed."""
+        if not isinstance(data, dict):
+            return None
+        known = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+        required = [f.name for f in fields(cls) if f.default is MISSING]
+        if any(name not in known for name in required):
+            return None
+        try:
+            known["port"] = int(known["port"])
+            known["argv"] = tuple(str(arg) for arg in known["argv"])
+            known["workers"] = tuple(
+                (str(host), tuple(str(arg) for arg in argv))
+                for host, argv in known.get("workers", ())
+            )
+        except (TypeError, ValueError):
+            return None
+        return cls(**known)
 
     def endpoint(self, head_ip: str) -> str:
         return f"http://{head_ip}:{self.port}/v1"
@@ -82,10 +114,16 @@ class ServerState:
 
 
 def launch_argv(
-    container: str, argv: list[str], pid_file: str = PID_FILE, log_file: str = LOG_FILE
+    container: str,
+    argv: list[str],
+    pid_file: str = PID_FILE,
+    log_file: str = LOG_FILE,
+    env_file: str | None = None,
 ) -> list[str]:
-    """Detached in the container; its pid in `pid_file` and its output in `log_file`."""
-    return ["docker", "exec", "--detach", container, "sh", "-c", _LAUNCH, "sh", pid_file,
+    """Detached in the container; its pid in `pid_file` and its output in `log_file`; with
+    `env_file` (on the node), its variables too, which no command line then shows."""
+    env = ["--env-file", env_file] if env_file else []
+    return ["docker", "exec", "--detach", *env, container, "sh", "-c", _LAUNCH, "sh", pid_file,
             log_file, *argv]  # fmt: skip
 
 
@@ -105,6 +143,22 @@ def record_path(home: str, cluster: str) -> str:
     return f"{home}/.llmctl/{cluster}-server.json"
 
 
+def api_key_path(home: str, cluster: str) -> str:
+    return f"{home}/.llmctl/{cluster}-api.env"
+
+
+def api_key_source(record: ServerRecord | None, inventory: Inventory) -> str:
+    """Where the server's API key is, for `cluster status` and `serve -i`'s last line."""
+    if record is not None and record.api_key_file:
+        return (
+            f"LLMCTL_API_KEY in {inventory.head.host}:{record.api_key_file} (mode 0600; clients "
+            "send Authorization: Bearer KEY)"
+        )
+    if API_KEY_ENV in {**inventory.env, **inventory.head.env}:
+        return f"{API_KEY_ENV} from {inventory.source}'s env"
+    return "none (--no-api-key): anyone who reaches the port can use the model"
+
+
 class HeadServer:
     """The server in one cluster's head container, reached through the head's transport."""
 
@@ -115,15 +169,32 @@ class HeadServer:
         self.head = inventory.head
 
     def record(self) -> ServerRecord | None:
+        """What the last `serve -i` started; None when there is no record, or one this llmctl
+        cannot read (unreadable_record() says which)."""
+        return self._read_record()[1]
+
+    def unreadable_record(self) -> str | None:
+        """The path of a record that is there but that this llmctl cannot read (another
+        version's, or damaged); None when there is none, or it reads."""
+        there, record = self._read_record()
+        return (
+            record_path(self.transport.home(), self.inventory.name)
+            if there and not record
+            else None
+        )
+
+    def _read_record(self) -> tuple[bool, ServerRecord | None]:
+        """(whether the record file is there, the record as this version reads it)."""
         path = record_path(self.transport.home(), self.inventory.name)
         try:
             with self.transport.open(path, "rb") as f:
-                data = json.loads(f.read().decode())
-        except (OSError, ValueError):
-            return None
-        data["argv"] = tuple(data["argv"])
-        data["workers"] = tuple((host, tuple(argv)) for host, argv in data.get("workers", ()))
-        return ServerRecord(**data)
+                raw = f.read()
+        except OSError:
+            return False, None
+        try:
+            return True, ServerRecord.from_json(json.loads(raw.decode()))
+        except ValueError:  # not JSON (UnicodeDecodeError is one)
+            return True, None
 
     def state(self, port: int) -> ServerState:
         result = self.transport.run(probe_argv(self.container, port), timeout=30)
@@ -141,17 +212,34 @@ class HeadServer:
                 return self.wait_healthy(record, wait_s)
             log(f"stopping the server started with {' '.join(current.argv)}")
             self.stop()
+        elif current is None:
+            self.stop_unrecorded(log)
         home = self.transport.home()
         self.transport.makedirs(f"{home}/.llmctl")
         self.transport.write_file(
             record_path(home, self.inventory.name), json.dumps(asdict(record)).encode()
         )
-        check(
-            self.transport.run(launch_argv(self.container, list(record.argv))),
-            self.head.host,
-            "docker exec (llmctl serve)",
-        )
+        argv = launch_argv(self.container, list(record.argv), env_file=record.api_key_file)
+        check(self.transport.run(argv), self.head.host, "docker exec (llmctl serve)")
         return self.wait_healthy(record, wait_s)
+
+    def api_key_file(self) -> str | None:
+        """The head node's API key env file, made (mode 0600) with a new key unless it exists;
+        None when the inventory's env gives the key."""
+        if API_KEY_ENV in {**self.inventory.env, **self.head.env}:
+            return None
+        home = self.transport.home()
+        path = api_key_path(home, self.inventory.name)
+        try:
+            with self.transport.open(path, "rb") as f:
+                if f.read().decode().startswith(f"{API_KEY_ENV}="):
+                    return path
+        except OSError:
+            pass
+        self.transport.makedirs(f"{home}/.llmctl")
+        key = secrets.token_urlsafe(32)
+        self.transport.write_file(path, f"{API_KEY_ENV}={key}\n".encode(), mode=0o600)
+        return path
 
     def wait_healthy(self, record: ServerRecord, wait_s: float) -> ServerState:
         deadline = time.monotonic() + wait_s
@@ -182,6 +270,13 @@ class HeadServer:
         if len(lines) >= 2 and lines[-1].startswith("hint:"):  # a typed error: what, then how
             return f"{lines[-2]} ({lines[-1]})"
         return lines[-1] if lines else "(no output)"
+
+    def stop_unrecorded(self, log: Callable[[str], None]) -> None:
+        """Stop a server whose record this llmctl cannot read (another version started it): the
+        new one would find its port taken, and the old one would lose its pid file."""
+        path = self.unreadable_record()
+        if path is not None and self.stop():
+            log(f"stopped the running server: its record {path} is not one this llmctl reads")
 
     def stop(self) -> bool:
         """SIGTERM the server and wait for it to finish its requests; True if one ran."""

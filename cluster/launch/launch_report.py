@@ -39,6 +39,10 @@ class Report:
     backend: str = "ray"  # the containers' (ray, or mp: no Ray)
     # mp: `serve -i`'s process on each node (node 0's is `server`'s state), by host
     server_nodes: dict[str, ServerState] = field(default_factory=dict)
+    joins: str | None = None  # status: whether the nodes prove one cluster secret when they join
+    api_key: str | None = None  # status: where the server's API key is
+    # status: the server record this llmctl cannot read (another version's), and what to do
+    server_note: str | None = None
 
 
 DONE = {"create": "created", "recreate": "recreated"}

@@ -20,6 +20,7 @@ A failure after step 4 began names what is running and how to remove it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -36,7 +37,7 @@ from llmctl.cluster.errors import (
 from llmctl.cluster.inventory import Inventory, NodeSpec
 from llmctl.cluster.launch import commands
 from llmctl.cluster.launch.group_server import GroupServer
-from llmctl.cluster.launch.head_server import HeadServer
+from llmctl.cluster.launch.head_server import HeadServer, api_key_source
 from llmctl.cluster.launch.invariants import model_copies, own_address
 from llmctl.cluster.launch.launch_report import DONE, NodeRow, Report, describe
 from llmctl.cluster.launch.node_launch import (
@@ -74,6 +75,10 @@ from llmctl.cluster.launch.up_executor import (
     verify_mp,
     verify_ray,
 )
+from llmctl.engine.distributed.join import SECRET_ENV as CLUSTER_SECRET_ENV
+from llmctl.engine.distributed.join import make_secret
+
+_NOT_THERE = ("", "absent", "unreachable")  # a node's status without a container to ask
 
 
 def ssh_transports(inventory: Inventory) -> dict[str, Transport]:
@@ -286,21 +291,28 @@ class Cluster:
                 home=probe.home,
                 hostname=probe.hostname,
             )
-        extra = self._ray_token(probes[inv.head.host]) if backend == "ray" else {}
+        extra = self._node_secrets(probes[inv.head.host], backend)
         for name in FORWARDED_SECRETS:
             if os.environ.get(name):
                 extra[name] = os.environ[name]
         return node_launches(inv, facts, secrets=extra, image=image, backend=backend)
 
-    def _ray_token(self, head_probe: NodeProbe) -> dict[str, str]:
-        """Ray's token authentication: only holders of the token can use the cluster's ports;
-        a running head's token is kept."""
+    def _node_secrets(self, head_probe: NodeProbe, backend: str) -> dict[str, str]:
+        """What every node's container gets, through its 0600 env file, kept from a running
+        head (so that a second `up` leaves the containers alone): the cluster secret, which
+        nodes and data-parallel replicas prove when they join (engine/distributed/join.py), and
+        on the Ray backend Ray's token (only its holders can use the cluster's ports)."""
         inv = self.inventory
-        token = None
+        current: dict[str, str] = {}
         if head_probe.container is not None:
             path = env_file_path(head_probe.home, inv.name, inv.head.ip)
-            token = self._read_env(inv.head, path).get("RAY_AUTH_TOKEN")
-        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token or secrets.token_hex(32)}
+            current = self._read_env(inv.head, path)
+        node_secrets = {}
+        if backend == "ray":
+            token = current.get("RAY_AUTH_TOKEN") or secrets.token_hex(32)
+            node_secrets.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+        node_secrets[CLUSTER_SECRET_ENV] = current.get(CLUSTER_SECRET_ENV) or make_secret()
+        return node_secrets
 
     def _read_env(self, node: NodeSpec, path: str) -> dict[str, str]:
         try:
@@ -362,6 +374,8 @@ class Cluster:
         report.rows = [rows[n.host] for n in self.inventory.nodes]
         head_row = rows[self.inventory.head.host]
         report.backend = self.backend()
+        present = [n for n in self.inventory.nodes if rows[n.host].status not in _NOT_THERE]
+        report.joins = self._joins(present) if present else None
         if head_row.status == "running" and report.backend == "mp":
             group = GroupServer(self.inventory, self.transports, self.container)
             record = group.record()
@@ -369,6 +383,7 @@ class Cluster:
                 states = group.node_states(record)
                 report.server = (record, states[self.inventory.head.host])
                 report.server_nodes = states
+            report.server_note = self._unreadable(group)
         elif head_row.status == "running":
             by_ip = {n.ip: n for n in self._ray_nodes(self.inventory.head.host) if n.alive}
             for row in report.rows:
@@ -385,7 +400,47 @@ class Cluster:
             record = server.record()
             if record is not None:
                 report.server = (record, server.state(record.port))
+            report.server_note = self._unreadable(server)
+        if report.server is not None:
+            record = report.server[0]
+            report.api_key = api_key_source(record, self.inventory)
+            argvs = [record.argv, *(argv for _, argv in record.workers)]
+            if any("--insecure-join" in argv for argv in argvs):
+                report.joins = "not authenticated: the server runs with --insecure-join"
         return report
+
+    def _unreadable(self, server: HeadServer) -> str | None:
+        """What status says of a server record that this llmctl cannot read."""
+        path = server.unreadable_record()
+        if path is None:
+            return None
+        return (
+            f"unknown: the record {self.inventory.head.host}:{path} is not one this llmctl "
+            f"reads (another version's?); `llmctl serve -i {self.inventory.source}` stops that "
+            "server and starts its own"
+        )
+
+    def _joins(self, nodes: list[NodeSpec]) -> str:
+        """Whether the nodes prove one cluster secret when they join: each node's env file
+        holds the same (compared by digest; the secret itself is never shown)."""
+        inv = self.inventory
+
+        def digest(node: NodeSpec) -> str | None:
+            path = env_file_path(self.transports[node.host].home(), inv.name, node.ip)
+            value = self._read_env(node, path).get(CLUSTER_SECRET_ENV)
+            return hashlib.sha256(value.encode()).hexdigest() if value else None
+
+        digests = self._parallel(digest, nodes)
+        lacking = [host for host, d in digests.items() if d is None]
+        again = f"run `llmctl cluster up -i {inv.source}` again"
+        if lacking:
+            return f"not authenticated: no cluster secret on {', '.join(lacking)} ({again})"
+        if len(set(digests.values())) > 1:
+            return f"not authenticated: the nodes hold different cluster secrets ({again})"
+        return (
+            f"authenticated: the {len(nodes)} nodes share one cluster secret "
+            f"({CLUSTER_SECRET_ENV} in each node's 0600 env file)"
+        )
 
     def backend(self) -> str:
         """The backend the head's container was started on (its label): ray or mp."""

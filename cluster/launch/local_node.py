@@ -31,6 +31,8 @@ from llmctl.cluster.launch.up_executor import (
     start,
     wait_for_ray,
 )
+from llmctl.engine import envs
+from llmctl.engine.distributed.join import SECRET_ENV as CLUSTER_SECRET_ENV
 
 
 def up_local(
@@ -65,11 +67,18 @@ def mp_next_step(launch: NodeLaunch) -> str:
         where = f"--node-rank 0 --master-addr {launch.ip} --host 0.0.0.0"
     else:
         where = f"--node-rank R --master-addr {launch.head_ip} --headless"
-    return (
+    step = (
         f"start this node's part of the group (node 0 serves the API, the others run "
         f"--headless; the same -tp, -pp, --nnodes everywhere): docker exec -d "
         f"{launch.container} {serve} {where}"
     )
+    if CLUSTER_SECRET_ENV not in launch.env_dict():
+        step += (
+            f"; the nodes prove one cluster secret when they join: export {CLUSTER_SECRET_ENV} "
+            "(the same on every node, e.g. from `python3 -c 'import secrets; "
+            "print(secrets.token_hex(32))'`) before `llmctl cluster up` on each node"
+        )
+    return step
 
 
 def up_this_node(
@@ -110,6 +119,9 @@ def up_this_node(
     facts = NodeFacts(
         own.ifname, probe.image_id, bool(probe.docker.nvidia), probe.home, probe.hostname
     )
+    env = dict(env or {})
+    if envs.LLMCTL_CLUSTER_SECRET:  # to the container's 0600 env file, as -i does
+        env.setdefault(CLUSTER_SECRET_ENV, envs.LLMCTL_CLUSTER_SECRET)
     launch = local_launch(
         role, ip, head_ip or ip, image, facts, hf_home=hf_home, gpus=gpus, env=env,
         backend=backend,

@@ -7,7 +7,10 @@ Three ways to run a plan's layout on Kubernetes:
             --master-addr $(LWS_LEADER_ADDRESS) --master-port PORT --host 0.0.0.0 --port 8000
     and each worker the same with --node-rank $(LWS_WORKER_INDEX) --headless (Kubernetes expands
     $(VAR) from the env LWS injects into every container). One node: the leader alone, the plan's
-    own backend. A Service selects the leaders.
+    own backend. A Service selects the leaders. Across nodes every pod reads the cluster secret
+    (LLMCTL_CLUSTER_SECRET, which the nodes prove when they join) from the Secret
+    NAME-cluster-secret, which the manifests reference but do not hold: `kubectl create secret
+    generic NAME-cluster-secret --from-literal=secret=...` makes it (`llmctl plan` prints how).
   - `raycluster`: a KubeRay RayCluster (ray.io/v1), a head pod and nodes-1 worker pods, on the
     ray backend. The head runs the `ray start` KubeRay generates ($KUBERAY_GEN_RAY_START_CMD,
     with the ray.io/overwrite-container-cmd annotation), waits for Ray, then runs `llmctl serve`;
@@ -47,8 +50,10 @@ from llmctl.cluster.plan.kube_options import (
 )
 from llmctl.engine.config.engine_args import EngineArgs, engine_args_to_argv
 from llmctl.engine.config.options import SERVE, SERVER, option
+from llmctl.engine.distributed.join import SECRET_ENV
 
 GPU_RESOURCE = "nvidia.com/gpu"
+CLUSTER_SECRET_KEY = "secret"  # the key of the cluster secret in its Kubernetes Secret
 MODEL_VOLUME, SHM_VOLUME = "model", "dshm"
 # The startup probe allows this long for loading the model before liveness takes over.
 STARTUP_SECONDS = 3600
@@ -127,14 +132,42 @@ def gpus_per_pod(plan) -> int:
 # -- pods ----------------------------------------------------------------------------------------
 
 
-def env(opts: KubeOptions, extra: dict[str, str] | None = None) -> list[dict]:
-    """The node's address and interfaces, as `cluster up` gives its containers."""
+def env(
+    opts: KubeOptions, extra: dict[str, str] | None = None, *, joins: bool = False
+) -> list[dict]:
+    """The node's address and interfaces, as `cluster up` gives its containers; with `joins`
+    (pods that join each other: an lws group across nodes), the cluster secret they prove when
+    they join, from the Secret cluster_secret_name(opts) (never in the manifest itself)."""
     variables = [
         {"name": "VLLM_HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "NCCL_SOCKET_IFNAME", "value": opts.socket_ifname},
         {"name": "GLOO_SOCKET_IFNAME", "value": opts.socket_ifname},
     ]
+    if joins:
+        ref = {"name": cluster_secret_name(opts), "key": CLUSTER_SECRET_KEY}
+        variables.append({"name": SECRET_ENV, "valueFrom": {"secretKeyRef": ref}})
     return variables + [{"name": k, "value": v} for k, v in (extra or {}).items()]
+
+
+def cluster_secret_name(opts: KubeOptions) -> str:
+    """The Kubernetes Secret holding the cluster secret of an lws group across nodes."""
+    return f"{opts.name}-cluster-secret"
+
+
+def joins_nodes(plan, opts: KubeOptions) -> bool:
+    """The manifests run a group whose pods join each other (and read the cluster secret)."""
+    return opts.kind == "lws" and plan.nodes_used > 1
+
+
+def cluster_secret_command(opts: KubeOptions) -> str:
+    """The shell line that makes that Secret with a new random value (it is never in a file):
+    a line for a person's shell, whose $(...) makes the value."""
+    namespace = f" --namespace {shlex.quote(opts.namespace)}" if opts.namespace else ""
+    return (
+        f"kubectl create secret generic {shlex.quote(cluster_secret_name(opts))}{namespace} "
+        f"--from-literal={CLUSTER_SECRET_KEY}=\"$(python3 -c 'import secrets; "
+        "print(secrets.token_hex(32))')\""
+    )
 
 
 def health_probes(opts: KubeOptions) -> dict:
@@ -159,11 +192,12 @@ def container(
     extra_env: dict[str, str] | None = None,
     ports: list[dict] | None = None,
     probes: dict | None = None,
+    joins: bool = False,
 ) -> dict:
     spec: dict = {"name": name, "image": opts.image, "command": command}
     if args is not None:
         spec["args"] = args
-    spec["env"] = env(opts, extra_env)
+    spec["env"] = env(opts, extra_env, joins=joins)
     if serving:
         spec["ports"] = [{"name": "http", "containerPort": opts.port, "protocol": "TCP"}]
         spec.update(health_probes(opts))
@@ -231,8 +265,9 @@ def leader_worker_set(plan, opts: KubeOptions) -> dict:
         worker_argv = serve_argv(
             plan, opts, "mp", **rendezvous, node_rank="$(LWS_WORKER_INDEX)", headless=True
         )
+    joins = joins_nodes(plan, opts)  # the workers join the leader: both prove the secret
     leader = pod_template(
-        [container("llmctl", plan, opts, command=leader_argv, serving=True)],
+        [container("llmctl", plan, opts, command=leader_argv, serving=True, joins=joins)],
         opts,
         {"role": "leader"},
     )
@@ -242,7 +277,7 @@ def leader_worker_set(plan, opts: KubeOptions) -> dict:
     else:
         template["leaderTemplate"] = leader
         template["workerTemplate"] = pod_template(
-            [container("llmctl", plan, opts, command=worker_argv, serving=False)],
+            [container("llmctl", plan, opts, command=worker_argv, serving=False, joins=True)],
             opts,
             {"role": "worker"},
         )

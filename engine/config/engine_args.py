@@ -58,6 +58,8 @@ from llmctl.engine.layers.quantization.quant_config import (
 
 logger = logging.getLogger("llmctl")
 
+LOAD_FORMATS = ("auto", "dummy")  # vLLM's --load-format values llmctl has
+
 
 @dataclass
 class EngineArgs:
@@ -114,6 +116,13 @@ class EngineArgs:
         default=None,
         default_help="none; a GGUF file's or FP8 checkpoint's own",
         commands=PLANNER,
+    )
+    load_format: str = option(
+        "auto: read the checkpoint; dummy: random weights made on the device from the model's "
+        "config.json alone (a directory without weights, or a catalog name such as "
+        "Llama-3.1-8B: `llmctl plan --list-models`), to run a model's shape with no checkpoint "
+        "(benchmarks). With no tokenizer files, prompts must be token ids.",
+        default="auto",
     )
     enforce_eager: bool = option(
         "CUDA: run every step eagerly, without CUDA graphs (slower decode, less memory, no capture "
@@ -233,6 +242,23 @@ class EngineArgs:
         default=ParallelConfig.rendezvous_timeout,
         panel=PARALLEL,
     )
+    cluster_secret_file: str | None = option(
+        "A file holding the cluster's secret (the same on every node): nodes and data-parallel "
+        "replicas prove to each other that they hold it when they join (HMAC-SHA256 over fresh "
+        "nonces, both ways), before anything they send is read. Needed with --nnodes > 1 or "
+        "replicas on other nodes.",
+        default=None,
+        default_help="$LLMCTL_CLUSTER_SECRET",
+        panel=PARALLEL,
+    )
+    insecure_join: bool = option(
+        "Let nodes join without a cluster secret. RISK: nodes exchange pickled Python objects, "
+        "so anyone who reaches node 0's (or the data-parallel head's) ports, or poses as node 0, "
+        "runs code on the nodes; only for a network no one else reaches.",
+        default=False,
+        negatable=False,
+        panel=PARALLEL,
+    )
     data_parallel_size: int = option(
         "Engine replicas, each of tp x pp ranks with its own workers and KV cache; requests go "
         "to the least busy replica, or to the one that cached their prefix.",
@@ -321,6 +347,16 @@ class EngineArgs:
             from llmctl.engine.dp.lockstep import check_engine_args
 
             check_engine_args(self, placement)
+        if parallel.nnodes > 1 or placement.multi_node:  # refused without a secret: typed
+            from llmctl.engine.distributed.join import ClusterSecret
+
+            ClusterSecret.load(
+                self.cluster_secret_file,
+                self.insecure_join,
+                needed_by=f"--nnodes {self.nnodes}"
+                if parallel.nnodes > 1
+                else "data parallel across nodes (--data-parallel-address)",
+            )
         if self.headless and self.node_rank == 0 and not placement.headless:
             raise ConfigError(
                 "--headless runs no API server, but node rank 0 serves it",
@@ -347,6 +383,11 @@ class EngineArgs:
                 f"max_restarts must be non-negative, got {self.max_restarts}",
                 "pass --max-restarts 3 (0: never restart)",
             )
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(
+                f"unknown load_format {self.load_format!r}",
+                f"use --load-format {' or '.join(LOAD_FORMATS)}",
+            )
         if self.quantization is not None and self.quantization not in FLAG_METHODS:
             raise ConfigError(
                 f"unknown quantization {self.quantization!r}",
@@ -367,7 +408,7 @@ class EngineArgs:
         dtype = normalize_dtype(self.dtype)
         device = platform.resolve_device(self.device)
         device_config = DeviceConfig(device=device)
-        source = resolve_model(self.model, progress)
+        source = resolve_model(self.model, progress, self.load_format)
         hf_config = source.load_hf_config()
         architecture = source.architecture(hf_config)
         check_architecture(architecture)
@@ -391,10 +432,11 @@ class EngineArgs:
             tokenizer=self.tokenizer or source.path,
             served_model_name=self.served_model_name or source.display_name,
             seed=self.seed,
-            skip_tokenizer_init=bool(self.skip_tokenizer_init),
+            skip_tokenizer_init=self._skip_tokenizer_init(source.path),
             enforce_eager=bool(self.enforce_eager),
             quantization=quantization,
             gguf_file=source.gguf_file or "",
+            load_format=self.load_format,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -454,6 +496,20 @@ class EngineArgs:
         )
         return quantization
 
+    def _skip_tokenizer_init(self, path: str) -> bool:
+        """skip_tokenizer_init as given; with dummy weights, also when the model's directory
+        holds no tokenizer (a catalog name's): prompts are then token ids."""
+        if self.skip_tokenizer_init:
+            return True
+        if self.load_format != "dummy" or self.tokenizer is not None:
+            return False
+        from llmctl.engine.model_loader.source import has_tokenizer_files
+
+        if has_tokenizer_files(path):
+            return False
+        logger.info("No tokenizer in %s: prompts must be token ids (skip_tokenizer_init)", path)
+        return True
+
     def create_parallel_config(
         self, layer_partition: tuple[int, ...] | None = None
     ) -> ParallelConfig:
@@ -470,6 +526,8 @@ class EngineArgs:
             master_addr=self.master_addr,
             master_port=self.master_port,
             rendezvous_timeout=self.rendezvous_timeout,
+            cluster_secret_file=self.cluster_secret_file,
+            insecure_join=bool(self.insecure_join),
         )
 
     def data_parallel_placement(self):
@@ -504,8 +562,8 @@ class EngineArgs:
             from llmctl.engine.model_loader.gguf_file import gguf_tensor_types
 
             gguf_config = QuantizationConfig.for_gguf(gguf_tensor_types(gguf_file))
-            if self.gguf_dequantize:
-                return resolve_quantization(self.quantization, None)
+            if self.gguf_dequantize or self.load_format == "dummy":
+                return resolve_quantization(self.quantization, None)  # float weights
         return resolve_quantization(self.quantization, gguf_config)
 
 

@@ -66,6 +66,7 @@ class ModelConfig:
     # "int8"/"int4" quantized from a float checkpoint at load.
     quantization: QuantizationConfig | None = None
     gguf_file: str = ""  # the weights are read from this GGUF file (path holds its config only)
+    load_format: str = "auto"  # "dummy": random weights, no checkpoint read (model_loader/dummy.py)
 
     def __post_init__(self) -> None:
         if self.shape is None:
@@ -191,6 +192,11 @@ class ParallelConfig:
     master_addr: str | None = None
     master_port: int = 29501
     rendezvous_timeout: float = 300.0  # seconds the nodes wait for each other
+    # How nodes prove they belong to the cluster when they join (engine/distributed/join.py):
+    # the secret's file (None: LLMCTL_CLUSTER_SECRET), or no proof at all. The secret itself is
+    # never a field: configs travel to the workers, each node reads its own.
+    cluster_secret_file: str | None = None
+    insecure_join: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):

@@ -1,10 +1,10 @@
 """EngineCore: one LLMEngine's busy loop: drain the commands, step, hand each output to its sink.
 
     while not stopping:
-        drain()                  # AddRequest / AbortRequest, posted from any thread
+        drain()                  # AddRequest / AbortRequest / FinishStopped, from any thread
         busy = has work          # (with a DPLockstep: every replica steps, or none)
-        if busy: step() and deliver each RequestOutput to its request's sink
-        else: wait for a command
+        if busy: step()          # its token ids go to the output thread, which delivers each
+        else: wait for a command #   RequestOutput to its request's sink (core/output_thread.py)
 
 The engine is not thread-safe, so only the thread running `loop` touches it; other threads only
 `post` commands. A command carries a plain callable (`sink`) that receives the request's outputs
@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmctl.engine.core.llm_engine import EngineStats, LLMEngine, PromptType
+from llmctl.engine.core.output_thread import OutputThread
 from llmctl.engine.core.stall_monitor import StallMonitor
 from llmctl.engine.errors import EngineDeadError, InvalidRequestError
 from llmctl.engine.sampling_params import SamplingParams
@@ -55,6 +56,11 @@ class AbortRequest:
     request_id: str
 
 
+@dataclass
+class FinishStopped:
+    child_ids: list[str]  # sequences whose text hit a stop string (from the output thread)
+
+
 class EngineCore:
     def __init__(self, lockstep=None, replica_index: int = 0) -> None:
         """`lockstep`: a DPLockstep (dp/lockstep.py) of which this engine is `replica_index`."""
@@ -65,12 +71,25 @@ class EngineCore:
         self.wakeup = threading.Event()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
+        self.outputs: OutputThread | None = None  # the attached engine's output thread
 
     def attach(self, engine: LLMEngine) -> None:
+        if self.outputs is not None:  # a restarted engine: the old one's thread is done
+            self.outputs.stop()
         self.engine = engine
         self.stats = engine.get_stats()
+        processor = getattr(engine, "output_processor", None)  # (a test's scripted engine: none)
+        if processor is None:
+            self.outputs = None
+            return
+        self.outputs = OutputThread(
+            processor,
+            deliver=lambda output: self.deliver(output.request_id, output, output.finished),
+            finish=lambda child_ids: self.post(FinishStopped(child_ids)),
+            fail=lambda request_id, error: self.deliver(request_id, error, last=True),
+        )
 
-    def post(self, command: AddRequest | AbortRequest) -> None:
+    def post(self, command: AddRequest | AbortRequest | FinishStopped) -> None:
         self._commands.put(command)
         self.wakeup.set()
 
@@ -85,6 +104,13 @@ class EngineCore:
     ) -> None:
         """Serve until `stopping()`; raises the engine's failure. `aborted()` is the watchdog's
         verdict on a stall (raised here if it came while the engine was idle)."""
+        try:
+            self._loop(monitor, stopping, aborted, failure_in_hand)
+        finally:  # what the last steps produced reaches its callers before any failure does
+            if self.outputs is not None:
+                self.outputs.flush(timeout=30)
+
+    def _loop(self, monitor, stopping, aborted, failure_in_hand) -> None:
         engine = self.engine
         stepped = False  # since the engine was last idle
         while not stopping():
@@ -106,7 +132,8 @@ class EngineCore:
                 continue
             monitor.busy()
             stepped = True
-            outputs = engine.step()
+            # none when the output thread delivers them
+            outputs = engine.step(self.outputs) if self.outputs is not None else engine.step()
             monitor.step_completed()
             self.stats = engine.get_stats()
             for output in outputs:
@@ -116,6 +143,8 @@ class EngineCore:
         for command in self.pending():
             if isinstance(command, AddRequest):
                 self._add(command)
+            elif isinstance(command, FinishStopped):
+                self.engine.finish_stopped(command.child_ids)
             else:
                 self.engine.abort_request(command.request_id)
                 self._sinks.pop(command.request_id, None)

@@ -22,6 +22,7 @@ from llmctl.engine.config.rope_parameters import long_rope_threshold
 from llmctl.engine.core.batch_queue import BatchQueue
 from llmctl.engine.core.model_runner_output import ModelRunnerOutput
 from llmctl.engine.core.output_processor import OutputProcessor
+from llmctl.engine.core.output_thread import OutputThread
 from llmctl.engine.core.request import Request, RequestStatus
 from llmctl.engine.core.scheduler import Scheduler
 from llmctl.engine.core.scheduler_output import SchedulerOutput
@@ -168,6 +169,10 @@ class LLMEngine:
                 finals.append(final)
         return finals
 
+    def finish_stopped(self, child_ids: list[str]) -> None:
+        """Sequences whose text hit a stop string (found off the step by the output thread)."""
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_STOPPED)
+
     def check_alive(self) -> None:
         """Raises EngineDeadError (WorkerError naming the rank) if a worker died."""
         self.executor.check_alive()
@@ -182,13 +187,17 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, output_thread: OutputThread | None = None) -> list[RequestOutput]:
+        """One step; its RequestOutputs, or none when `output_thread` (EngineCore's) turns
+        its tokens into outputs and delivers them, off the step."""
         scheduler_output = self.scheduler.schedule()
         finished_batch = self.batch_queue.run(scheduler_output)
-        return self.postprocess(finished_batch)
+        return self.postprocess(finished_batch, output_thread)
 
     def postprocess(
-        self, finished_batch: tuple[SchedulerOutput, ModelRunnerOutput] | None
+        self,
+        finished_batch: tuple[SchedulerOutput, ModelRunnerOutput] | None,
+        output_thread: OutputThread | None = None,
     ) -> list[RequestOutput]:
         """Apply a finished batch's tokens (None: the pipeline is still filling)."""
         if finished_batch is None:
@@ -196,6 +205,9 @@ class LLMEngine:
         scheduler_output, runner_output = finished_batch
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._generation_tokens += len(core_outputs)
+        if output_thread is not None:  # core/output_thread.py
+            output_thread.submit(core_outputs)
+            return []
         request_outputs, stopped = self.output_processor.process_outputs(core_outputs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return request_outputs
@@ -234,9 +246,11 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError(
-                    "this engine was started with skip_tokenizer_init: it has no tokenizer to "
-                    "turn a text prompt into token ids",
-                    'send token ids instead: a list of ints or {"prompt_token_ids": [...]}',
+                    "this engine has no tokenizer to turn a text prompt into token ids (started "
+                    "with skip_tokenizer_init, or with dummy weights from a config.json without "
+                    "tokenizer files)",
+                    'send token ids instead: a list of ints or {"prompt_token_ids": [...]}; or '
+                    "start it with --tokenizer DIR (a directory holding the model's tokenizer)",
                     param="prompt",
                 )
             return prompt, self.tokenizer.encode(prompt)

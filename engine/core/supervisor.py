@@ -185,6 +185,8 @@ class EngineSupervisor:
             try:
                 self.engine.shutdown()
             finally:
+                if self.core.outputs is not None:  # after the loop's flush: nothing is left
+                    self.core.outputs.stop()
                 if error is not None:
                     self.fail_all(error)
         return error

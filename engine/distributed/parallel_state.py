@@ -2,7 +2,10 @@
 
 A single process (the uni executor) has one-rank groups and never touches torch.distributed.
 With several ranks, `init_distributed_environment` joins the world (Gloo on the CPU, NCCL on CUDA)
-and `initialize_model_parallel` builds the groups from the one rank mesh in `ranks.reshape`.
+and `initialize_model_parallel` builds the groups from the one rank mesh in `ranks.reshape`. A
+tensor-parallel group of CPU ranks on one node all-reduces through shared memory
+(shm_communicator.py); of GPUs of one node with peer access, small tensors through their mapped
+memory (custom_all_reduce.py); the rest through Gloo or NCCL.
 Layers ask `get_tp_group()` for tp_rank/tp_size, never the world size, so TP and PP compose.
 """
 
@@ -23,6 +26,7 @@ class GroupCoordinator:
     device_group: Any = field(default=None, repr=False)  # torch ProcessGroup for tensors
     cpu_group: Any = field(default=None, repr=False)  # Gloo group for Python objects
     shm: Any = field(default=None, repr=False)  # ShmCommunicator when all ranks share a node
+    custom: Any = field(default=None, repr=False)  # CustomAllReduce: GPUs of a node, peer access
 
     @property
     def world_size(self) -> int:
@@ -41,6 +45,8 @@ class GroupCoordinator:
             return tensor
         if self.shm is not None and self.shm.fits(tensor):
             return self.shm.all_reduce(tensor.contiguous())
+        if self.custom is not None and self.custom.fits(tensor):  # small, GPUs of one node
+            return self.custom.all_reduce(tensor)
         import torch.distributed as dist
 
         dist.all_reduce(tensor, group=self.device_group)
@@ -58,14 +64,17 @@ class GroupCoordinator:
         dist.all_gather(pieces, tensor, group=self.device_group)
         return torch.cat(pieces)
 
-    def all_gather_object(self, obj) -> list:
+    def all_gather_int(self, value: int) -> list[int]:
+        """Every rank's `value`, in rank order. A tensor, never a pickle: nothing a peer sends
+        over torch.distributed is unpickled (its connections are not authenticated)."""
         if self.world_size == 1:
-            return [obj]
+            return [value]
+        import torch
         import torch.distributed as dist
 
-        out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.cpu_group)
-        return out
+        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(out, torch.tensor([value], dtype=torch.int64), group=self.cpu_group)
+        return [int(t.item()) for t in out]
 
     def gather(self, tensor, dim: int = -1, sizes: list[int] | None = None):
         """Concatenate the ranks' tensors along `dim` on the group's first rank (None elsewhere).
@@ -79,7 +88,7 @@ class GroupCoordinator:
         import torch
         import torch.distributed as dist
 
-        sizes = sizes or self.all_gather_object(tensor.shape[dim])
+        sizes = sizes or self.all_gather_int(tensor.shape[dim])
         largest = max(sizes)
         if self.shm is not None:
             per_unit = tensor.numel() // max(tensor.shape[dim], 1) * tensor.element_size()
@@ -217,6 +226,10 @@ def initialize_model_parallel(
     tp_group = mine["tp"]
     set_groups(tp_group, mine["pp"])
     _attach_shared_memory(tp_group)
+    if backend == "nccl" and tp_group.world_size > 1:
+        from llmctl.engine.distributed import custom_all_reduce
+
+        custom_all_reduce.attach(tp_group, envs.LLMCTL_CUSTOM_ALL_REDUCE)
     global _DP
     _DP = mine.get("dp")
     set_ep_group(mine.get("ep", tp_group) if enable_expert_parallel else None)
@@ -232,9 +245,9 @@ def _attach_shared_memory(group: GroupCoordinator) -> None:
         return
     if not envs.LLMCTL_SHM_COLLECTIVES:
         return
-    from llmctl.engine.distributed.shm_communicator import ShmCommunicator, same_node
+    from llmctl.engine.distributed.shm_communicator import ShmCommunicator, host_id
 
-    if same_node(group.all_gather_object(socket.gethostname())):
+    if len(set(group.all_gather_int(host_id(socket.gethostname())))) == 1:
         group.shm = ShmCommunicator(group.cpu_group, group.rank_in_group, group.world_size)
 
 

@@ -9,8 +9,9 @@ a worker process on each. From then on node 0 drives a remote worker exactly as 
 multiproc.py's worker protocol over TCP instead of a socketpair, and each node's workers keep
 their own environment (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, ...).
 
-Handshake: one JSON object per line, read byte by byte so that nothing after the line is taken
-(nothing is unpickled from a peer before it is accepted):
+Every connection opens with the join protocol (engine/distributed/join.py): node 0 and the
+agent prove to each other that they hold the cluster secret, before either reads anything else.
+Then one JSON line each way:
 
     agent -> node 0   {"llmctl": PROTOCOL, "kind": "node", "node_rank": R, "nnodes": N,
                        "tp": T, "pp": P, "host": H, "pid": PID, "threads": K}     control conn
@@ -27,6 +28,8 @@ then multiprocessing Connection frames (4-byte length, pickle):
                                         that cannot run (stopped, ...), or None: it runs again
     rank conns        multiproc.py's worker protocol (job, calls, results)
 
+The token ties a node's rank connections to its control connection (both authenticated).
+
 Why one connection per remote rank, handed to its worker: node 0's executor keeps one code path
 for every rank (its calls, replies, timeouts and errors unchanged), nothing relays or re-frames
 a step's bytes on the way (an agent relay would add a hop and a thread per rank), and a dead rank
@@ -36,14 +39,13 @@ and would need a second, Python-object channel for the replies anyway.
 
 A node rank that already joined is refused, naming it; so is a node started with another
 --nnodes, -tp or -pp. The listener stays open while the group runs, so a late duplicate is
-refused too, not left waiting. Connections are unauthenticated, as torch.distributed's are: the
-ports must be reachable only from the cluster's own network.
+refused too, not left waiting. A peer that fails the join protocol is dropped, and named in the
+error when the nodes node 0 waits for never join.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import secrets
 import socket
@@ -54,13 +56,12 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from llmctl.engine.distributed import ranks
+from llmctl.engine.distributed.join import ClusterSecret, JoinListener, accept, refuse
 from llmctl.engine.errors import RendezvousError, RendezvousTimeoutError
 
 logger = logging.getLogger("llmctl")
 
 PROTOCOL = 1
-HELLO_TIMEOUT_S = 10.0
-_MAX_LINE = 16 * 1024
 _POLL_S = 0.1
 
 
@@ -71,39 +72,6 @@ def executor_port(master_port: int) -> int:
 def init_method(master_addr: str, master_port: int) -> str:
     host = f"[{master_addr}]" if ":" in master_addr else master_addr
     return f"tcp://{host}:{master_port}"
-
-
-def tune(sock: socket.socket) -> None:
-    """Blocking, no Nagle delay, and keep-alive probes: a peer host that vanishes (no FIN) is
-    noticed within about 25 s instead of never."""
-    sock.settimeout(None)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
-        if hasattr(socket, name):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-
-
-def send_line(sock: socket.socket, obj: dict) -> None:
-    sock.sendall(json.dumps(obj).encode() + b"\n")
-
-
-def recv_line(sock: socket.socket, timeout: float) -> dict:
-    """One handshake line, byte by byte: what follows it (pickled frames) stays in the socket."""
-    sock.settimeout(timeout)
-    data = bytearray()
-    while not data.endswith(b"\n"):
-        byte = sock.recv(1)
-        if not byte:
-            raise ConnectionError("the peer closed the connection")
-        data += byte
-        if len(data) > _MAX_LINE:
-            raise ConnectionError("the handshake line is too long")
-    sock.settimeout(None)
-    value = json.loads(data)
-    if not isinstance(value, dict):
-        raise ConnectionError("the handshake is not a JSON object")
-    return value
 
 
 # -- node 0 ------------------------------------------------------------------------------------
@@ -195,19 +163,19 @@ class RemoteWorker:
 
 
 class NodeListener:
-    """Node 0's side: checks the master address and ports, then accepts nodes in a thread."""
+    """Node 0's side: checks the master address and ports, then accepts nodes in a thread,
+    each proving it holds the cluster secret (engine/distributed/join.py)."""
 
     def __init__(self, parallel_config) -> None:
         pc = self.pc = parallel_config
+        secret = ClusterSecret.load(
+            pc.cluster_secret_file, pc.insecure_join, needed_by=f"--nnodes {pc.nnodes}"
+        )
         self.address = f"{pc.master_addr}:{executor_port(pc.master_port)}"
         self.nodes: dict[int, RemoteNode] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._sock = _bind_master(pc)
-        self._thread = threading.Thread(
-            target=self._accept_loop, name="llmctl-rendezvous", daemon=True
-        )
-        self._thread.start()
+        self._listener = JoinListener(_bind_master(pc), secret, self._on_hello, "llmctl-rendezvous")
 
     def wait_for_nodes(self) -> dict[int, RemoteNode]:
         """Every other node, joined with all its ranks; RendezvousTimeoutError past the timeout
@@ -244,12 +212,15 @@ class NodeListener:
         spans = ", ".join(
             f"node {r}: ranks {ranks.span(ranks.node_ranks(r, pc.nnodes, pp, tp))}" for r in missing
         )
+        refused = "; ".join(f"{host}: {why}" for host, why in self._listener.refused.items())
         return RendezvousTimeoutError(
             f"node rank(s) {missing} did not join node 0 at {self.address} within "
-            f"{pc.rendezvous_timeout:g} s (global ranks missing: {spans})",
+            f"{pc.rendezvous_timeout:g} s (global ranks missing: {spans})"
+            + (f"; connections refused: {refused}" if refused else ""),
             f"on each, run `llmctl serve MODEL -tp {tp} -pp {pp} --nnodes {pc.nnodes} "
             f"--node-rank R --master-addr {pc.master_addr} --master-port {pc.master_port} "
-            "--headless`; check it reaches that address, or raise --rendezvous-timeout",
+            "--headless` with the cluster's secret; check it reaches that address, or raise "
+            "--rendezvous-timeout",
             missing_node_ranks=tuple(missing),
             missing_ranks=tuple(missing_ranks),
         )
@@ -257,32 +228,15 @@ class NodeListener:
     def close(self) -> None:
         """Accept no more nodes (the joined ones are the executor's to end)."""
         self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread's accept()
-        except OSError:
-            pass
-        self._sock.close()
-        self._thread.join(timeout=HELLO_TIMEOUT_S)
+        self._listener.close()
 
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                sock, peer = self._sock.accept()
-            except OSError:
-                return  # closed
-            try:
-                self._handshake(sock, peer)
-            except (OSError, ValueError) as exc:  # a broken or foreign peer: it is dropped
-                logger.debug("rendezvous: dropped a connection from %s: %s", peer, exc)
-                sock.close()
-
-    def _handshake(self, sock: socket.socket, peer) -> None:
-        hello = recv_line(sock, HELLO_TIMEOUT_S)
+    def _on_hello(self, sock: socket.socket, hello: dict, peer: str) -> None:
+        """A peer that proved it holds the cluster secret said hello."""
         if hello.get("llmctl") != PROTOCOL:
-            return _refuse(
+            return refuse(
                 sock,
                 f"a node speaking another llmctl rendezvous protocol ({hello.get('llmctl')!r}, "
-                f"node 0's is {PROTOCOL}) connected from {peer[0]}",
+                f"node 0's is {PROTOCOL}) connected from {peer}",
                 "run the same llmctl version on every node",
             )
         if hello.get("kind") == "node":
@@ -298,14 +252,14 @@ class NodeListener:
         theirs = (hello.get("nnodes"), hello.get("tp"), hello.get("pp"))
         ours = (pc.nnodes, pc.tensor_parallel_size, pc.pipeline_parallel_size)
         if theirs != ours:
-            return _refuse(
+            return refuse(
                 sock,
                 f"node {r} (host {host}) was started with --nnodes {theirs[0]} -tp {theirs[1]} "
                 f"-pp {theirs[2]}, node 0 with --nnodes {ours[0]} -tp {ours[1]} -pp {ours[2]}",
                 "give every node the same --nnodes, -tp and -pp",
             )
         if not 1 <= r < pc.nnodes:
-            return _refuse(
+            return refuse(
                 sock,
                 f"node rank {r} is node 0's own rank (the node that serves the API)"
                 if r == 0
@@ -316,16 +270,15 @@ class NodeListener:
             other = self.nodes.get(r)
             if other is not None or self._closed:
                 if other is None:
-                    return _refuse(sock, "node 0's group is closed", "start node 0 again")
-                return _refuse(
+                    return refuse(sock, "node 0's group is closed", "start node 0 again")
+                return refuse(
                     sock,
                     f"node rank {r} has already joined node 0's group (from host {other.host}, "
                     f"agent pid {other.pid}); this node (host {host}) is refused",
                     f"give each node its own --node-rank from 1 to {pc.nnodes - 1}",
                 )
             token = secrets.token_hex(16)
-            send_line(sock, {"ok": True, "token": token})
-            tune(sock)
+            accept(sock, token=token)
             node_ranks = ranks.node_ranks(r, pc.nnodes, ours[2], ours[1])
             self.nodes[r] = RemoteNode(
                 node_rank=r,
@@ -354,19 +307,9 @@ class NodeListener:
                 or rank not in node.ranks
                 or rank in node.rank_conns
             ):
-                return _refuse(sock, f"rank {rank} of node {r} is not expected", None)
-            send_line(sock, {"ok": True})
-            tune(sock)
+                return refuse(sock, f"rank {rank} of node {r} is not expected", None)
+            accept(sock)
             node.rank_conns[rank] = Connection(sock.detach())
-
-
-def _refuse(sock: socket.socket, message: str, hint: str | None) -> None:
-    logger.warning("Refused a node: %s", message)
-    try:
-        send_line(sock, {"ok": False, "error": message, "hint": hint})
-    except OSError:
-        pass
-    sock.close()
 
 
 def _bind_master(pc) -> socket.socket:

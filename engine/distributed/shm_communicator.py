@@ -26,6 +26,7 @@ every rank sees the same sizes).
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import socket
@@ -38,12 +39,15 @@ import torch
 from llmctl.engine import envs
 
 _LINE = 64
+_NAME_BYTES = 32  # a uuid4's hex
 _SPIN = 2000  # flag checks before yielding the CPU
 _TIMEOUT_S = 300.0
 
 
-def same_node(hostnames: list[str]) -> bool:
-    return len(set(hostnames)) == 1
+def host_id(hostname: str) -> int:
+    """A host name as an int64 that ranks can all-gather as a tensor (equal names, equal ids)."""
+    digest = hashlib.sha256(hostname.encode()).digest()
+    return int.from_bytes(digest[:8], "little", signed=True)
 
 
 class ShmCommunicator:
@@ -55,9 +59,12 @@ class ShmCommunicator:
         self.capacity = (capacity or envs.LLMCTL_SHM_SLOT_BYTES) // _LINE * _LINE
         size = _LINE * world_size + 2 * world_size * self.capacity
         # The first rank creates the file; the others open it by name; then it is unlinked.
-        name = [f"/dev/shm/llmctl-{uuid.uuid4().hex}" if rank_in_group == 0 else None]
-        dist.broadcast_object_list(name, src=dist.get_global_rank(cpu_group, 0), group=cpu_group)
-        path = name[0]
+        # The file's name, as bytes in a tensor (nothing received is unpickled).
+        name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
+        if rank_in_group == 0:
+            name[:] = torch.frombuffer(bytearray(uuid.uuid4().hex.encode()), dtype=torch.uint8)
+        dist.broadcast(name, src=dist.get_global_rank(cpu_group, 0), group=cpu_group)
+        path = f"/dev/shm/llmctl-{bytes(name.tolist()).decode('ascii')}"
         if rank_in_group == 0:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             os.ftruncate(fd, size)

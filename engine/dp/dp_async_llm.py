@@ -17,7 +17,7 @@ With --restart-on-failure a replica that failed builds a new engine in its threa
 serves (the replica's health clears and its engine is not the one that failed), the replica
 rejoins routing, with an empty prefix cache. A remote replica whose node was lost rejoins the
 same way when a node started again with its --data-parallel-start-rank has built its engine
-(DPCoordinator.take_rejoined): the new RemoteReplica takes the lost one's place.
+(DPJoinServer.take_rejoined): the new RemoteReplica takes the lost one's place.
 
 With --enable-expert-parallel on a mixture-of-experts model, the replicas are DP attention + EP
 MoE layers (engine/dp/lockstep.py): their workers share one torch.distributed world (one
@@ -123,7 +123,7 @@ class DPAsyncLLM:
         config = self.engine.config
         self.max_model_len = config.model_config.max_model_len
         self.router = DPRouter(len(replicas), config.cache_config.block_size)
-        self.coordinator = None  # the head's listener for replicas of other nodes
+        self.join_server = None  # the head's listener for replicas of other nodes
         self.lockstep = None  # DPLockstep: the replicas step together (DP attention + EP MoE)
         # replica -> the engine it ran when it was marked dead: it rejoins on another one
         self._failed_engines: dict[int, LLMEngine | None] = {}
@@ -134,11 +134,11 @@ class DPAsyncLLM:
         wait for them to join (engine/dp/join_server.py). Raises what building one raised."""
         placement = engine_args.data_parallel_placement()
         config = engine_args.create_engine_config(progress)
-        coordinator = None
+        join_server = None
         if placement.remote_ranks:
-            from llmctl.engine.dp.join_server import DPCoordinator
+            from llmctl.engine.dp.join_server import DPJoinServer
 
-            coordinator = DPCoordinator(
+            join_server = DPJoinServer(
                 placement, config, engine_args.rendezvous_timeout, engine_args.stall_timeout
             )
         configs = replica_configs(config, placement.local)
@@ -151,21 +151,21 @@ class DPAsyncLLM:
         try:
             replicas = start_replicas(configs, engine_args, progress, lockstep)
         except BaseException:
-            if coordinator is not None:
-                coordinator.close(reason="the head failed to start its own replicas")
+            if join_server is not None:
+                join_server.close(reason="the head failed to start its own replicas")
             if lockstep is not None:
                 lockstep.close()
             raise
-        if coordinator is not None:
+        if join_server is not None:
             try:
-                replicas += coordinator.wait_for_replicas()
+                replicas += join_server.wait_for_replicas()
             except BaseException:
                 for replica in replicas:
                     replica.shutdown()
                 raise
         logger.info("Started %d data-parallel replicas", len(replicas))
         dp = cls(replicas)
-        dp.coordinator = coordinator
+        dp.join_server = join_server
         dp.lockstep = lockstep
         return dp
 
@@ -257,8 +257,8 @@ class DPAsyncLLM:
                 replica.request_stop()
         for replica in self.replicas:
             replica.shutdown(timeout)
-        if self.coordinator is not None:
-            self.coordinator.close()
+        if self.join_server is not None:
+            self.join_server.close()
         if self.lockstep is not None:
             self.lockstep.close()
 
@@ -267,8 +267,8 @@ class DPAsyncLLM:
     def _note_deaths(self) -> None:
         """Bring the router up to date: replicas that stopped (or are restarting) out, replicas
         serving a new engine since they were marked dead back in."""
-        if self.coordinator is not None:
-            for i, rejoined in self.coordinator.take_rejoined().items():
+        if self.join_server is not None:
+            for i, rejoined in self.join_server.take_rejoined().items():
                 logger.warning("data-parallel replica %d rejoined: routing to it again", i)
                 self.replicas[i] = rejoined  # the lost one's connection is closed already
                 self._failed_engines.pop(i, None)

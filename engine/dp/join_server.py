@@ -1,4 +1,4 @@
-"""DPCoordinator: the head's side of multi-node data parallel: replicas of other nodes join here.
+"""DPJoinServer: the head's side of multi-node data parallel: replicas of other nodes join here.
 
 The head (`llmctl serve -dp N --data-parallel-size-local L --data-parallel-address A`) runs the
 API server, the router and replicas 0 .. L-1; it listens on A:--data-parallel-rpc-port for the
@@ -6,8 +6,9 @@ others. Each --headless node (engine/dp/replica_server.py) opens one connection 
 runs, then builds that replica's engine; the head drives it through a RemoteReplica
 (engine/dp/remote_replica.py), which the router treats as a local AsyncLLM.
 
-Handshake, per replica: one JSON line each way (rendezvous.send_line / recv_line: read byte by
-byte, nothing is unpickled from a peer before it is accepted):
+Handshake, per replica: the join protocol first (engine/distributed/join.py: the node and the
+head prove to each other that they hold the cluster secret, before either reads anything else),
+then one JSON line each way:
 
     node -> head   {"llmctl": PROTOCOL, "kind": "dp_replica", "dp_rank": R, "dp_size": N,
                     "tp": T, "pp": P, "model": NAME, "host": H, "pid": PID}
@@ -43,9 +44,6 @@ or went silent for --stall-timeout) gives up its rank: a node started again with
 --data-parallel-start-rank joins as at start-up, builds its engine and, once "ready" (within
 --rendezvous-timeout of joining, or it is dropped and named in the log), is handed to the router
 (`take_rejoined`) in place of the lost one. A rank whose replica still serves stays refused.
-
-Connections are unauthenticated, as torch.distributed's are: the port must be reachable only
-from the cluster's own network.
 """
 
 from __future__ import annotations
@@ -59,8 +57,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
-from llmctl.engine.config.engine_config import EngineConfig
-from llmctl.engine.distributed import rendezvous
+from llmctl.engine.config.engine_config import EngineConfig, ParallelConfig
+from llmctl.engine.distributed.join import ClusterSecret, JoinListener, accept, refuse
 from llmctl.engine.dp.placement import DPPlacement
 from llmctl.engine.errors import (
     DataParallelJoinError,
@@ -123,7 +121,19 @@ class JoinedReplica:
         return f"data-parallel replica {self.rank} (host {self.host}, pid {self.pid})"
 
 
-class DPCoordinator:
+def replica_secret(pc: ParallelConfig) -> ClusterSecret:
+    """The cluster secret the head and its --headless nodes prove to each other."""
+    return ClusterSecret.load(
+        pc.cluster_secret_file,
+        pc.insecure_join,
+        needed_by="data parallel across nodes (--data-parallel-address)",
+    )
+
+
+class DPJoinServer:
+    """The head's listener for the replicas of other nodes, and their joins: before the head
+    serves (wait_for_replicas) and while it does (a node taking a lost replica's place)."""
+
     def __init__(
         self,
         placement: DPPlacement,
@@ -147,11 +157,8 @@ class DPCoordinator:
         self._engine_view = None
         self._lock = threading.Lock()
         self._closed = False
-        self._sock = _bind(placement)
-        self._thread = threading.Thread(
-            target=self._accept_loop, name="llmctl-dp-coordinator", daemon=True
-        )
-        self._thread.start()
+        secret = replica_secret(config.parallel_config)
+        self._listener = JoinListener(_bind(placement), secret, self._on_hello, "llmctl-dp-join")
         logger.info(
             "Waiting up to %g s for data-parallel replica(s) %s to join at %s "
             "(llmctl serve ... --headless)",
@@ -201,12 +208,7 @@ class DPCoordinator:
         """Accept no more replicas; with `reason`, also end those that joined (a failed start:
         running ones belong to their RemoteReplica)."""
         self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread's accept()
-        except OSError:
-            pass
-        self._sock.close()
-        self._thread.join(timeout=rendezvous.HELLO_TIMEOUT_S)
+        self._listener.close()
         with self._lock:
             # nodes joining again are not the router's yet: they stop with the head
             ending = list(self._rejoining.values()) + (
@@ -246,12 +248,15 @@ class DPCoordinator:
         p = self.placement
         start, count = missing[0], missing[-1] - missing[0] + 1
         argv = " ".join(p.headless_argv(start, count))
+        refused = "; ".join(f"{host}: {why}" for host, why in self._listener.refused.items())
         return DataParallelJoinTimeoutError(
             f"data-parallel replica(s) {missing} of {p.size} did not join the head at "
             f"{p.endpoint} within {self.timeout:g} s (joined: {sorted(self.joined) or 'none'}; "
-            f"the head runs {p.local_ranks or 'none'})",
+            f"the head runs {p.local_ranks or 'none'})"
+            + (f"; connections refused: {refused}" if refused else ""),
             f"on the other node(s) run `llmctl serve MODEL {argv}` (each node its own start "
-            "rank), check they reach that address and port, or raise --rendezvous-timeout",
+            "rank) with the cluster's secret, check they reach that address and port, or raise "
+            "--rendezvous-timeout",
             missing_replicas=tuple(missing),
         )
 
@@ -347,24 +352,12 @@ class DPCoordinator:
             return None  # lost while the head serves: its node may join again
         return other
 
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                sock, peer = self._sock.accept()
-            except OSError:
-                return  # closed
-            try:
-                self._handshake(sock, peer)
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                logger.debug("data parallel: dropped a connection from %s: %s", peer, exc)
-                sock.close()
-
-    def _handshake(self, sock: socket.socket, peer) -> None:
-        hello = rendezvous.recv_line(sock, rendezvous.HELLO_TIMEOUT_S)
+    def _on_hello(self, sock: socket.socket, hello: dict, peer: str) -> None:
+        """A peer that proved it holds the cluster secret said hello."""
         if hello.get("llmctl") != PROTOCOL or hello.get("kind") != "dp_replica":
             return _refuse(
                 sock,
-                f"a peer at {peer[0]} is no llmctl data-parallel replica of this version "
+                f"a peer at {peer} is no llmctl data-parallel replica of this version "
                 f"(protocol {hello.get('llmctl')!r}, kind {hello.get('kind')!r})",
                 "run the same llmctl version on every node, and give --data-parallel-rpc-port "
                 "only to data-parallel nodes",
@@ -386,8 +379,7 @@ class DPCoordinator:
                     "run the same replica (a node restarted in place of a lost one joins once "
                     "the head reports that replica dead in /health)",
                 )
-            rendezvous.send_line(sock, {"ok": True})
-            rendezvous.tune(sock)
+            accept(sock)
             joined = JoinedReplica(rank, host, pid, Connection(sock.detach()))
             again = rank in self.remote  # the head serves: in place of a lost replica
             if again:
@@ -453,12 +445,7 @@ class DPCoordinator:
 
 
 def _refuse(sock: socket.socket, message: str, hint: str | None) -> None:
-    logger.warning("Refused a data-parallel replica: %s", message)
-    try:
-        rendezvous.send_line(sock, {"ok": False, "error": message, "hint": hint})
-    except OSError:
-        pass
-    sock.close()
+    refuse(sock, message, hint, what="a data-parallel replica")
 
 
 def _bind(p: DPPlacement) -> socket.socket:

@@ -11,7 +11,7 @@ network went away), or the node sends nothing for the head's --stall-timeout (a 
 node: it reports every REPORT_INTERVAL_S, idle or not), the replica is dead: every request in
 flight there gets EngineDeadError naming the replica and its host, and /health turns degraded.
 Sends happen on the caller's event loop; they are small (a prompt, an abort), and a node that
-stops reading is seen as the connection's end by TCP keep-alive (rendezvous.tune).
+stops reading is seen as the connection's end by TCP keep-alive (join.tune).
 """
 
 from __future__ import annotations

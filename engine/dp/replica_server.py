@@ -30,8 +30,9 @@ import time
 from multiprocessing.connection import Connection
 
 from llmctl.engine.client.async_llm import AsyncLLM
-from llmctl.engine.distributed import rendezvous
-from llmctl.engine.dp.join_server import REPORT_INTERVAL_S, replica_hello
+from llmctl.engine.distributed import join
+from llmctl.engine.distributed.join import ClusterSecret
+from llmctl.engine.dp.join_server import REPORT_INTERVAL_S, replica_hello, replica_secret
 from llmctl.engine.dp.placement import DPPlacement
 from llmctl.engine.errors import (
     DataParallelJoinError,
@@ -42,8 +43,6 @@ from llmctl.engine.errors import (
 
 logger = logging.getLogger("llmctl")
 
-_RETRY_S = 0.5
-
 
 def run_dp_headless(engine_args) -> None:
     """Join the head with this node's replicas and serve them until the head ends them. Raises
@@ -52,13 +51,16 @@ def run_dp_headless(engine_args) -> None:
 
     placement = engine_args.data_parallel_placement()
     config = engine_args.create_engine_config()
+    secret = replica_secret(config.parallel_config)
     deadline = time.monotonic() + engine_args.rendezvous_timeout
     conns: dict[int, Connection] = {}
     replicas: list[AsyncLLM] = []
     try:
         for rank in placement.local_ranks:
             hello = replica_hello(placement, config, rank)
-            conns[rank] = join_head(placement, hello, engine_args.rendezvous_timeout, deadline)
+            conns[rank] = join_head(
+                placement, hello, engine_args.rendezvous_timeout, deadline, secret
+            )
         logger.info(
             "Data-parallel replicas %s joined the head at %s; building their engines",
             placement.local_ranks,
@@ -229,51 +231,41 @@ class ReplicaServer:
 
 
 def join_head(
-    placement: DPPlacement, hello: dict, timeout: float, deadline: float | None = None
+    placement: DPPlacement,
+    hello: dict,
+    timeout: float,
+    deadline: float | None = None,
+    secret: ClusterSecret | None = None,
 ) -> Connection:
     """Connect to the head, retrying for `timeout` seconds or until `deadline` (the head may
-    start later), and join with `hello`. An unreachable head ends in
+    start later), prove the cluster secret both ways (`secret`, default: the environment's;
+    engine/distributed/join.py) and join with `hello`. An unreachable head ends in
     DataParallelJoinTimeoutError naming its address; a refusal in DataParallelJoinError with the
-    head's reason."""
+    head's reason; a secret the head does not share in ClusterSecretError."""
     address, port, rank = placement.address, placement.port, hello["dp_rank"]
     deadline = time.monotonic() + timeout if deadline is None else deadline
     where = placement.endpoint
-    last = "nothing answered"
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise DataParallelJoinTimeoutError(
-                f"data-parallel replica {rank} could not reach the head at {where} within "
-                f"{timeout:g} s (last error: {last})",
-                f"start the head (llmctl serve MODEL -dp {placement.size} "
-                "--data-parallel-size-local L --data-parallel-address "
-                f"{address} --data-parallel-rpc-port {port}), check that --data-parallel-address "
-                "is the head's address and that this node reaches that port, or raise "
-                "--rendezvous-timeout",
-                missing_replicas=(rank,),
-            )
-        try:
-            sock = socket.create_connection((address, port), timeout=min(5.0, remaining))
-        except socket.gaierror as exc:
-            raise DataParallelJoinError(
-                f"--data-parallel-address {address} does not resolve on this node (host "
-                f"{socket.gethostname()}): {exc.strerror}",
-                "give every node --data-parallel-address set to the head's IP address",
-            ) from None
-        except OSError as exc:
-            last = exc.strerror or str(exc) or type(exc).__name__
-            time.sleep(min(_RETRY_S, max(0.0, deadline - time.monotonic())))
-            continue
-        try:
-            rendezvous.send_line(sock, hello)
-            reply = rendezvous.recv_line(sock, rendezvous.HELLO_TIMEOUT_S)
-        except (OSError, ValueError) as exc:
-            sock.close()
-            last = f"the handshake failed: {exc}"
-            time.sleep(min(_RETRY_S, max(0.0, deadline - time.monotonic())))
-            continue
-        if not reply.get("ok"):
-            sock.close()
-            raise DataParallelJoinError(str(reply.get("error")), reply.get("hint"))
-        rendezvous.tune(sock)
-        return Connection(sock.detach())
+    secret = secret or ClusterSecret.load(needed_by="data parallel across nodes")
+    try:
+        sock, reply = join.dial(address, port, secret, hello, deadline, f"the head at {where}")
+    except join.JoinTimeoutError as exc:
+        raise DataParallelJoinTimeoutError(
+            f"data-parallel replica {rank} could not reach the head at {where} within "
+            f"{timeout:g} s (last error: {exc.last})",
+            f"start the head (llmctl serve MODEL -dp {placement.size} "
+            "--data-parallel-size-local L --data-parallel-address "
+            f"{address} --data-parallel-rpc-port {port}), check that --data-parallel-address "
+            "is the head's address and that this node reaches that port, or raise "
+            "--rendezvous-timeout",
+            missing_replicas=(rank,),
+        ) from None
+    except socket.gaierror as exc:
+        raise DataParallelJoinError(
+            f"--data-parallel-address {address} does not resolve on this node (host "
+            f"{socket.gethostname()}): {exc.strerror}",
+            "give every node --data-parallel-address set to the head's IP address",
+        ) from None
+    if not reply.get("ok"):
+        sock.close()
+        raise DataParallelJoinError(str(reply.get("error")), reply.get("hint"))
+    return Connection(sock.detach())

@@ -21,7 +21,7 @@ from llmctl.engine.core.llm_engine import PromptType
 from llmctl.engine.errors import ConfigError, InvalidRequestError, RequestBatchError
 from llmctl.engine.outputs import RequestOutput
 from llmctl.engine.progress import configure_default_logging, generation_progress, rich_progress
-from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams
 
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
 
@@ -159,6 +159,8 @@ class LLM:
         results in the prompts' order."""
         client = self.engine_client
         ids = [str(next(self._ids)) for _ in prompts]
+        # One output per request, when it finishes: no per-step copies or text (vLLM's LLM too).
+        params = [p.replace(output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         with generation_progress(use_tqdm, len(prompts)) as advance:
 
             async def one(prompt: PromptType, p: SamplingParams, request_id: str):

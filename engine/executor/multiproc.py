@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from llmctl.engine import envs
+from llmctl.engine import envs, platform
 from llmctl.engine.config.hf_config_view import for_workers
 from llmctl.engine.core.stall_monitor import StalledRanks, stopped_processes
 from llmctl.engine.distributed import ranks, rendezvous
@@ -464,6 +464,7 @@ def _read_calls(conn: Connection, inbox: queue.SimpleQueue) -> None:
 
 
 def _worker_main(fd: int) -> None:
+    platform.passive_openmp_waits()  # before torch loads libgomp (unpickling the job does)
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(fd)

@@ -1,13 +1,15 @@
 """NodeAgent: a --headless node's part of an mp group across nodes (`llmctl serve --headless`).
 
 It joins node 0 (engine/distributed/rendezvous.py: a control connection, then one connection per
-local rank), starts one worker process per local rank on that rank's connection (multiproc.py's
-worker: node 0 then drives it as it drives its own), and stays until node 0 ends the group. It
-reports each worker's exit to node 0, and each worker that stops running or starts again (SIGSTOP,
-a debugger: /proc's state), so that node 0's /health can name a stalled rank on this node; when
-node 0 ends the group, or its connection ends, or this process gets SIGTERM or Ctrl-C, it stops its
-workers (SIGKILL ends a stopped one too). The workers die with it (PR_SET_PDEATHSIG), so even a
-killed agent leaves nothing running. The workers keep this node's environment.
+local rank, each opened with the join protocol of engine/distributed/join.py: node 0 must prove
+that it holds the cluster secret before anything it sends is read), starts one worker process per
+local rank on that rank's connection (multiproc.py's worker: node 0 then drives it as it drives
+its own), and stays until node 0 ends the group. It reports each worker's exit to node 0, and each
+worker that stops running or starts again (SIGSTOP, a debugger: /proc's state), so that node 0's
+/health can name a stalled rank on this node; when node 0 ends the group, or its connection ends,
+or this process gets SIGTERM or Ctrl-C, it stops its workers (SIGKILL ends a stopped one too). The
+workers die with it (PR_SET_PDEATHSIG), so even a killed agent leaves nothing running. The
+workers keep this node's environment.
 
 With --restart-on-failure (`run_headless(..., max_restarts=N)`), a group that ended in a failure
 (node 0 ended it naming one, or node 0's connection ended) is joined again, as node 0 restarts its
@@ -28,7 +30,8 @@ from multiprocessing.connection import Connection, wait
 
 from llmctl.engine.config.engine_config import ParallelConfig
 from llmctl.engine.core.stall_monitor import process_state, stopped_processes
-from llmctl.engine.distributed import ranks, rendezvous
+from llmctl.engine.distributed import join, ranks, rendezvous
+from llmctl.engine.distributed.join import ClusterSecret
 from llmctl.engine.errors import EngineDeadError, RendezvousError, RendezvousTimeoutError
 
 logger = logging.getLogger("llmctl")
@@ -38,7 +41,6 @@ _GRACE_S = 5.0
 # a stopped remote rank only if the report came before --stall-timeout ran out (a few /proc
 # reads a poll: nothing to save by polling less)
 _POLL_S = 0.25
-_RETRY_S = 0.5
 
 
 def run_headless(parallel_config: ParallelConfig, max_restarts: int = 0) -> None:
@@ -69,6 +71,7 @@ def run_headless(parallel_config: ParallelConfig, max_restarts: int = 0) -> None
 class NodeAgent:
     def __init__(self, parallel_config: ParallelConfig) -> None:
         pc = self.pc = parallel_config
+        self.secret = node_secret(pc)
         self.ranks = ranks.node_ranks(
             pc.node_rank, pc.nnodes, pc.pipeline_parallel_size, pc.tensor_parallel_size
         )
@@ -119,12 +122,12 @@ class NodeAgent:
             ranks.span(self.ranks),
             pc.rendezvous_timeout,
         )
-        sock, reply = connect_to_master(pc, hello, deadline)
+        sock, reply = connect_to_master(pc, hello, deadline, self.secret)
         self.control = Connection(sock.detach())
         socks: dict[int, socket.socket] = {}
         try:
             for rank in self.ranks:
-                socks[rank] = open_rank(pc, rank, reply["token"])
+                socks[rank] = open_rank(pc, rank, reply["token"], self.secret)
         except BaseException:
             for s in socks.values():
                 s.close()
@@ -242,52 +245,47 @@ class NodeAgent:
             self.control.close()
 
 
-def connect_to_master(pc, hello: dict, deadline: float) -> tuple[socket.socket, dict]:
+def node_secret(pc: ParallelConfig) -> ClusterSecret:
+    return ClusterSecret.load(
+        pc.cluster_secret_file, pc.insecure_join, needed_by=f"--nnodes {pc.nnodes}"
+    )
+
+
+def connect_to_master(
+    pc, hello: dict, deadline: float, secret: ClusterSecret | None = None
+) -> tuple[socket.socket, dict]:
     """Connect to node 0's executor port, retrying until `deadline` (node 0 may start later);
-    send `hello`, return the socket and node 0's answer. Refusals and an unreachable master end
-    in a RendezvousError naming the address and this node."""
+    prove the cluster secret both ways (engine/distributed/join.py), send `hello`, return the
+    socket and node 0's answer. Refusals and an unreachable master end in a RendezvousError
+    naming the address and this node; a secret that node 0 does not share, in a
+    ClusterSecretError."""
     port = rendezvous.executor_port(pc.master_port)
     where = f"{pc.master_addr}:{port}"
-    last = "nothing answered"
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise RendezvousTimeoutError(
-                f"node {pc.node_rank} could not reach node 0 at {where} within "
-                f"{pc.rendezvous_timeout:g} s (last error: {last})",
-                f"start node 0 (llmctl serve ... --nnodes {pc.nnodes} --node-rank 0 "
-                f"--master-addr {pc.master_addr} --master-port {pc.master_port}), check that "
-                f"--master-addr is node 0's address and that this node reaches ports "
-                f"{pc.master_port} and {port} there, or raise --rendezvous-timeout",
-            )
-        try:
-            sock = socket.create_connection((pc.master_addr, port), timeout=min(5.0, remaining))
-        except socket.gaierror as exc:
-            raise RendezvousError(
-                f"--master-addr {pc.master_addr} does not resolve on node {pc.node_rank} "
-                f"(host {socket.gethostname()}): {exc.strerror}",
-                "give every node --master-addr set to node 0's IP address",
-            ) from None
-        except OSError as exc:
-            last = exc.strerror or str(exc) or type(exc).__name__
-            time.sleep(min(_RETRY_S, max(0.0, deadline - time.monotonic())))
-            continue
-        try:
-            rendezvous.send_line(sock, hello)
-            reply = rendezvous.recv_line(sock, rendezvous.HELLO_TIMEOUT_S)
-        except (OSError, ValueError) as exc:
-            sock.close()
-            last = f"the handshake failed: {exc}"
-            time.sleep(min(_RETRY_S, max(0.0, deadline - time.monotonic())))
-            continue
-        if not reply.get("ok"):
-            sock.close()
-            raise RendezvousError(str(reply.get("error")), reply.get("hint"))
-        rendezvous.tune(sock)
-        return sock, reply
+    secret = secret or node_secret(pc)
+    try:
+        sock, reply = join.dial(pc.master_addr, port, secret, hello, deadline, f"node 0 at {where}")
+    except join.JoinTimeoutError as exc:
+        raise RendezvousTimeoutError(
+            f"node {pc.node_rank} could not reach node 0 at {where} within "
+            f"{pc.rendezvous_timeout:g} s (last error: {exc.last})",
+            f"start node 0 (llmctl serve ... --nnodes {pc.nnodes} --node-rank 0 "
+            f"--master-addr {pc.master_addr} --master-port {pc.master_port}), check that "
+            f"--master-addr is node 0's address and that this node reaches ports "
+            f"{pc.master_port} and {port} there, or raise --rendezvous-timeout",
+        ) from None
+    except socket.gaierror as exc:
+        raise RendezvousError(
+            f"--master-addr {pc.master_addr} does not resolve on node {pc.node_rank} "
+            f"(host {socket.gethostname()}): {exc.strerror}",
+            "give every node --master-addr set to node 0's IP address",
+        ) from None
+    if not reply.get("ok"):
+        sock.close()
+        raise RendezvousError(str(reply.get("error")), reply.get("hint"))
+    return sock, reply
 
 
-def open_rank(pc, rank: int, token: str) -> socket.socket:
+def open_rank(pc, rank: int, token: str, secret: ClusterSecret) -> socket.socket:
     """The connection node 0 drives rank `rank` on (handed to its worker process)."""
     hello = {
         "llmctl": rendezvous.PROTOCOL,
@@ -296,6 +294,6 @@ def open_rank(pc, rank: int, token: str) -> socket.socket:
         "rank": rank,
         "token": token,
     }
-    deadline = time.monotonic() + rendezvous.HELLO_TIMEOUT_S
-    sock, _ = connect_to_master(pc, hello, deadline)
+    deadline = time.monotonic() + join.HELLO_TIMEOUT_S
+    sock, _ = connect_to_master(pc, hello, deadline, secret)
     return sock

@@ -45,6 +45,10 @@ class RayWorker:
     """The actor body: hosts one Worker and runs its methods by name."""
 
     def __init__(self) -> None:
+        from llmctl.engine import platform
+
+        # before torch loads libgomp: start()'s arguments (the engine config) import it
+        platform.passive_openmp_waits()
         self.worker = None
 
     def node_ip(self) -> str:

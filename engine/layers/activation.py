@@ -9,12 +9,22 @@ from torch import nn
 
 from llmctl.engine.errors import UnsupportedArchitectureError
 from llmctl.engine.kernels.cpu import layer_ops
+from llmctl.engine.layers.fused_kernels import kernel_ops, use_fused_kernels
 
 
 class SiluAndMul(nn.Module):
-    """x: [num_tokens, 2 * d] as [gate | up] -> silu(gate) * up: [num_tokens, d]."""
+    """x: [num_tokens, 2 * d] as [gate | up] -> silu(gate) * up: [num_tokens, d]; on the GPU
+    one Triton kernel (layers/fused_kernels.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._fused: bool | None = None  # decided at the first call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused is None:
+            self._fused = use_fused_kernels(x)
+        if self._fused:
+            return kernel_ops().silu_and_mul(x)
         d = x.shape[-1] // 2
         ops = layer_ops.ops_for(x)
         if ops is not None:  # on the CPU: one C++ pass (kernels/cpu/layer_ops.py)

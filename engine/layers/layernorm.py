@@ -1,6 +1,6 @@
-"""RMSNorm (Llama family), with the residual add fused in, as Hugging Face computes it.
-
-On the CPU one C++ pass per row does the same arithmetic (kernels/cpu/layer_ops.py)."""
+"""RMSNorm (Llama family), with the residual add fused in, as Hugging Face computes it; on the
+GPU one Triton kernel each (layers/fused_kernels.py), the residual add and the norm in place; on
+the CPU one C++ pass per row with the same arithmetic (kernels/cpu/layer_ops.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from llmctl.engine.kernels.cpu import layer_ops
+from llmctl.engine.layers.fused_kernels import kernel_ops, use_fused_kernels
 
 
 class RMSNorm(nn.Module):
@@ -15,6 +16,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.variance_epsilon = eps
+        self._fused: bool | None = None  # decided at the first call (layers/fused_kernels.py)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -26,7 +28,16 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x), or (norm(x + residual), x + residual) when a residual is given."""
+        """norm(x), or (norm(x + residual), x + residual) when a residual is given. On the GPU
+        the latter is computed in place: x and residual are overwritten and returned."""
+        if self._fused is None:
+            self._fused = use_fused_kernels(x)
+        if self._fused:
+            ops = kernel_ops()
+            if residual is None:
+                return ops.rms_norm(x, self.weight, self.variance_epsilon)
+            ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+            return x, residual
         ops = layer_ops.ops_for(x)
         if ops is not None and self.weight.dtype == x.dtype:
             shape, width = x.shape, x.shape[-1]

@@ -16,6 +16,9 @@ sequence: there the whole KV cache is computed again with the long factors when 
 crosses that length, and the scheduler does the same (engine/core/scheduler.py,
 `long_rope_threshold`). The model runner says per token which table it reads
 (AttentionMetadata.long_rope).
+
+On the GPU one Triton kernel rotates the query and key heads in place where the rotation is the
+plain one (the whole head, rotate-half, one table: layers/fused_kernels.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from llmctl.engine.config.rope_parameters import long_rope_threshold, rope_param
 from llmctl.engine.errors import UnsupportedArchitectureError
 from llmctl.engine.forward_context import get_attn_metadata, pass_memo
 from llmctl.engine.kernels.cpu import layer_ops
+from llmctl.engine.layers.fused_kernels import kernel_ops, use_fused_kernels
 
 _SUPPORTED = ("default", "linear", "llama3", "yarn", "longrope")
 __all__ = ["RotaryEmbedding", "get_rope", "long_rope_threshold", "rope_parameters", "yarn_mscale"]
@@ -134,6 +138,7 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._make_tables(params)
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
+        self._fused: bool | None = None  # decided at the first call (layers/fused_kernels.py)
 
     @property
     def plain(self) -> bool:
@@ -173,7 +178,13 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
+        """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]. On the
+        GPU q and k (views of the QKV projection's output) are rotated in place and returned."""
+        if self._fused is None:
+            self._fused = use_fused_kernels(q) and self.plain and q.shape[-1] == self.head_dim
+        if self._fused:
+            kernel_ops().rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
+            return q, k
         ops = layer_ops.ops_for(q) if self.plain else None
         if ops is not None and self._fits(q, k):
             # on the CPU: one C++ pass per token (kernels/cpu/layer_ops.py), the same rounding

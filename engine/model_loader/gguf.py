@@ -18,7 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmctl.engine import envs
-from llmctl.engine.config.model_shape import GGUF_ARCHITECTURES, ModelShape
+from llmctl.engine.config.architectures import GGUF_ARCHITECTURES
+from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.errors import ConfigError, ModelLoadError, UnsupportedArchitectureError
 from llmctl.engine.model_loader.gguf_moe import check_moe_tensors, moe_hf_name
 

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmctl.engine.config.architectures import GGUF_ARCHITECTURES
 from llmctl.engine.config.hf_config_view import HFConfigView
-from llmctl.engine.config.model_shape import GGUF_ARCHITECTURES, ModelShape
+from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.model_loader.gguf_moe import moe_config_values
 
 logger = logging.getLogger("llmctl")

@@ -14,6 +14,7 @@ from llmctl.engine.distributed.partition import PipelineShard
 from llmctl.engine.errors import ModelLoadError
 from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
 from llmctl.engine.layers.quantization.linear_method import set_quant_config
+from llmctl.engine.model_loader.dummy import initialize_dummy_weights
 from llmctl.engine.model_loader.weights import count_weights, iterate_weights
 from llmctl.engine.models.registry import get_model_class
 from llmctl.engine.platform import torch_dtype
@@ -96,7 +97,7 @@ def load_model(
         set_quant_config(model_config.quantization),
     ):
         model = model_class(model_config.hf_config, model_config.shape, shard)
-    if model_config.quantization is not None and device == "cpu":
+    if model_config.quantization is not None and device == "cpu":  # (dummy int8/int4 too)
         from llmctl.engine.kernels.cpu.quantized_matmul import build_in_background
 
         build_in_background()  # a first run's kernel compile overlaps with reading the weights
@@ -104,12 +105,11 @@ def load_model(
             from llmctl.engine.kernels.cpu.fp8_matmul import kernel_available
 
             kernel_available()  # built (or found) before the first matmul's timing
-    weights, total, path = _checkpoint(model_config)
-    if progress is not None:
-        weights = _with_progress(weights, total, progress)
     with torch.device(device), _default_dtype(torch_dtype(model_config.dtype)):
-        loaded = model.load_weights(weights)
-    _check_all_loaded(model, loaded, path)
+        if model_config.load_format == "dummy":
+            initialize_dummy_weights(model, model_config.seed)
+        else:
+            _load_checkpoint(model, model_config, progress)
     unique = {id(p): p for p in model.parameters()}.values()
     # What this rank holds, before CPU repacking replaces some weights by packed copies.
     model.loaded_weight_bytes = sum(p.numel() * p.element_size() for p in unique)
@@ -126,6 +126,14 @@ def load_model(
             packed[id(module.packed)] = module.packed.nbytes
     model.loaded_weight_bytes += sum(packed.values())
     return model.eval()
+
+
+def _load_checkpoint(model: nn.Module, model_config: ModelConfig, progress) -> None:
+    weights, total, path = _checkpoint(model_config)
+    if progress is not None:
+        weights = _with_progress(weights, total, progress)
+    loaded = model.load_weights(weights)
+    _check_all_loaded(model, loaded, path)
 
 
 def _with_progress(

@@ -3,6 +3,9 @@
 Accepted: a directory with config.json; a .gguf file (or a directory holding one), converted once
 into a cached Hugging Face directory; a hub id such as `facebook/opt-13b` that is already in the
 local Hugging Face cache; nothing, for the bundled SmolLM2. llmctl never downloads at run time.
+With load_format "dummy" (random weights, model_loader/dummy.py) a directory needs no weights,
+and a catalog name (engine/config/model_catalog.py, e.g. Llama-3.1-8B) is a directory llmctl
+writes its config.json into.
 """
 
 from __future__ import annotations
@@ -83,7 +86,10 @@ def write_config_view(config: Any, directory: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def resolve_model(model: str | None, progress=None) -> ModelSource:
+def resolve_model(model: str | None, progress=None, load_format: str = "auto") -> ModelSource:
+    """Where `model`'s files are. load_format "dummy" reads no weights: a directory may lack
+    them, and a catalog name resolves to a directory holding the entry's config.json."""
+    dummy = load_format == "dummy"
     if model is None or model == "":
         gguf_path = default_model_path()
         return _from_gguf(gguf_path, DEFAULT_MODEL_NAME, progress)
@@ -94,7 +100,8 @@ def resolve_model(model: str | None, progress=None) -> ModelSource:
         raise ModelNotFoundError(f"{model} is a file but not a .gguf file", _NAME_HINT)
     if path.is_dir():
         if (path / "config.json").is_file():
-            _check_weights(path)
+            if not dummy:
+                _check_weights(path)
             return ModelSource(path=str(path.resolve()), display_name=model)
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
@@ -105,10 +112,42 @@ def resolve_model(model: str | None, progress=None) -> ModelSource:
                 "name the .gguf file to load",
             )
         raise ModelNotFoundError(f"{model} has no config.json and no .gguf file", _NAME_HINT)
-    cached = _from_hf_cache(model)
+    cached = _from_hf_cache(model, check_weights=not dummy)
     if cached is not None:
         return cached
+    if dummy:
+        from llmctl.engine.config.model_catalog import find_in_catalog
+
+        entry = find_in_catalog(model)
+        if entry is not None:
+            return ModelSource(path=str(_catalog_dir(entry)), display_name=entry.name)
+        raise ModelNotFoundError(
+            f"model {model!r} not found, nor is it a catalog name",
+            "name a directory with a config.json, or a catalog name (`llmctl plan "
+            "--list-models`), such as Llama-3.1-8B",
+        )
     raise ModelNotFoundError(f"model {model!r} not found", _NAME_HINT)
+
+
+def _catalog_dir(entry) -> Path:
+    """A directory holding the catalog entry's config.json (written once, atomically)."""
+    from llmctl.engine.model_loader.gguf import cache_root
+
+    directory = cache_root().parent / "catalog" / entry.name
+    text = json.dumps(entry.config_json(), indent=2, sort_keys=True)
+    config = directory / "config.json"
+    if not config.is_file() or config.read_text() != text:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".config.json.{os.getpid()}"
+        tmp.write_text(text)
+        os.replace(tmp, config)
+    return directory
+
+
+def has_tokenizer_files(path: str) -> bool:
+    """The directory holds a tokenizer (a fast tokenizer's JSON, or vocab files)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    return any(os.path.isfile(os.path.join(path, name)) for name in names)
 
 
 def _from_gguf(path: Path, name: str, progress) -> ModelSource:
@@ -128,7 +167,7 @@ def _check_weights(path: Path) -> None:
     )
 
 
-def _from_hf_cache(repo_id: str) -> ModelSource | None:
+def _from_hf_cache(repo_id: str, check_weights: bool = True) -> ModelSource | None:
     if repo_id.count("/") != 1 or repo_id.startswith(("/", ".", "~")):
         return None
     try:
@@ -140,7 +179,8 @@ def _from_hf_cache(repo_id: str) -> ModelSource | None:
         directory = snapshot_download(repo_id, local_files_only=True)
     except (LocalEntryNotFoundError, OSError, ValueError):
         return None
-    _check_weights(Path(directory))
+    if check_weights:
+        _check_weights(Path(directory))
     return ModelSource(path=directory, display_name=repo_id)
 
 

@@ -116,7 +116,8 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.contiguous())
+        # q, k, v stay views into qkv: the attention backends read any row stride
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
         return self.o_proj(out)
 
 

@@ -10,7 +10,8 @@ into StagedBuffer host arrays that it copies to the device once per step.
                   blocks in that group, in order (config/kv_cache_layout.py)
     num_tokens, num_prompt_tokens, num_computed_tokens: [max_num_reqs] int64
     num_blocks    [max_num_reqs, num_groups] int64
-    sampling columns (temperature, top_k, ...): [max_num_reqs], set once when the row is filled
+    sampling columns (temperature, top_k, min_tokens, has_penalties, ...): [max_num_reqs], set
+        once when the row is filled, so a step reads its rows' settings with vectorised gathers
 
 Rows are allocated from a free list, so a step's requests are a list of row indices, not a
 contiguous range; the table grows (doubling) if more requests are live than it was sized for
@@ -60,6 +61,9 @@ class InputBatch:
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.req_ids: list[str | None] = []
         self.row_of: dict[str, int] = {}
+        # (group, row, first column, block ids) written since the model runner last read them:
+        # what it copies to its device-resident block tables (O(new blocks) per step).
+        self.new_blocks: list[tuple[int, int, int, list[int]]] = []
         self._free: list[int] = []
         self.sampling_params: list[SamplingParams | None] = []
         self._allocate(max(max_num_reqs, 1))
@@ -88,7 +92,10 @@ class InputBatch:
         for name in ("temperature", "top_p", "min_p", "presence", "frequency", "repetition"):
             setattr(self, name, grow(get(name), (rows,), np.float32))
         self.top_k = grow(get("top_k"), (rows,), np.int64)
-        self.greedy = grow(get("greedy"), (rows,), np.bool_)
+        self.min_tokens = grow(get("min_tokens"), (rows,), np.int64)
+        self.logprobs = grow(get("logprobs"), (rows,), np.int64)  # -1: none asked
+        for name in ("greedy", "has_stop_ids", "has_logit_bias", "has_penalties"):
+            setattr(self, name, grow(get(name), (rows,), np.bool_))
         self.req_ids.extend([None] * (rows - old))
         self.sampling_params.extend([None] * (rows - old))
         self._free.extend(range(rows - 1, old - 1, -1))  # pop() hands out low rows first
@@ -128,6 +135,11 @@ class InputBatch:
         self.presence[row] = p.presence_penalty
         self.frequency[row] = p.frequency_penalty
         self.repetition[row] = p.repetition_penalty
+        self.min_tokens[row] = p.min_tokens
+        self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.has_stop_ids[row] = bool(p.all_stop_token_ids)
+        self.has_logit_bias[row] = bool(p.logit_bias)
+        self.has_penalties[row] = p.uses_penalties
 
     def append_tokens(self, row: int, token_ids: list[int]) -> None:
         start = self.num_tokens[row]
@@ -137,9 +149,12 @@ class InputBatch:
     def append_blocks(self, row: int, block_ids: list[list[int]]) -> None:
         """New block ids, per KV cache group."""
         for g, ids in enumerate(block_ids):
-            start = self.num_blocks[row, g]
+            if not ids:
+                continue
+            start = int(self.num_blocks[row, g])
             self.block_tables[g][row, start : start + len(ids)] = ids
             self.num_blocks[row, g] = start + len(ids)
+            self.new_blocks.append((g, row, start, ids))
 
     def remove_request(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)

@@ -40,7 +40,8 @@ from llmctl.engine.forward_context import set_forward_context
 from llmctl.engine.models.utils import IntermediateTensors, layer_index
 from llmctl.engine.platform import torch_dtype
 from llmctl.engine.worker.input_batch import InputBatch, StagedBuffer
-from llmctl.engine.worker.sampler import Sampler, SamplingMetadata, make_generator, position_seed
+from llmctl.engine.worker.sampler import Sampler, SamplingMetadata, make_generator
+from llmctl.engine.worker.sampling_state import SamplingState
 
 
 def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
@@ -96,9 +97,13 @@ class ModelRunner:
         self.input_batch = InputBatch(
             sc.max_num_seqs, mc.max_model_len, self.block_size, self.num_groups
         )
+        # Off the CPU: the input batch's block tables (one per KV cache group), kept on the
+        # device (only new block ids are copied each step; a step's tables are gathered there).
+        self._device_tables: list[torch.Tensor] | None = None
         self._buffers: dict[str, StagedBuffer] = {}
         self._copies_done = None  # CUDA: event after the last step's host-to-device copies
         self.sampler = Sampler(make_generator(self.device, mc.seed))
+        self.sampling = SamplingState(self.input_batch, self.device, self.vocab_size, self._stage)
         use_mla = any(isinstance(m, MLAAttention) for m in model.modules())
         # once: the layers never choose
         self.attn_backend = get_attn_backend(self.device, use_mla=use_mla)
@@ -205,9 +210,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         if logits is None:
             return ModelRunnerOutput()  # another tensor-parallel rank samples
-        md = self._sampling_metadata(inputs.sampled_rows)
+        md = self.sampling.metadata(inputs.sampled_rows)
         self._end_staging()  # again: the sampling tensors' copies read host buffers too
         sampled, stats = self.sampler.sample(logits, md)
+        self.sampling.record(md, sampled)
         tokens, logprobs = self.sampler.to_host(sampled, stats, md.num_logprobs)  # one copy
         output = ModelRunnerOutput()
         req_ids = self.input_batch.req_ids
@@ -232,7 +238,9 @@ class ModelRunner:
         batch = self.input_batch
         for req_id in so.finished_req_ids:
             batch.remove_request(req_id)
+            self.sampling.remove_request(req_id)
         for new in so.scheduled_new_reqs:
+            self.sampling.add_request(new.req_id, new.sampling_params)
             batch.add_request(
                 new.req_id,
                 new.token_ids,
@@ -298,25 +306,39 @@ class ModelRunner:
         batch.num_computed_tokens[rows] = seq_lens
 
         self._begin_staging()
+        self._sync_block_tables()
         graphs = self.cuda_graphs
-        pad_to = graphs.padded_size(num_decodes, total) if graphs is not None else None
+        pad_to = None
+        if graphs is not None:
+            pad_to = graphs.padded_size(num_decodes, total, len(rows))
+        # With a prefill chunk, a unified backend takes every sequence as a chunk.
+        mixed = num_decodes < len(rows)
+        first_chunk = 0 if mixed and self.attn_backend.unified_mixed_steps else num_decodes
         groups = []
         for g, table in enumerate(batch.block_tables):
             slots = table[token_req, positions // bs] * bs + positions % bs
             md = AttentionMetadata(
                 slot_mapping=self._stage_padded(f"slot_mapping.{g}", slots, pad_to, -1),
-                num_decodes=num_decodes,
+                # a padded decode step's rows are all decodes (the padding ones see no keys)
+                num_decodes=pad_to if pad_to is not None and not mixed else first_chunk,
             )
-            if num_decodes:
+            if first_chunk:
                 d_rows, d_lens = rows[:num_decodes], seq_lens[:num_decodes]
-                width = graphs.table_width if pad_to else int(-(-d_lens.max() // bs))
-                md.decode_block_tables = self._stage_padded(
-                    f"decode_block_tables.{g}", table[d_rows, :width], pad_to, 0
-                )
+                # as wide as the batch's longest sequence needs (CUDA-graph padding rows read
+                # row 0's table with seq_len 0: nothing)
+                width = int(-(-d_lens.max() // bs))
+                if pad_to is not None and pad_to > num_decodes:
+                    d_rows = np.concatenate([d_rows, np.zeros(pad_to - num_decodes, np.int64)])
+                md.decode_block_tables = self._block_tables("decode_block_tables", g, d_rows, width)
                 if g == 0:
                     md.decode_seq_lens = self._stage_padded("decode_seq_lens", d_lens, pad_to, 0)
-            if num_decodes < len(rows):
-                self._prefill_metadata(md, g, rows, num_new, seq_lens, computed, num_decodes)
+            if mixed:
+                chunks = graphs.max_chunks if pad_to is not None else None  # a graph's static rows
+                self._prefill_metadata(
+                    md, g, rows, num_new, seq_lens, computed, first_chunk, chunks
+                )
+                if pad_to is not None:
+                    md.max_prefill_query_len = pad_to  # the graph's tiles
             groups.append(md)
         md = self._join_groups(groups)
         if self.long_rope_threshold is not None:
@@ -334,6 +356,41 @@ class ModelRunner:
         )
         self._end_staging()
         return inputs
+
+    def _sync_block_tables(self) -> None:
+        """Off the CPU: write the block ids the input batch gained into the device's block
+        tables (a whole table is copied only when it is made, or grows with the batch)."""
+        batch = self.input_batch
+        if self.device.type == "cpu":
+            batch.new_blocks.clear()
+            return
+        tables = self._device_tables
+        if tables is None or tables[0].shape[0] != batch.block_tables[0].shape[0]:
+            self._device_tables = [torch.from_numpy(t).to(self.device) for t in batch.block_tables]
+            batch.new_blocks.clear()
+            return
+        news, batch.new_blocks = batch.new_blocks, []
+        for g, table in enumerate(tables):
+            mine = [(row, start, ids) for group, row, start, ids in news if group == g]
+            if not mine:
+                continue
+            rows = np.concatenate([np.full(len(ids), row, np.int64) for row, _, ids in mine])
+            cols = np.concatenate([np.arange(start, start + len(ids)) for _, start, ids in mine])
+            ids = np.concatenate([np.asarray(ids, np.int64) for _, _, ids in mine])
+            index = (
+                self._stage(f"new_block_rows.{g}", rows),
+                self._stage(f"new_block_cols.{g}", cols),
+            )
+            table.index_put_(index, self._stage(f"new_block_ids.{g}", ids))
+
+    def _block_tables(self, name: str, group: int, rows: np.ndarray, width: int) -> torch.Tensor:
+        """[len(rows), width] int64: KV cache group `group`'s block tables of these input-batch
+        rows, gathered on the device from its block table (on the CPU, read from the host's)."""
+        if self._device_tables is None:
+            tables = self.input_batch.block_tables[group][rows, :width]
+            return self._stage(f"{name}.{group}", tables).view(len(rows), width)
+        rows_on_device = self._stage(f"{name}_rows.{group}", rows)
+        return self._device_tables[group][:, :width].index_select(0, rows_on_device)
 
     def _stage_padded(self, name: str, values: np.ndarray, pad_to: int | None, fill: int):
         """_stage, with rows beyond len(values) set to `fill` up to pad_to rows (CUDA graphs)."""
@@ -359,20 +416,30 @@ class ModelRunner:
         first.other_groups = tuple(groups[1:])
         return first
 
-    def _prefill_metadata(self, md, group, rows, num_new, seq_lens, computed, num_decodes):
+    def _prefill_metadata(
+        self, md, group, rows, num_new, seq_lens, computed, num_decodes, pad_chunks=None
+    ) -> None:
+        """The chunks' metadata in KV cache group `group`: rows from `num_decodes` on (all of
+        them on a unified backend). `pad_chunks`: a CUDA graph's chunk rows (the rows beyond hold
+        no tokens)."""
         bs = self.block_size
         p_rows, p_new = rows[num_decodes:], num_new[num_decodes:]
         p_lens, p_ctx = seq_lens[num_decodes:], computed[num_decodes:]
         width = int(-(-p_lens.max() // bs))
-        md.prefill_block_tables = self._stage(
-            f"prefill_block_tables.{group}", self.input_batch.block_tables[group][p_rows, :width]
-        ).view(len(p_rows), width)
+        starts = np.concatenate(([0], np.cumsum(p_new)))
+        table_rows, padded_starts = p_rows, starts
+        if pad_chunks is not None and pad_chunks > len(p_rows):
+            extra = pad_chunks - len(p_rows)
+            table_rows = np.concatenate([p_rows, np.zeros(extra, np.int64)])
+            padded_starts = np.concatenate([starts, np.full(extra, starts[-1])])
+        md.prefill_block_tables = self._block_tables(
+            "prefill_block_tables", group, table_rows, width
+        )
         if group:
             return  # the rest is shared, group 0's
-        starts = np.concatenate(([0], np.cumsum(p_new)))
-        md.prefill_query_start_loc = self._stage("prefill_query_start_loc", starts)
-        md.prefill_seq_lens = self._stage("prefill_seq_lens", p_lens)
-        md.prefill_context_lens = self._stage("prefill_context_lens", p_ctx)
+        md.prefill_query_start_loc = self._stage("prefill_query_start_loc", padded_starts)
+        md.prefill_seq_lens = self._stage_padded("prefill_seq_lens", p_lens, pad_chunks, 0)
+        md.prefill_context_lens = self._stage_padded("prefill_context_lens", p_ctx, pad_chunks, 0)
         md.max_prefill_query_len = int(p_new.max())
         md.prefills = [
             PrefillChunk(num_decodes + int(s), int(n), int(length), int(ctx), i)
@@ -380,82 +447,6 @@ class ModelRunner:
                 zip(starts[:-1], p_new, p_lens, p_ctx, strict=True)
             )
         ]
-
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        batch = self.input_batch
-        params = [batch.sampling_params[r] for r in rows.tolist()]
-        num_tokens = batch.num_tokens[rows]
-        greedy = batch.greedy[rows]
-        all_greedy = bool(greedy.all())
-        f32 = torch.float32
-        md = SamplingMetadata(
-            temperature=None,
-            greedy=None,
-            all_greedy=all_greedy,
-            top_k=None,
-            top_p=None,
-            min_p=None,
-            seeds=[
-                None if p.seed is None else position_seed(p.seed, int(n))
-                for p, n in zip(params, num_tokens, strict=True)
-            ],
-        )
-        if not all_greedy:
-            md.temperature = self._stage("temperature", batch.temperature[rows], f32)
-            md.greedy = self._stage("greedy", greedy, torch.bool)
-            if any(p.top_k for p in params):
-                md.top_k = self._stage("top_k", batch.top_k[rows])
-            if any(p.top_p < 1.0 for p in params):
-                md.top_p = self._stage("top_p", batch.top_p[rows], f32)
-            if any(p.min_p > 0 for p in params):
-                md.min_p = self._stage("min_p", batch.min_p[rows], f32)
-        # Before min_tokens, the tokens that would stop the request cannot be sampled.
-        forbidden = [
-            (i, token)
-            for i, p in enumerate(params)
-            if p.all_stop_token_ids
-            and num_tokens[i] - batch.num_prompt_tokens[rows[i]] < p.min_tokens
-            for token in sorted(p.all_stop_token_ids)
-        ]
-        if forbidden:
-            pairs = np.array(forbidden, dtype=np.int64)
-            md.forbidden_tokens = (
-                self._stage("forbidden_rows", pairs[:, 0]),
-                self._stage("forbidden_ids", pairs[:, 1]),
-            )
-        if any(p.logit_bias for p in params):
-            biased = [
-                (i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()
-            ]
-            md.logit_bias = (
-                self._stage("bias_rows", np.array([x[0] for x in biased], np.int64)),
-                self._stage("bias_ids", np.array([x[1] for x in biased], np.int64)),
-                self._stage("bias_values", np.array([x[2] for x in biased], np.float32), f32),
-            )
-        if any(p.uses_penalties for p in params):
-            md.presence_penalty = self._stage("presence", batch.presence[rows], f32)
-            md.frequency_penalty = self._stage("frequency", batch.frequency[rows], f32)
-            md.repetition_penalty = self._stage("repetition", batch.repetition[rows], f32)
-            md.prompt_token_ids, md.output_token_ids = self._penalty_token_ids(rows)
-        if any(p.logprobs is not None for p in params):
-            md.num_logprobs = [p.logprobs for p in params]
-        return md
-
-    def _penalty_token_ids(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_rows, width] prompt and output token ids, padded with vocab_size."""
-        batch = self.input_batch
-        num_tokens = batch.num_tokens[rows][:, None]
-        num_prompt = batch.num_prompt_tokens[rows][:, None]
-        width = int(num_tokens.max())
-        tokens = batch.token_ids[rows, :width].astype(np.int64)
-        col = np.arange(width)[None, :]
-        prompt = np.where(col < num_prompt, tokens, self.vocab_size)
-        output = np.where((col >= num_prompt) & (col < num_tokens), tokens, self.vocab_size)
-        shape = (len(rows), width)
-        return (
-            self._stage("prompt_token_ids", prompt).view(shape),
-            self._stage("output_token_ids", output).view(shape),
-        )
 
     # -- a dummy batch (data-parallel replicas in lockstep) ---------------------------------------
 
@@ -554,7 +545,8 @@ class ModelRunner:
             greedy=self._stage("greedy", np.zeros(num_rows, np.bool_), torch.bool),
             all_greedy=False,
             top_k=self._stage("top_k", np.full(num_rows, self.vocab_size, np.int64)),
+            top_k_max=self.vocab_size,  # the sort of the whole row: the largest footprint
             top_p=self._stage("top_p", np.full(num_rows, 0.9, np.float32), f32),
             min_p=None,
-            seeds=[None] * num_rows,
+            generators=[None] * num_rows,
         )

@@ -3,8 +3,12 @@ min-p, per-request seeds and log-probabilities (of the model's own distribution:
 of these change the logits).
 
 Random rows use the exponential race (argmax of probs / q with q ~ Exp(1)), which draws from the
-same distribution as multinomial sampling. A seeded request draws its noise from a generator seeded
-by (seed, position), so its tokens do not depend on what else is in the batch, nor on preemption.
+same distribution as multinomial sampling. A seeded request draws its noise from its own generator
+(worker/sampling_state.py keeps one per request, seeded once), so its tokens do not depend on
+what else is in the batch, nor on preemption (its generator goes on where it was). Top-k keeps the
+k most likely tokens found by a top-k selection, not a sort of the vocabulary; top-p then sorts
+only those k (a sort of the whole row only for top-p without top-k). Penalties read per-request
+token counts kept on the device (worker/penalty_counts.py).
 """
 
 from __future__ import annotations
@@ -15,12 +19,6 @@ import torch
 
 from llmctl.engine.core.model_runner_output import TokenLogprobs
 from llmctl.engine.kernels.cpu import layer_ops
-
-_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over the seed space
-
-
-def position_seed(seed: int, position: int) -> int:
-    return (seed * _MIX + position) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def make_generator(device: torch.device, seed: int) -> torch.Generator | None:
@@ -41,13 +39,15 @@ class SamplingMetadata:
     top_k: torch.Tensor | None  # [num_rows] int64, vocab size where disabled
     top_p: torch.Tensor | None  # [num_rows] float
     min_p: torch.Tensor | None  # [num_rows] float
-    seeds: list[int | None]  # per row: seed for this position, None: the shared generator
+    generators: list[torch.Generator | None]  # per row: its request's, None: the shared one
+    top_k_max: int = 0  # the largest top_k of the rows (host value; vocab size: some row has none)
     # Penalties (None when no row uses them)
     presence_penalty: torch.Tensor | None = None  # [num_rows]
     frequency_penalty: torch.Tensor | None = None
     repetition_penalty: torch.Tensor | None = None
-    prompt_token_ids: torch.Tensor | None = None  # [num_rows, max_prompt] padded with vocab
-    output_token_ids: torch.Tensor | None = None  # [num_rows, max_output] padded with vocab
+    prompt_seen: torch.Tensor | None = None  # [num_rows, vocab] bool: in the row's prompt
+    output_counts: torch.Tensor | None = None  # [num_rows, vocab] float: times generated
+    penalty_slots: torch.Tensor | None = None  # [num_rows] int64: PenaltyCounts slots, 0 none
     # Tokens a row may not sample yet (min_tokens), flattened: (rows, token ids), each
     # [num_forbidden]; None when no row has any.
     forbidden_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -107,23 +107,17 @@ class Sampler:
         temperature = torch.where(md.greedy, 1.0, md.temperature).unsqueeze(1)
         logits = logits / temperature
         if md.top_k is not None or md.top_p is not None:
-            logits = _apply_top_k_top_p(logits, md.top_k, md.top_p)
+            logits = _apply_top_k_top_p(logits, md.top_k, md.top_p, md.top_k_max)
         probs = torch.softmax(logits, dim=-1)
         if md.min_p is not None:
             threshold = md.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < threshold, 0.0)
         noise = torch.empty_like(probs)
-        unseeded = [i for i, seed in enumerate(md.seeds) if seed is None]
-        if unseeded:
-            if len(unseeded) == len(md.seeds):
-                noise.exponential_(generator=self.generator)
-            else:
-                index = torch.tensor(unseeded, device=probs.device)
-                rows = probs.new_empty(len(unseeded), probs.shape[1])
-                noise[index] = rows.exponential_(generator=self.generator)
-        for row, seed in enumerate(md.seeds):
-            if seed is not None:
-                noise[row].exponential_(generator=make_generator(probs.device, seed))
+        seeded = [i for i, g in enumerate(md.generators) if g is not None]
+        if len(seeded) < len(md.generators):
+            noise.exponential_(generator=self.generator)  # (seeded rows are drawn again below)
+        for row in seeded:
+            noise[row].exponential_(generator=md.generators[row])
         return (probs / noise).argmax(dim=-1)
 
 
@@ -137,15 +131,8 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    num_rows, vocab = logits.shape
-    # column `vocab` is padding
-    counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=logits.device)
-    output_ids = md.output_token_ids
-    counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=logits.dtype))
-    counts = counts[:, :vocab]
-    seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device)
-    seen.scatter_(1, md.prompt_token_ids, True)
-    seen = seen[:, :vocab] | (counts > 0)
+    counts = md.output_counts.to(logits.dtype)
+    seen = md.prompt_seen | (counts > 0)
     rep = md.repetition_penalty.unsqueeze(1)
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
@@ -154,9 +141,12 @@ def _apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
 
 
 def _apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, k_max: int
 ) -> torch.Tensor:
     """Mask all but the k most likely tokens, then the tail beyond cumulative probability p."""
+    vocab = logits.shape[-1]
+    if top_k is not None and 0 < k_max < vocab:
+        return _top_k_then_p(logits, top_k, top_p, k_max)
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     vocab = logits.shape[-1]
     if top_k is not None:
@@ -168,6 +158,27 @@ def _apply_top_k_top_p(
         drop[:, -1] = False  # always keep the most likely token
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _top_k_then_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None, k_max: int
+) -> torch.Tensor:
+    """Top-k (every row has a k <= k_max) from a top-k selection of k_max candidates; top-p over
+    those candidates alone. Both become a threshold: logits below it are masked (ties at the
+    threshold kept, as the sort-based path keeps them)."""
+    values = logits.topk(k_max, dim=-1).values  # [num_rows, k_max], descending
+    ranks = torch.arange(k_max, device=logits.device)
+    in_k = ranks.unsqueeze(0) < top_k.unsqueeze(1)  # [num_rows, k_max]
+    threshold = values.gather(1, (top_k.clamp(max=k_max) - 1).unsqueeze(1))
+    if top_p is not None:
+        candidates = values.masked_fill(~in_k, float("-inf"))
+        probs = candidates.softmax(dim=-1)
+        # a candidate stays while the mass more likely than it is below p (the first always)
+        above = probs.cumsum(dim=-1) - probs
+        kept = (above < top_p.unsqueeze(1)) & in_k
+        last = (kept.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+        threshold = torch.maximum(threshold, values.gather(1, last))
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
 def _logprob_stats(

@@ -116,7 +116,7 @@ def test_plan_takes_the_engine_options(invoke):
 def test_serve_on_a_cluster_forwards_the_engine_options(invoke, served, monkeypatch):
     seen = {}
 
-    def record(inventory, model, tp, pp, port, options, *, server, stop, wait, backend):
+    def record(inventory, model, tp, pp, port, options, *, server, stop, wait, backend, api_key):
         seen.update(tp=tp, pp=pp, port=port, options=options, server=server, backend=backend)
 
     monkeypatch.setattr(serve_command, "_serve_on_cluster", record)
@@ -199,6 +199,7 @@ def test_every_flag_the_engine_names_exists(invoke):
     for path in Path(llmctl.engine.__file__).parent.rglob("*.py"):
         named |= set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9]", path.read_text()))
     accepted = set()
-    for args in (["--help"], ["generate", "--help"], ["serve", "--help"], ["plan", "--help"]):
-        accepted |= _flags(invoke(*args, env=WIDE).stdout)
+    commands = [["generate"], ["serve"], ["plan"], ["bench", "throughput"], ["bench", "latency"]]
+    for args in ([], *commands, ["bench", "serve"]):
+        accepted |= _flags(invoke(*args, "--help", env=WIDE).stdout)
     assert named - _NOT_LLMCTL <= accepted, sorted(named - _NOT_LLMCTL - accepted)

@@ -92,3 +92,17 @@ def test_emit_errors_name_the_fix(invoke):
     assert "hint: use --emit lws" in result.stderr
     result = invoke("plan", "Llama-3.1-70B", "--emit", "lws", "--json")
     assert result.exit_code == 1 and "--json and --emit" in result.stderr
+
+
+def test_emit_lws_across_nodes_says_how_to_make_the_cluster_secret(invoke, tmp_path):
+    args = ("plan", "Llama-3.1-405B", "--nodes", "2", "--max-model-len", "8192", "--emit", "lws")
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    list(yaml.safe_load_all(result.stdout))  # the note is not on stdout: YAML alone
+    assert "The pods prove the cluster secret in the Secret llmctl-llama-3-1-405b-cluster-secret" \
+        in result.stderr  # fmt: skip
+    assert "kubectl create secret generic llmctl-llama-3-1-405b-cluster-secret" in result.stderr
+    out = tmp_path / "lws.yaml"
+    result = invoke(*args, "--output", str(out))
+    assert "kubectl create secret generic llmctl-llama-3-1-405b-cluster-secret" in result.stdout
+    assert "secretKeyRef" in out.read_text()

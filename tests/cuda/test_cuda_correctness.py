@@ -82,7 +82,7 @@ def test_moe_float32_matches_transformers_on_the_gpu(
 
 
 def test_bfloat16_greedy_matches_transformers_for_16_tokens(
-    smol_tokenizer, hf_greedy, gpu_llm, hf_on_gpu
+    smol_dir, smol_tokenizer, hf_greedy, gpu_llm, hf_on_gpu
 ):
     from transformers import AutoModelForCausalLM
 
@@ -116,7 +116,7 @@ def _divergence(hf, prompt: list[int], expected: list[int], got: list[int]) -> s
     )
 
 
-def test_bundled_q4_1_natively_on_the_gpu_matches_its_dequantized_weights(gpu_llm):
+def test_bundled_q4_1_natively_on_the_gpu_matches_its_dequantized_weights(smol_dir, gpu_llm):
     """The GGUF's blocks stay packed on the GPU: 4 prompts x 32 tokens equal the float path
     on the dequantized weights (or part where the reference's logit gap is below 1e-3)."""
     prompts = BF16_PROMPTS[:4]

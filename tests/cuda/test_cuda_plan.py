@@ -27,6 +27,13 @@ LLMCTL = str(Path(sys.executable).with_name("llmctl"))
 TOLERANCE_BYTES = GIB
 
 
+@pytest.fixture(autouse=True)
+def _installed(smol_dir):
+    """The commands as a user runs them: the llmctl script and the bundled SmolLM2."""
+    if not Path(LLMCTL).exists():
+        pytest.skip(f"the llmctl command is not installed next to {sys.executable}")
+
+
 def _memory_of_this_process() -> int:
     """GPU memory held outside the engine's process when it starts: this test process's CUDA
     context and cached blocks, if it has any (None of it is touched when it has none)."""

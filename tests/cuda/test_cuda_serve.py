@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from e2e.conftest import start_server
-from support import free_gpu_memory
 
 pytestmark = pytest.mark.cuda
+# The server's and the client's packages (a GPU machine reached through the device tool may lack
+# them: the test is then skipped, with the package named).
+for _package in ("fastapi", "uvicorn", "httpx", "openai"):
+    pytest.importorskip(_package)
+
+from e2e.conftest import start_server  # noqa: E402
+from support import free_gpu_memory  # noqa: E402
 
 IGNORE_EOS = {"ignore_eos": True}
 

@@ -12,14 +12,17 @@ import pytest
 import torch
 
 from llmctl.cluster.inventory import inventory_from_flags
-from llmctl.cluster.plan.catalog import _CONFIGS as CATALOG_CONFIGS
 from llmctl.cluster.plan.catalog import CATALOG
 from llmctl.cluster.plan.model_spec import ModelSpec, load_model_spec
 from llmctl.cluster.plan.planner import PlanOptions, make_plan
 from llmctl.engine import LLM
+from llmctl.engine.config import model_catalog
 from llmctl.engine.config.engine_config import parse_layer_partition
 from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
+
+# the entries typed in as their config.json keys
+CATALOG_CONFIGS = {n: e.config for n, e in model_catalog.CATALOG.items() if e.config is not None}
 
 
 def _hf_config(spec: ModelSpec):

@@ -49,3 +49,53 @@ def test_prefix_hit_matches_transformers(tiny_models, hf_greedy):
     second = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
     assert second[0].num_cached_tokens == 32
     assert token_ids(first + second) == [hf_greedy(hf_model, p, 6) for p in prompts]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_the_fused_layer_kernels_match_transformers(family, tiny_models, hf_greedy, monkeypatch):
+    """The layers' fused kernels (RMSNorm with its residual add in place, rotary in place on
+    views of the QKV output, SiLU-and-mul) through the whole model: on the GPU they run where
+    CUDA tensors are; here they are switched on for CPU tensors and run in the interpreter."""
+    from llmctl.engine.layers import activation, layernorm, rotary_embedding
+
+    for module in (activation, layernorm, rotary_embedding):
+        monkeypatch.setattr(module, "use_fused_kernels", lambda x: True)
+    path, hf_model = tiny_models.get(family)
+    prompts = random_prompts([3, 17, 40], seed=7)
+    llm = _llm(path, num_gpu_blocks_override=32, max_num_batched_tokens=24)
+    model = llm.llm_engine.executor.worker.model_runner.model
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    fused = [m._fused for m in model.modules() if hasattr(m, "_fused")]
+    assert fused and all(fused)  # every norm, rotary and activation ran its kernel
+    assert token_ids(outputs) == [hf_greedy(hf_model, p, 6) for p in prompts]
+
+
+def test_steps_padded_as_cuda_graphs_pad_them_match_transformers(tiny_models, hf_greedy):
+    """The inputs CUDA graphs replay, run eagerly: every step padded as the graph runner pads it
+    (decode steps to a batch size, steps with a prefill chunk to a token count with every
+    sequence a chunk of the static max_num_seqs chunk rows, the rest empty), through the varlen
+    and decode kernels in the interpreter; token-exact against transformers."""
+    from llmctl.engine.worker.cuda_graph_runner import CudaGraphRunner
+
+    path, hf_model = tiny_models.get("llama")
+    prompts = random_prompts([3, 17, 9, 5, 2], seed=11)
+    llm = _llm(path, num_gpu_blocks_override=32, max_num_batched_tokens=32, max_num_seqs=8)
+    runner = llm.llm_engine.executor.worker.model_runner
+    graphs = runner.cuda_graphs = CudaGraphRunner(runner)  # static inputs, nothing captured
+    assert graphs.mixed_sizes == [16, 32]  # (up to max_num_batched_tokens)
+    padded = []
+    prepare = runner._prepare_inputs
+
+    def recording(so):
+        inputs = prepare(so)
+        md = inputs.attn_metadata
+        padded.append((inputs.input_ids.shape[0], so.total_num_scheduled_tokens, bool(md.prefills)))
+        if md.prefills and inputs.input_ids.shape[0] in (16, 32):
+            assert md.num_decodes == 0 and md.prefill_query_start_loc.shape == (9,)
+        return inputs
+
+    runner._prepare_inputs = recording
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert token_ids(outputs) == [hf_greedy(hf_model, p, 6) for p in prompts]
+    assert any(mixed and size > tokens for size, tokens, mixed in padded)  # padded mixed
+    assert any(not mixed and size > tokens for size, tokens, mixed in padded)  # padded decode

@@ -228,7 +228,7 @@ def test_build_in_background_then_matmul():
 
 
 # -- the GPU kernels (triton_group_mm.py): natively on a GPU, else in Triton's interpreter -----
-# M <= FUSED_MAX_ROWS runs the fused kernel; M = 100 the dequantize kernel and a GEMM.
+# Every M runs the fused kernel: decode tiles up to FUSED_MAX_ROWS, prefill tiles at M = 100.
 
 
 def triton_matmul(packed, x: torch.Tensor) -> torch.Tensor:
@@ -277,3 +277,17 @@ def test_triton_group_mm_other_group_sizes(device, bits, group_size):
     packed = kernels.pack_groups(*quantize_rtn(w, bits, group_size), bits, group_size)
     reference = packed.dequantize()
     assert_matmul_close(packed.to(device), reference, 7, torch.float32, triton_matmul, device)
+
+
+def test_a_long_prefill_never_expands_the_whole_weight(device, monkeypatch):
+    """Above 64 rows the fused kernel runs with prefill tiles: W stays packed (no call expands
+    it whole, as the dequantize-then-GEMM path did on every call and every graph replay)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the whole weight was expanded")
+
+    monkeypatch.setattr(triton_group_mm, "dequantize", refuse)
+    raw = gguf_blocks(T.Q4_1, 70, 256)
+    packed = gguf_quants.pack_gguf(raw, T.Q4_1, 70, 256).to(device)
+    reference = torch.from_numpy(quants.dequantize(raw, T.Q4_1))
+    assert_matmul_close(packed, reference, 200, torch.float32, triton_matmul, device)

@@ -199,10 +199,11 @@ def test_decode_sliding_window(heads, dtype, device):
 
 @pytest.mark.parametrize("window", [None, 100])
 def test_decode_long_sequences_split_into_partitions(window, device):
-    # A long block table with few sequences takes the split-keys path and its merge kernel;
-    # the window of the 600-token sequence straddles the partition boundary.
+    # Few sequences take the split-keys path and its merge kernel: each sequence's keys shared
+    # out from its own length (the 5-token one leaves most partitions empty); the window of
+    # the 600-token sequence straddles partition boundaries.
     max_blocks = 40
-    assert max_blocks * BLOCK_SIZE > triton_attention._PARTITION_SIZE
+    assert triton_attention.decode_partitions(4 * 2, max_blocks * BLOCK_SIZE, 64, device) > 1
     check_decode(
         [600, 5, 0, 513], (2, 6), 64, torch.float32, device, window=window, max_blocks=max_blocks
     )
@@ -272,3 +273,19 @@ def test_a_cache_in_another_dtype_is_refused(device):
         paged_decode_attention(
             q, cache.key_cache, cache.value_cache, cache.block_tables, torch.tensor([3]), 0.125
         )
+
+
+@pytest.mark.parametrize(("head_dim", "dtype"), [(64, torch.float32), (80, torch.float16)])
+def test_prefill_unmasked_interior_tiles(head_dim, dtype, device):
+    """Long chunks: most key tiles lie wholly before a query block's first query and are read
+    and attended without masks; the rest are on the causal diagonal. A prefix-cache hit of 200
+    tokens, a 300-token prompt and a one-token decode among them; head_dim 80 pads to 128."""
+    check_prefill([(200, 150), (0, 300), (130, 1)], (2, 6), head_dim, dtype, device)
+
+
+def test_prefill_tiles_are_128_by_64_with_the_group_packed():
+    tiles = triton_attention.prefill_tiles(torch.bfloat16, 128, 4, 8192)
+    assert (tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["GROUP_PAD"]) == (128, 64, 4)
+    # a short chunk takes fewer rows; a wide head_dim, smaller tiles
+    assert triton_attention.prefill_tiles(torch.bfloat16, 128, 4, 3)["BLOCK_M"] == 16
+    assert triton_attention.prefill_tiles(torch.bfloat16, 256, 8, 8192)["BLOCK_M"] == 64

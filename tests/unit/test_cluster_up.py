@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
+from secrets import token_hex
 
 import pytest
 from fake_transport import FakeTransport, docker_node
@@ -42,7 +43,7 @@ CONTAINER = "llmctl-demo"
 
 @pytest.fixture(autouse=True)
 def _fixed_token(monkeypatch):
-    """A new cluster's Ray token, fixed so that an argv can be predicted."""
+    """A new cluster's Ray token and cluster secret, fixed so that an argv can be predicted."""
     monkeypatch.setattr(launcher.secrets, "token_hex", lambda n: TOKEN)
     monkeypatch.delenv("HF_TOKEN", raising=False)
 
@@ -147,7 +148,7 @@ def test_dry_run_prints_the_exact_argv_per_node(monkeypatch, tmp_path):
         host: NodeFacts(ifname="eth0", image_id="sha256:aa", home="/root", hostname=host)
         for host in fakes
     }
-    secrets = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
+    secrets = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN, "LLMCTL_CLUSTER_SECRET": TOKEN}
     expected = node_launches(
         parse_inventory(INVENTORY), facts, secrets=secrets, image="llmctl:latest"
     )
@@ -329,3 +330,23 @@ def test_mp_backend_up_refuses_nodes_that_differ_or_lack_llmctl():
     with Cluster(parse_inventory(INVENTORY), fakes, ray_wait_s=0.0) as cluster:
         with pytest.raises(ClusterError, match="the container on the worker n2 is not ready"):
             cluster.up(backend="mp")
+
+
+@pytest.mark.parametrize("backend", ["ray", "mp"])
+def test_every_node_gets_one_cluster_secret_through_its_env_file(monkeypatch, backend):
+    """The nodes prove it when they join (engine/distributed/join.py): the same on every node,
+    never on a command line, and kept by a second `up` (read back from the head's env file)."""
+    monkeypatch.setattr(launcher.secrets, "token_hex", token_hex)  # a real random one
+    fakes = mp_nodes() if backend == "mp" else nodes()
+    up(fakes, backend=backend)
+    secrets, ran = set(), ""
+    for fake in fakes.values():
+        env = next(data for path, data in fake.files.items() if path.endswith(".env")).decode()
+        secrets |= {line for line in env.splitlines() if line.startswith("LLMCTL_CLUSTER_SECRET=")}
+        ran += " ".join(" ".join(argv) for argv in fake.ran(r"."))
+    (line,) = secrets
+    value = line.partition("=")[2]
+    assert len(value) == 64 and value not in ran
+    forget(fakes)
+    again = up(fakes, backend=backend)
+    assert [r.action for r in again.rows] == ["unchanged"] * 3

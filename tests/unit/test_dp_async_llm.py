@@ -237,7 +237,7 @@ def test_every_replica_restarting_is_a_retry_later_error():
 
 
 class Rejoins:
-    """The head's coordinator as DPAsyncLLM sees it: replicas whose node joined again."""
+    """The head's join server as DPAsyncLLM sees it: replicas whose node joined again."""
 
     def __init__(self) -> None:
         self.ready: dict = {}
@@ -253,11 +253,11 @@ class Rejoins:
 def test_a_lost_replica_replaced_by_its_rejoined_node_is_routed_to_again():
     engines = Replica(dead_on_add=True), Replica()
     dp = dp_of(*engines)
-    dp.coordinator = Rejoins()
+    dp.join_server = Rejoins()
     run_all(dp, [[1, 2, 3]])  # replica 0 is found dead; its request runs on replica 1
     assert list(dp.router.dead) == [0]
     lost, rejoined = dp.replicas[0], Replica()
-    dp.coordinator.ready = {0: AsyncLLM(rejoined)}  # its node started again, engine built
+    dp.join_server.ready = {0: AsyncLLM(rejoined)}  # its node started again, engine built
     assert [error for _, _, error in dp.replica_states()] == [None, None]
     assert dp.router.dead == {}
     results = run_all(dp, [[4, 5, 6], [7, 8, 9]])

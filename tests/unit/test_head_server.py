@@ -96,3 +96,26 @@ def test_probe_and_stop_without_a_server(tmp_path, monkeypatch, capsys):
     assert ServerState(True, 200).label == "healthy"
     assert ServerState(True, 200, 7, restarts=0).label == "healthy"
     assert ServerState(True, 200, 7, restarts=2).label == "healthy, 2 engine restarts"
+
+
+def test_a_record_reads_whatever_llmctl_version_wrote_it():
+    """Fields this version does not know are ignored, missing optional ones take their
+    defaults; a missing or malformed required field makes no record (None), not a TypeError."""
+    from llmctl.cluster.launch.head_server import ServerRecord
+
+    written = {
+        "model": "/m", "port": "8011", "tensor_parallel_size": 2, "pipeline_parallel_size": 1,
+        "argv": ["llmctl", "serve", "/m"], "workers": [["n2", ["llmctl", "serve"]]],
+        "backend": "mp", "served_by": "a later llmctl",
+    }  # fmt: skip
+    record = ServerRecord.from_json(written)
+    assert record == ServerRecord(
+        "/m", 8011, 2, 1, ("llmctl", "serve", "/m"), backend="mp",
+        workers=(("n2", ("llmctl", "serve")),), api_key_file=None,
+    )  # fmt: skip
+    older = {k: v for k, v in written.items() if k not in ("backend", "workers")}
+    assert ServerRecord.from_json(older).backend == "ray"
+    assert ServerRecord.from_json({k: v for k, v in written.items() if k != "argv"}) is None
+    assert ServerRecord.from_json({**written, "port": "eighty"}) is None
+    assert ServerRecord.from_json({**written, "workers": [["n2"]]}) is None
+    assert ServerRecord.from_json(["not", "a", "record"]) is None

@@ -411,3 +411,31 @@ def test_head_script_exits_when_ray_start_fails(tmp_path):
     process = _run_head_script(tmp_path, "false")
     assert process.returncode == 1
     assert not (tmp_path / "argv").exists()
+
+
+def test_an_lws_group_across_nodes_reads_the_cluster_secret_from_a_secret():
+    """Its pods join each other: each proves the cluster secret, which comes from a Kubernetes
+    Secret the manifests name but do not hold; a group of one pod joins nothing."""
+    from llmctl.cluster.plan.manifests import cluster_secret_command, joins_nodes
+
+    opts = kube_options("lws", "Llama-3.1-405B", namespace="llm")
+    lws, _ = manifests(plan_for("tp8xpp2"), opts)
+    group = lws["spec"]["leaderWorkerTemplate"]
+    for role in ("leaderTemplate", "workerTemplate"):
+        env = {e["name"]: e for e in the_container(group[role])["env"]}
+        assert env["LLMCTL_CLUSTER_SECRET"] == {
+            "name": "LLMCTL_CLUSTER_SECRET",
+            "valueFrom": {"secretKeyRef": {"name": f"{opts.name}-cluster-secret", "key": "secret"}},
+        }
+    assert "secrets.token_hex" not in to_yaml([lws])  # a reference, no value
+    assert errors(lws) == []
+    command = cluster_secret_command(opts)
+    assert command.startswith(
+        f"kubectl create secret generic {opts.name}-cluster-secret --namespace llm "
+        '--from-literal=secret="$(python3 -c '
+    )
+    single = kube_options("lws", "Llama-3.1-8B")
+    assert not joins_nodes(plan_for("1gpu"), single)
+    (alone, _) = manifests(plan_for("1gpu"), single)
+    env = the_container(alone["spec"]["leaderWorkerTemplate"]["workerTemplate"])["env"]
+    assert "LLMCTL_CLUSTER_SECRET" not in {e["name"] for e in env}

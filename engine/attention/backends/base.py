@@ -18,6 +18,9 @@ class AttentionBackend:
     supports_cuda_graphs = False
     # The CPU's fused decode stack (kernels/cpu/fused_decode.py) calls the C++ decode kernel.
     runs_cpu_decode_kernel = False
+    # A step with a prefill chunk gives every sequence to one varlen kernel (its decodes as
+    # one-token chunks): one launch per layer, and a grid a CUDA graph of the step can replay.
+    unified_mixed_steps = False
 
     def forward(
         self,

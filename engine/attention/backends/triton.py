@@ -2,7 +2,9 @@
 
 The kernels (kernels/triton/) are called through torch custom ops (kernels/triton/triton_ops.py),
 so CUDA graphs capture them and device checks see them; the cache write skips padding slots (-1),
-which is what lets CUDA graphs pad a batch. A layer's sliding window and sinks go to the kernels.
+which is what lets CUDA graphs pad a batch. A decode-only step runs the paged decode kernel; a step
+with a prefill chunk comes with all its sequences as chunks (decodes of one token: num_decodes 0)
+and runs the varlen kernel once. A layer's sliding window and sinks go to the kernels.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from llmctl.engine.attention.metadata import AttentionMetadata
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
+    unified_mixed_steps = True  # the model runner sends mixed steps as chunks only
 
     def __init__(self) -> None:
         from llmctl.engine.kernels.triton import triton_ops

@@ -186,6 +186,7 @@ def _add_info_routes(
                     "owned_by": "llmctl",
                     "root": model_config.path,
                     "max_model_len": model_config.max_model_len,
+                    "vocab_size": model_config.shape.vocab_size,  # (llmctl's: bench serve)
                 }
             ],
         }
@@ -244,6 +245,8 @@ def run_server(
     import uvicorn
 
     config = server_config or ServerConfig()
+    if (warning := config.api_key_warning()) is not None:
+        logger.warning("%s", warning)
     engine_client = build_engine_client(engine_args, progress)
     try:
         name = engine_client.engine.config.model_config.served_model_name

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from llmctl.engine.errors import InvalidRequestError
-from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams
 
 # OpenAI's own limit on completions per request.
 MAX_N = 128
@@ -158,6 +158,8 @@ class _SamplingFields(BaseModel):
             ),
             "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
+            # a stream is sent as it grows; a whole response needs only the final output
+            "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         }
         if self.logit_bias:
             values["logit_bias"] = _token_bias(self.logit_bias)

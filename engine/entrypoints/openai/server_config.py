@@ -7,6 +7,7 @@ as EngineArgs' fields do: cli/serve.py's options and the keys a Ray Serve applic
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from llmctl.engine.config.options import RAY_SERVE, SERVE, SERVER, option
@@ -82,6 +83,15 @@ class ServerConfig:
                 f"num_prepare_threads must be positive, got {self.num_prepare_threads}"
             )
 
+    def api_key_warning(self) -> str | None:
+        """What to tell a user who serves beyond this machine without an API key."""
+        if self.api_key or _is_loopback(self.host):
+            return None
+        return (
+            f"Serving on {self.host}:{self.port} without an API key: anyone who reaches that "
+            "address can use the model; pass --api-key KEY (or set LLMCTL_API_KEY)"
+        )
+
     def body_limit(self, max_model_len: int, max_token_bytes: int | None) -> int:
         """The body limit in effect: the configured one, or the largest body whose prompt could
         still fit `max_model_len` tokens of at most `max_token_bytes` bytes each (token ids
@@ -100,3 +110,12 @@ def max_token_bytes(tokenizer) -> int | None:
         return None
     vocab = tokenizer.get_vocab()
     return max((len(piece.encode("utf-8", "replace")) for piece in vocab), default=1)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve to any address
+        return False

@@ -23,8 +23,8 @@ from llmctl.engine.entrypoints.openai.errors import error_body
 from llmctl.engine.entrypoints.openai.metrics import ServerMetrics
 from llmctl.engine.entrypoints.openai.request_body import parse_json_body, validate
 from llmctl.engine.errors import InvalidRequestError, PromptTooLongError
-from llmctl.engine.outputs import RequestOutput
-from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.outputs import CompletionOutput, RequestOutput
+from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams
 
 _DISCONNECT_POLL_S = 0.5
 
@@ -116,12 +116,20 @@ class OpenAIServing:
     async def run(
         self, prompt: PreparedPrompt, params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs for one prompt, observing TTFT, inter-token latency, e2e."""
+        """The engine's outputs for one prompt, observing TTFT, inter-token latency, e2e. A
+        non-streamed request (output_kind FINAL_ONLY) has one output: its TTFT is the engine's
+        (its first token's time after its arrival there), and no inter-token latencies."""
         arrival = time.monotonic()
         last = None
+        final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
         async for output in self.engine_client.generate(prompt.engine_prompt(), params, request_id):
             now = time.monotonic()
-            if last is None:
+            engine_ttft = output.metrics.get("first_token_time", 0.0) - output.metrics.get(
+                "arrival_time", 0.0
+            )
+            if final_only and "first_token_time" in output.metrics:
+                self.metrics.time_to_first_token.observe(engine_ttft)
+            elif last is None:
                 self.metrics.time_to_first_token.observe(now - arrival)
             else:
                 self.metrics.inter_token_latency.observe(now - last)
@@ -185,6 +193,19 @@ async def abort_on_disconnect(request: Request, work) -> Any:
     finally:
         if not task.done():
             task.cancel()
+
+
+class HeldDelta:
+    """A completion's tokens (and their logprobs) received as deltas (output_kind DELTA) and not
+    sent yet: a stream sends them with the next text."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list = []
+
+    def add(self, delta: CompletionOutput) -> None:
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
 
 
 def new_id(prefix: str) -> str:

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from llmctl.engine.entrypoints.openai.protocol import ChatCompletionRequest
 from llmctl.engine.entrypoints.openai.serving import (
+    HeldDelta,
     OpenAIServing,
     Prepared,
     new_id,
@@ -15,7 +16,6 @@ from llmctl.engine.entrypoints.openai.serving import (
     usage,
 )
 from llmctl.engine.errors import InvalidRequestError
-from llmctl.engine.outputs import CompletionOutput
 
 
 class ChatHandler(OpenAIServing):
@@ -65,7 +65,11 @@ class ChatHandler(OpenAIServing):
             choice = {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c, 0, body.top_logprobs or 0) if body.logprobs else None,
+                "logprobs": (
+                    self._logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0)
+                    if body.logprobs
+                    else None
+                ),
                 "finish_reason": c.finish_reason,
             }
             if self.returns_token_ids(body):
@@ -88,8 +92,8 @@ class ChatHandler(OpenAIServing):
         body, params, (prompt,) = prepared.body, prepared.params, prepared.prompts
         request_id = new_id("chatcmpl")
         created = int(time.time())
-        sent_chars: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
+        held: dict[int, HeldDelta] = {}  # tokens not sent yet, and their logprobs
         finished: set[int] = set()
         with_ids = self.returns_token_ids(body)
         try:
@@ -97,25 +101,26 @@ class ChatHandler(OpenAIServing):
                 delta = {"role": "assistant", "content": ""}
                 yield sse(self._chunk(request_id, created, index, delta, None, None))
             async for _, output in self.run_all([prompt], params, request_id):
-                for c in output.outputs:
+                for c in output.outputs:  # deltas (output_kind DELTA)
                     if c.index in finished:
                         continue
-                    chars = sent_chars.get(c.index, 0)
-                    text = c.text[chars:]
-                    if not text and c.finish_reason is None:
-                        continue
-                    start = sent_tokens.get(c.index, 0)
+                    pending = held.setdefault(c.index, HeldDelta())
+                    pending.add(c)
+                    if not c.text and c.finish_reason is None:
+                        continue  # held back: the tokens go with the next text
                     logprobs = None
                     if body.logprobs:
-                        logprobs = self._logprobs(c, start, body.top_logprobs or 0)
-                    sent_chars[c.index] = len(c.text)
-                    sent_tokens[c.index] = len(c.token_ids)
-                    if text or (with_ids and len(c.token_ids) > start):
+                        logprobs = self._logprobs(
+                            pending.token_ids, pending.logprobs, body.top_logprobs or 0
+                        )
+                    sent_tokens[c.index] = sent_tokens.get(c.index, 0) + len(pending.token_ids)
+                    held[c.index] = HeldDelta()
+                    if c.text or (with_ids and pending.token_ids):
                         chunk = self._chunk(
-                            request_id, created, c.index, {"content": text}, None, logprobs
+                            request_id, created, c.index, {"content": c.text}, None, logprobs
                         )
                         if with_ids:
-                            chunk["choices"][0]["token_ids"] = c.token_ids[start:]
+                            chunk["choices"][0]["token_ids"] = pending.token_ids
                         yield sse(chunk)
                     if c.finish_reason is not None:
                         finished.add(c.index)
@@ -152,16 +157,15 @@ class ChatHandler(OpenAIServing):
             ],
         }
 
-    def _logprobs(self, completion: CompletionOutput, start: int, top_k: int) -> dict:
-        """OpenAI's chat logprobs for the tokens from `start` on, each with its top_k."""
+    def _logprobs(self, token_ids: list[int], entries: list | None, top_k: int) -> dict:
+        """OpenAI's chat logprobs for these tokens, each with its top_k."""
 
         def describe(token: str | None, logprob: float) -> dict:
             token = token or ""
             return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
         content = []
-        entries = completion.logprobs or []
-        for token_id, entry in zip(completion.token_ids[start:], entries[start:], strict=False):
+        for token_id, entry in zip(token_ids, entries or [], strict=False):
             chosen = entry[token_id]
             item = describe(chosen.decoded_token, chosen.logprob)
             top = sorted((lp for lp in entry.values() if lp.rank <= top_k), key=lambda lp: lp.rank)

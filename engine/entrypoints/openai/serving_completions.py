@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from llmctl.engine.entrypoints.openai.protocol import CompletionRequest
 from llmctl.engine.entrypoints.openai.serving import (
+    HeldDelta,
     OpenAIServing,
     Prepared,
     PreparedPrompt,
@@ -51,45 +52,51 @@ class CompletionsHandler(OpenAIServing):
         }
 
     async def stream(self, prepared: Prepared) -> AsyncIterator[str]:
+        """The engine's outputs are deltas (output_kind DELTA): each completion's new tokens
+        are held until they show text (or ids, with return_token_ids), then sent with it."""
         body, params, prompts = prepared.body, prepared.params, prepared.prompts
         request_id = new_id("cmpl")
         created = int(time.time())
         sent_chars: dict[tuple[int, int], int] = {}  # (prompt, completion) -> characters sent
         sent_tokens: dict[tuple[int, int], int] = {}
+        held: dict[tuple[int, int], HeldDelta] = {}  # tokens not sent yet, and their logprobs
         finished: set[tuple[int, int]] = set()
+        with_ids = self.returns_token_ids(body)
         try:
             async for p_index, output in self.run_all(prompts, params, request_id):
                 for completion in output.outputs:
                     key = (p_index, completion.index)
                     if key in finished:
-                        continue
-                    chars = sent_chars.get(key, 0)
-                    text = completion.text[chars:]
-                    new_tokens = len(completion.token_ids) > sent_tokens.get(key, 0)
+                        continue  # (with n > 1 its finished output comes again, unchanged)
+                    pending = held.setdefault(key, HeldDelta())
+                    pending.add(completion)
+                    text = completion.text
                     if completion.finish_reason is None and not (
-                        text or (new_tokens and self.returns_token_ids(body))
+                        text or (pending.token_ids and with_ids)
                     ):
                         continue  # nothing new to show (or held back: a possible stop string)
+                    chars = sent_chars.get(key, 0)
                     if key not in sent_chars and body.echo:
                         text = self._prompt_text(prompts[p_index]) + text
                     logprobs = None
                     if params.logprobs is not None:
-                        logprobs = self._logprobs(completion, sent_tokens.get(key, 0), chars)
+                        logprobs = self._logprobs(pending.token_ids, pending.logprobs, chars)
                     sent_before = sent_tokens.get(key, 0)
-                    sent_chars[key] = len(completion.text)
-                    sent_tokens[key] = len(completion.token_ids)
-                    if completion.finish_reason is not None:
-                        finished.add(key)
+                    sent_chars[key] = chars + len(completion.text)
+                    sent_tokens[key] = sent_before + len(pending.token_ids)
                     choice = {
                         "index": p_index * params.n + completion.index,
                         "text": text,
                         "logprobs": logprobs,
                         "finish_reason": completion.finish_reason,
                     }
-                    if self.returns_token_ids(body):
-                        choice["token_ids"] = completion.token_ids[sent_before:]
+                    if with_ids:
+                        choice["token_ids"] = pending.token_ids
                         if sent_before == 0:
                             choice["prompt_token_ids"] = prompts[p_index].token_ids
+                    held[key] = HeldDelta()
+                    if completion.finish_reason is not None:
+                        finished.add(key)
                     yield sse(self._chunk(request_id, created, [choice]))
             if body.include_usage:
                 prompt_tokens = sum(len(p.token_ids) for p in prompts)
@@ -123,7 +130,11 @@ class CompletionsHandler(OpenAIServing):
         choice = {
             "index": p_index * body.n + completion.index,
             "text": text,
-            "logprobs": self._logprobs(completion, 0, 0) if body.logprobs is not None else None,
+            "logprobs": (
+                self._logprobs(completion.token_ids, completion.logprobs, 0)
+                if body.logprobs is not None
+                else None
+            ),
             "finish_reason": completion.finish_reason,
         }
         if self.returns_token_ids(body):
@@ -131,11 +142,10 @@ class CompletionsHandler(OpenAIServing):
             choice["token_ids"] = list(completion.token_ids)
         return choice
 
-    def _logprobs(self, completion: CompletionOutput, start: int, offset: int) -> dict:
-        """OpenAI's legacy logprobs object for the tokens from `start` on."""
+    def _logprobs(self, token_ids: list[int], entries: list | None, offset: int) -> dict:
+        """OpenAI's legacy logprobs object for these tokens, whose text starts at `offset`."""
         tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-        entries = completion.logprobs or []
-        for token_id, entry in zip(completion.token_ids[start:], entries[start:], strict=False):
+        for token_id, entry in zip(token_ids, entries or [], strict=False):
             chosen = entry[token_id]
             tokens.append(chosen.decoded_token)
             token_logprobs.append(chosen.logprob)

@@ -40,10 +40,13 @@ def attend_tile(
     l_i,
     acc,
     DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr = True,
 ):
-    """One online-softmax step: q [M, D], k and v [N, D], visible [M, N] -> new (m_i, l_i, acc)."""
+    """One online-softmax step: q [M, D], k and v [N, D], visible [M, N] -> new (m_i, l_i, acc).
+    MASKED False: every score counts (`visible` is not read)."""
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N] float32
-    qk = tl.where(visible, qk, float("-inf"))
+    if MASKED:
+        qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
@@ -128,7 +131,6 @@ def paged_decode_kernel(
     stride_od,
     head_dim,
     block_size,
-    partition_size,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -155,16 +157,21 @@ def paged_decode_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    # Keys [lo, hi): the window's and this partition's.
-    lo = part * partition_size
-    hi = tl.minimum(seq_len, lo + partition_size)
+    # Keys [lo, hi): this partition's share of the sequence's visible keys (the window's). The
+    # share is sized from this sequence's length, tile-aligned: the grid depends on shapes only
+    # (a CUDA graph replays it for any lengths), the work per program on the length.
+    first = 0
     if USE_WINDOW:
-        lo = tl.maximum(lo, seq_len - sliding_window)
+        first = tl.maximum(seq_len - sliding_window, 0)
+    aligned = (first // BLOCK_N) * BLOCK_N
+    share = tl.cdiv(tl.cdiv(seq_len - aligned, NUM_PARTITIONS), BLOCK_N) * BLOCK_N
+    lo = tl.maximum(aligned + part * share, first)
+    hi = tl.minimum(seq_len, aligned + (part + 1) * share)
     m_i = tl.full([BLOCK_G], NO_SCORE, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
-    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+    for start in range(aligned + part * share, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         in_range = (pos >= lo) & (pos < hi)
         k, v = load_kv_tile(
@@ -250,7 +257,65 @@ def merge_partitions_kernel(
 
 
 @triton.jit
-def prefill_kernel(
+def load_kv_tile_unmasked(
+    key_cache_ptr,
+    value_cache_ptr,
+    bt_row,
+    pos,
+    offs_d,
+    kv_head,
+    head_dim,
+    block_size,
+    stride_btb,
+    stride_kb,
+    stride_ko,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vo,
+    stride_vh,
+    stride_vd,
+    PAD_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """load_kv_tile for a tile whose positions are all the sequence's: no mask but head_dim's
+    padding (PAD_D), so the loads are plain vector loads."""
+    block = tl.load(bt_row + (pos // block_size) * stride_btb)
+    row_k = block.to(tl.int64) * stride_kb + (pos % block_size) * stride_ko
+    row_v = block.to(tl.int64) * stride_vb + (pos % block_size) * stride_vo
+    k_ptrs = key_cache_ptr + row_k[:, None] + kv_head * stride_kh + offs_d[None, :] * stride_kd
+    v_ptrs = value_cache_ptr + row_v[:, None] + kv_head * stride_vh + offs_d[None, :] * stride_vd
+    if PAD_D:
+        mask_d = offs_d[None, :] < head_dim
+        k = tl.load(k_ptrs, mask=mask_d, other=0.0)
+        v = tl.load(v_ptrs, mask=mask_d, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def find_chunk(query_start_loc_ptr, num_chunks, program, BLOCK_Q: tl.constexpr):
+    """The chunk whose query blocks hold `program`: chunk c's blocks start at program
+    query_start_loc[c] // BLOCK_Q + c (it has at most query_len // BLOCK_Q + 1 of them), so the
+    last c whose start is <= program (a binary search over the num_chunks + 1 offsets)."""
+    lo = 0
+    hi = num_chunks
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc_ptr + mid).to(tl.int32) // BLOCK_Q + mid
+        before = start <= program
+        lo = tl.where(before, mid + 1, lo)
+        hi = tl.where(before, hi, mid)
+    return lo - 1
+
+
+@triton.jit
+def varlen_attention_kernel(
     out_ptr,
     q_ptr,
     key_cache_ptr,
@@ -262,6 +327,7 @@ def prefill_kernel(
     sinks_ptr,
     qk_scale,
     sliding_window,
+    num_chunks,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -281,78 +347,97 @@ def prefill_kernel(
     head_dim,
     block_size,
     GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PAD_D: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SINKS: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    m_block = tl.program_id(0)
-    chunk = tl.program_id(1)
-    head = tl.program_id(2)
+    """Causal attention of packed query chunks (prefill chunks, or one-token decodes) over the
+    paged cache. Program (i, kv_head) takes BLOCK_Q queries of one chunk and the GROUP query
+    heads that share kv_head: BLOCK_M = BLOCK_Q * GROUP_PAD rows (row r: query r // GROUP_PAD,
+    head r % GROUP_PAD), so each K and V tile is read once for the whole group. Key tiles that
+    every query of the block sees are attended without masks (nor masked loads); only the tiles
+    on the causal diagonal (and, with a window, all of them) are masked."""
+    program = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    chunk = find_chunk(query_start_loc_ptr, num_chunks, program, BLOCK_Q)
     query_start = tl.load(query_start_loc_ptr + chunk).to(tl.int32)
     query_len = tl.load(query_start_loc_ptr + chunk + 1).to(tl.int32) - query_start
-    if m_block * BLOCK_M >= query_len:
+    q_block = program - (query_start // BLOCK_Q + chunk)
+    if q_block * BLOCK_Q >= query_len:
         return
     context_len = tl.load(context_lens_ptr + chunk).to(tl.int32)
     seq_len = tl.load(seq_lens_ptr + chunk).to(tl.int32)
-    kv_head = head // GROUP
 
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows within the chunk
+    rows = tl.arange(0, BLOCK_M)
+    q_tok = q_block * BLOCK_Q + rows // GROUP_PAD  # [BLOCK_M] query index within the chunk
+    in_group = rows % GROUP_PAD
+    heads = kv_head * GROUP + in_group
     offs_d = tl.arange(0, BLOCK_D)
-    mask_md = (offs_m[:, None] < query_len) & (offs_d[None, :] < head_dim)
-    tokens = (query_start + offs_m).to(tl.int64)
+    valid = (q_tok < query_len) & (in_group < GROUP)
+    mask_md = valid[:, None] & (offs_d[None, :] < head_dim)
+    tokens = (query_start + q_tok).to(tl.int64)
     q = tl.load(
-        q_ptr + tokens[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
+        q_ptr
+        + tokens[:, None] * stride_qt
+        + heads[:, None] * stride_qh
+        + offs_d[None, :] * stride_qd,
         mask=mask_md,
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
-    q_pos = context_len + offs_m  # [BLOCK_M] positions in the sequence
+    q_pos = context_len + q_tok  # [BLOCK_M] positions in the sequence
 
-    # Keys [lo, hi): up to the tile's last query, from the first query's window.
-    hi = tl.minimum(seq_len, context_len + (m_block + 1) * BLOCK_M)
+    # Keys [lo, hi): up to the block's last query; [lo, interior) is seen by every query.
+    first_q = context_len + q_block * BLOCK_Q
+    hi = tl.minimum(seq_len, first_q + BLOCK_Q)
     lo = 0
     if USE_WINDOW:
-        lo = tl.maximum(0, context_len + m_block * BLOCK_M - sliding_window + 1)
+        lo = tl.maximum(0, first_q - sliding_window + 1)
+    start = (lo // BLOCK_N) * BLOCK_N
+    interior = start
+    if not USE_WINDOW:
+        interior = ((first_q + 1) // BLOCK_N) * BLOCK_N  # tiles wholly at or before first_q
     m_i = tl.full([BLOCK_M], NO_SCORE, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = block_tables_ptr + chunk.to(tl.int64) * stride_btc
-    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+    for tile in range(start, interior, BLOCK_N):
+        pos = tile + tl.arange(0, BLOCK_N)
+        k, v = load_kv_tile_unmasked(
+            key_cache_ptr, value_cache_ptr, bt_row, pos, offs_d, kv_head, head_dim, block_size,
+            stride_btb, stride_kb, stride_ko, stride_kh, stride_kd,
+            stride_vb, stride_vo, stride_vh, stride_vd, PAD_D, UPCAST,
+        )  # fmt: skip
+        m_i, l_i, acc = attend_tile(q, k, v, None, qk_scale, m_i, l_i, acc, DOT_PRECISION, False)
+    for tile in range(interior, hi, BLOCK_N):
+        pos = tile + tl.arange(0, BLOCK_N)
         in_range = (pos >= lo) & (pos < hi)
         k, v = load_kv_tile(
-            key_cache_ptr,
-            value_cache_ptr,
-            bt_row,
-            pos,
-            in_range,
-            offs_d,
-            kv_head,
-            head_dim,
-            block_size,
-            stride_btb,
-            stride_kb,
-            stride_ko,
-            stride_kh,
-            stride_kd,
-            stride_vb,
-            stride_vo,
-            stride_vh,
-            stride_vd,
-            UPCAST,
-        )  # [BLOCK_N, BLOCK_D] each
+            key_cache_ptr, value_cache_ptr, bt_row, pos, in_range, offs_d, kv_head, head_dim,
+            block_size, stride_btb, stride_kb, stride_ko, stride_kh, stride_kd,
+            stride_vb, stride_vo, stride_vh, stride_vd, UPCAST,
+        )  # fmt: skip
         visible = in_range[None, :] & (pos[None, :] <= q_pos[:, None])  # [BLOCK_M, BLOCK_N]
         if USE_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
         m_i, l_i, acc = attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, DOT_PRECISION)
 
-    if USE_SINKS:
-        m_i, l_i, acc = add_sink(tl.load(sinks_ptr + head).to(tl.float32), m_i, l_i, acc)
+    if USE_SINKS:  # each row's own head's sink
+        sink = tl.load(sinks_ptr + heads, mask=in_group < GROUP, other=0.0).to(tl.float32)
+        m_i, l_i, acc = add_sink(sink, m_i, l_i, acc)
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    dst = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od
+    dst = (
+        out_ptr
+        + tokens[:, None] * stride_ot
+        + heads[:, None] * stride_oh
+        + offs_d[None, :] * stride_od
+    )
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask_md)

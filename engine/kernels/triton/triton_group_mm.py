@@ -3,18 +3,17 @@
 W is a PackedLinearWeight (kernels/cpu/quantized_matmul.py): W[n, k] = q[n, k] * scales[n, k // G] +
 zeros[n, k // G], q 4-bit (two nibbles a byte; inside each 32-element chunk byte j holds elements j
 and j + 16, GGUF's Q4_0 order) or signed 8-bit, so every GGUF type llmctl reads (Q4_0, Q4_1, Q8_0,
-Q4_K, Q6_K) and --quantization int4/int8 run on it. Two paths, by the number of rows M of x:
-
-- M <= FUSED_MAX_ROWS (decode, small batches): group_mm_kernel reads each packed byte once,
-  expands the W tile in registers and feeds tl.dot; W is never written out. A 4-bit tile is
-  used as it lies: the low nibbles of a chunk's 16 bytes are its elements 0..15, the high ones
-  16..31, so the kernel multiplies them by the matching halves of x rather than interleaving
-  them. When the (M, N) tiles alone would leave the GPU's multiprocessors idle, K is split
-  over programs too, and the partial sums (float32) are added in a fixed order: the same bits
-  on every run.
-- larger M (prefill): dequantize_kernel expands W to x's dtype in one pass and the GEMM runs on
-  cuBLAS: at these M the GEMM's arithmetic dominates and cuBLAS runs it near peak; the expanded
-  W is a temporary (the caching allocator reuses it layer to layer).
+Q4_K, Q6_K) and --quantization int4/int8 run on it. The weights stay packed on the GPU in that
+layout, which the kernel reads as it lies, at every M: group_mm_kernel reads each packed byte once
+per M tile, expands the W tile in registers and feeds tl.dot; W is never written out, neither at
+decode nor at prefill, nor in a CUDA graph's replay (an earlier version expanded the whole weight
+per call above 64 rows). A 4-bit tile is used as it lies: the low nibbles of a chunk's 16 bytes
+are its elements 0..15, the high ones 16..31, so the kernel multiplies them by the matching
+halves of x rather than interleaving them. Tiles grow with M (fused_tiles: 16 to 64 rows, and
+128 columns of W above 64 rows, so each expanded tile serves more rows). When the (M, N) tiles
+alone would leave the GPU's multiprocessors idle, K is split over programs too, and the partial
+sums (float32) are added in a fixed order by one reduction into the output: the same bits on
+every run. dequantize_kernel expands W (references, benchmarks).
 
 Both kernels load a scale (and zero) once per 32-element chunk (per SUB columns for 8 bits) and
 spread it in registers, and address the weight bytes, x and the expanded W as rows of 16-element
@@ -37,8 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Rows of x up to which the fused kernel runs; above, dequantize + cuBLAS (on the H100, the
-# previous version's fused kernel took 0.9-5x the time of dequantize + cuBLAS at M = 256).
+# Rows of x up to which the tiles are decode's (16-64 rows x 64 columns of W); above, prefill's.
 FUSED_MAX_ROWS = 64
 
 
@@ -205,6 +203,14 @@ def fused_tiles(m: int, k: int, dtype: torch.dtype) -> dict:
     (tests/kernels/test_triton_compile.py compiles each for sm_90 and checks)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     wide = dtype == torch.float32 and block_m == 64
+    if m > FUSED_MAX_ROWS:  # prefill: 64 x 128 output tiles, each W tile used by 64 rows
+        return dict(
+            BLOCK_M=64,
+            BLOCK_N=128,
+            BLOCK_K=64 if k >= 64 and dtype != torch.float32 else 32,
+            num_warps=8,
+            num_stages=2 if dtype == torch.float32 else 3,
+        )
     return dict(
         BLOCK_M=block_m,
         BLOCK_N=64,
@@ -231,9 +237,6 @@ def group_mm(
         x = x.contiguous()
     qweight, scales = qweight.contiguous(), scales.contiguous()
     zeros = None if zeros is None else zeros.contiguous()
-    if m > FUSED_MAX_ROWS:
-        w = dequantize(qweight, scales, zeros, bits, group_size, k, x.dtype)
-        return torch.mm(x, w.t())
     if m == 0 or n == 0:
         return x.new_empty(m, n)
     tiles = fused_tiles(m, k, x.dtype)
@@ -268,7 +271,9 @@ def group_mm(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         **tiles,
     )
-    return partial[0] if split == 1 else partial.sum(0).to(x.dtype)
+    if split == 1:
+        return partial[0]
+    return torch.sum(partial, dim=0, out=x.new_empty(m, n))  # one reduction, in a fixed order
 
 
 def dequantize(

@@ -1,5 +1,6 @@
-"""The Triton kernels as torch custom ops (llmctl::*): paged attention, and the packed
-group-quantized matmul (engine/kernels/triton/triton_group_mm.py).
+"""The Triton kernels as torch custom ops (llmctl::*): paged attention, the packed
+group-quantized matmul (engine/kernels/triton/triton_group_mm.py), and the layers' fused RMSNorm
+(with its residual add), rotary embedding and SiLU-and-mul.
 
 As ops, the kernels are single nodes to the dispatcher: CUDA graphs capture them like any kernel,
 and on tensors without data (meta, fake) their fake implementations give the output's shape, so a
@@ -171,3 +172,62 @@ def fp8_block_mm(
 @fp8_block_mm.register_fake
 def _(x, qweight, scales, group_size):
     return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+# -- the layers' kernels (layers/layernorm.py, rotary_embedding.py, activation.py) ---------------
+
+
+@torch.library.custom_op("llmctl::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    from llmctl.engine.kernels.triton import triton_rms_norm
+
+    return triton_rms_norm.rms_norm(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("llmctl::fused_add_rms_norm", mutates_args=("x", "residual"))
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    from llmctl.engine.kernels.triton import triton_rms_norm
+
+    triton_rms_norm.fused_add_rms_norm(x, residual, weight, eps)
+
+
+@fused_add_rms_norm.register_fake
+def _(x, residual, weight, eps) -> None:
+    return None
+
+
+@torch.library.custom_op("llmctl::rotary_embedding", mutates_args=("q", "k"))
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> None:
+    from llmctl.engine.kernels.triton import triton_rotary
+
+    triton_rotary.rotary_embedding(positions, q, k, cos_cache, sin_cache)
+
+
+@rotary_embedding.register_fake
+def _(positions, q, k, cos_cache, sin_cache) -> None:
+    return None
+
+
+@torch.library.custom_op("llmctl::silu_and_mul", mutates_args=())
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    from llmctl.engine.kernels.triton import triton_activation
+
+    return triton_activation.silu_and_mul(x)
+
+
+@silu_and_mul.register_fake
+def _(x):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)

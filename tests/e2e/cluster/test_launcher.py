@@ -115,6 +115,14 @@ class TestClusterUp:
             )
             mode = host.run(["stat", "-c", "%a", f"/root/.llmctl/e2e-{host.ip}.env"]).stdout.strip()
             assert mode == "600"
+        # One cluster secret, which the nodes prove when they join, in every container's env
+        # (through the same env file), on no command line.
+        secrets = {container_env(host)["LLMCTL_CLUSTER_SECRET"] for host in cluster_hosts}
+        (secret,) = secrets
+        assert len(secret) == 64
+        for host in cluster_hosts:
+            args = host.docker(["inspect", "--format", "{{json .Args}}", CONTAINER]).stdout
+            assert secret not in args
         # The captured text the unit tests parse.
         data = ROOT / "tests" / "unit" / "data" / "ray_status_3nodes.txt"
         if not data.exists():

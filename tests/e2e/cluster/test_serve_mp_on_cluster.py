@@ -23,6 +23,7 @@ import pytest
 import testbed_image
 from test_launcher import LLMCTL, llmctl
 from test_serve_on_cluster import (
+    API_KEY_FILE,
     ENGINE,
     PROMPTS,
     client,
@@ -30,6 +31,7 @@ from test_serve_on_cluster import (
     health,
     inventory,
     metric,
+    secrets_on_no_command_line,
     wait_until,
 )
 
@@ -126,6 +128,11 @@ def test_pipeline_stages_on_two_nodes_without_ray(
         assert re.search(r"Server: .* \(tp=1, pp=2, mp on 2 nodes\) at .*: healthy", status)
         row = next(line for line in status.splitlines() if worker.ip in line)
         assert "running (pid" in row, status
+        # The group joined with the cluster secret `cluster up` gave each node (its env file),
+        # which no command line shows, on either host or in either container; nor the API key.
+        assert "Joins: authenticated: the 2 nodes share one cluster secret" in status, status
+        assert f"API key: LLMCTL_API_KEY in {head.ip}:{API_KEY_FILE}" in status, status
+        secrets_on_no_command_line(hosts, CONTAINER, "srv")
         again = llmctl(cli_env, *serve)
         assert "serving" in again.stdout  # the same group, found healthy
 

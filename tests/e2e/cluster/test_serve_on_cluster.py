@@ -11,6 +11,7 @@ place: its own slice of the quantized weights, no converted copy on any node."""
 from __future__ import annotations
 
 import re
+import subprocess
 import threading
 import time
 
@@ -58,8 +59,44 @@ def hosts(testbed, llmctl_image):
     return testbed.docker_hosts[:2]
 
 
+API_KEY_FILE = "/root/.llmctl/srv-api.env"  # on the head node: what `serve -i` made
+
+
+def api_key(head) -> str:
+    """The API key `serve -i` made for the cluster, read from its 0600 env file on the head."""
+    found = head.run(["cat", API_KEY_FILE], check=False).stdout.strip()
+    return found.removeprefix("LLMCTL_API_KEY=") or "none"
+
+
 def client(head) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{head.ip}:{PORT}/v1", api_key="x", max_retries=0)
+    return openai.OpenAI(
+        base_url=f"http://{head.ip}:{PORT}/v1", api_key=api_key(head), max_retries=0
+    )
+
+
+def command_lines(hosts, container: str) -> str:
+    """Every process's command line on this machine (whose process table the hosts and their
+    containers share: what `ps -eo args` shows on a host), and as each container sees its own."""
+    seen = [subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout]
+    own = ("import glob; print('\\n'.join(open(f, 'rb').read().replace(b'\\0', b' ')"
+           ".decode(errors='replace') for f in glob.glob('/proc/[0-9]*/cmdline')))")  # fmt: skip
+    for host in hosts:
+        seen.append(host.docker(["exec", container, "python3", "-c", own]).stdout)
+    return "\n".join(seen)
+
+
+def secrets_on_no_command_line(hosts, container: str, cluster: str) -> None:
+    """The cluster secret (each node's env file) and the API key are in no process's argv."""
+    values = [api_key(hosts[0])]
+    for host in hosts:
+        env = host.run(["cat", f"/root/.llmctl/{cluster}-{host.ip}.env"]).stdout
+        values += [line.split("=", 1)[1] for line in env.splitlines()
+                   if line.startswith("LLMCTL_CLUSTER_SECRET=")]  # fmt: skip
+    assert len(values) == 1 + len(hosts) and len(set(values[1:])) == 1, "one secret per cluster"
+    lines = command_lines(hosts, container)
+    assert "llmctl serve" in lines  # the servers are there, their secrets are not
+    for value in values:
+        assert len(value) >= 32 and value not in lines
 
 
 def greedy(head) -> list[str]:
@@ -73,8 +110,15 @@ def greedy(head) -> list[str]:
     return out
 
 
+def authorization(head) -> dict[str, str]:
+    """What a client of the cluster's server sends: every route but /health needs the key."""
+    return {"Authorization": f"Bearer {api_key(head)}"}
+
+
 def metric(head, name: str) -> float:
-    text = httpx.get(f"http://{head.ip}:{PORT}/metrics", timeout=5).text
+    text = httpx.get(
+        f"http://{head.ip}:{PORT}/metrics", headers=authorization(head), timeout=5
+    ).text
     for line in text.splitlines():
         if line.startswith((name + "{", name + " ")):
             return float(line.rsplit(" ", 1)[1])
@@ -107,11 +151,16 @@ def test_pipeline_stages_on_two_nodes(cli_env, testbed, hosts, model, offline, t
         out = llmctl(cli_env, "serve", "-i", str(inv), "-pp", "2", "--port", str(PORT), *ENGINE)
         head, worker = hosts
         assert f"at http://{head.ip}:{PORT}/v1" in out.stdout, out.stdout + out.stderr
+        assert f"API key: LLMCTL_API_KEY in {head.ip}:{API_KEY_FILE} (mode 0600" in out.stdout
         assert greedy(head) == offline
+        assert httpx.get(f"http://{head.ip}:{PORT}/v1/models", timeout=5).status_code == 401
         placed = rank_nodes(cli_env, inv)
         assert placed == {0: head.ip, 1: worker.ip}, placed  # stage 0 on the head, 1 on the worker
         status = llmctl(cli_env, "cluster", "status", "-i", str(inv)).stdout
         assert re.search(r"Server: .* \(tp=1, pp=2\) at .*: healthy", status), status
+        assert "Joins: authenticated: the 2 nodes share one cluster secret" in status, status
+        assert f"API key: LLMCTL_API_KEY in {head.ip}:{API_KEY_FILE}" in status, status
+        secrets_on_no_command_line(hosts, "llmctl-srv", "srv")
         again = llmctl(cli_env, "serve", "-i", str(inv), "-pp", "2", "--port", str(PORT), *ENGINE)
         assert "serving" in again.stdout  # the same server, found healthy
         stopped = llmctl(cli_env, "serve", "-i", str(inv), "--stop").stdout
@@ -134,7 +183,9 @@ def test_pipeline_stages_on_two_nodes(cli_env, testbed, hosts, model, offline, t
         assert "Started 2 data-parallel replicas" in log, log
         placed = re.findall(r"Ray worker rank 0 on node (\S+), pid", log)[-2:]
         assert sorted(placed) == sorted([head.ip, worker.ip]), placed
-        metrics = httpx.get(f"http://{head.ip}:{PORT}/metrics", timeout=5).text
+        metrics = httpx.get(
+            f"http://{head.ip}:{PORT}/metrics", headers=authorization(head), timeout=5
+        ).text
         served = re.findall(
             r'llmctl:prompt_tokens_total\{[^}]*replica="(\d)"[^}]*\} (\S+)', metrics
         )

@@ -1,4 +1,4 @@
-"""The head's DPCoordinator against real joins on 127.0.0.1 (engine/dp_replica_server.join_head,
+"""The head's DPJoinServer against real joins on 127.0.0.1 (engine/dp_replica_server.join_head,
 what a --headless node calls): each way a replica is refused names it and what to change, a
 replica that never joins is named after --rendezvous-timeout, as is one that joined but whose
 engine is never built, and a node that fails or leaves before its engine is built fails the head's
@@ -15,9 +15,9 @@ import time
 import pytest
 
 from llmctl.engine.config.engine_args import EngineArgs
-from llmctl.engine.distributed import rendezvous
+from llmctl.engine.distributed import join as join_protocol
 from llmctl.engine.distributed.ports import free_port
-from llmctl.engine.dp.join_server import PROTOCOL, DPCoordinator, replica_hello
+from llmctl.engine.dp.join_server import PROTOCOL, DPJoinServer, replica_hello
 from llmctl.engine.dp.replica_server import join_head
 from llmctl.engine.errors import (
     ConfigError,
@@ -41,7 +41,7 @@ def head(tiny_models, request):
     )
     placement = args.data_parallel_placement()
     config = args.create_engine_config()
-    coordinator = DPCoordinator(placement, config, timeout=getattr(request, "param", 0.5))
+    coordinator = DPJoinServer(placement, config, timeout=getattr(request, "param", 0.5))
     yield placement, config, coordinator
     coordinator.close(reason="the test ended")
 
@@ -132,13 +132,13 @@ def test_a_node_that_leaves_before_the_head_started_may_join_again(head):
 def test_the_head_names_its_address_and_port_when_it_cannot_listen(head):
     placement, config, _ = head
     with pytest.raises(DataParallelJoinError) as err:  # the fixture's head holds the port
-        DPCoordinator(placement, config, timeout=1)
+        DPJoinServer(placement, config, timeout=1)
     assert f"port {placement.port} (--data-parallel-rpc-port) is already in use" in (
         err.value.message
     )
     elsewhere = dataclasses.replace(placement, address="10.255.255.1")
     with pytest.raises(DataParallelJoinError) as err:
-        DPCoordinator(elsewhere, config, timeout=1)
+        DPJoinServer(elsewhere, config, timeout=1)
     assert "--data-parallel-address 10.255.255.1 is not an address of the head" in (
         err.value.message
     )
@@ -147,16 +147,25 @@ def test_the_head_names_its_address_and_port_when_it_cannot_listen(head):
 def test_a_foreign_peer_is_dropped_and_the_head_serves_on(head):
     placement, _, coordinator = head
     with socket.create_connection(("127.0.0.1", placement.port)) as peer:
-        peer.sendall(b"GET / HTTP/1.1\r\n\r\n")  # no JSON line: dropped (closed or reset)
+        peer.sendall(b"GET / HTTP/1.1\r\n\r\n")  # no proof of the secret: dropped
+        peer.shutdown(socket.SHUT_WR)
+        received = b""
         try:
-            assert peer.recv(1024) == b""
+            while chunk := peer.recv(1024):
+                received += chunk
         except ConnectionResetError:
             pass
+        assert received[: len(join_protocol.MAGIC)] == join_protocol.MAGIC  # the greeting alone
+        assert len(received) == 45
     join(head, 1).close()
-    with socket.create_connection(("127.0.0.1", placement.port)) as peer:
-        rendezvous.send_line(peer, {"llmctl": PROTOCOL, "kind": "node"})
-        assert rendezvous.recv_line(peer, 5)["ok"] is False
-    assert coordinator._thread.is_alive()
+    secret = join_protocol.ClusterSecret.load()
+    hello = {"llmctl": PROTOCOL, "kind": "node"}  # it holds the secret, but is no replica
+    peer, reply = join_protocol.dial(
+        "127.0.0.1", placement.port, secret, hello, time.monotonic() + 10, "the head"
+    )
+    peer.close()
+    assert reply["ok"] is False
+    assert coordinator._listener.is_alive()
 
 
 def wait_until(condition, timeout: float, what: str):
