@@ -21,6 +21,46 @@ _CLUSTER = "Cluster"
 ServerKwargs = dict  # ServerConfig keywords: the server options a user gave
 
 
+# `serve -i`'s options (the Cluster panel)
+ClusterInventory = Annotated[
+    str | None,
+    typer.Option(
+        "--inventory",
+        "-i",
+        help="Serve on the cluster of this inventory (started by `llmctl cluster up`): in "
+        "its head container on the Ray backend, or in every node's container on the mp "
+        "backend; the layout from `llmctl plan` unless -tp/-pp are given. MODEL defaults to "
+        "the inventory's `model`.",
+        rich_help_panel=_CLUSTER,
+    ),
+]
+ClusterBackend = Annotated[
+    str | None,
+    typer.Option(
+        help="With -i: ray, or mp (`llmctl serve --nnodes N` in each node's container, no "
+        "Ray). (default: the backend `cluster up` started the containers on)",
+        show_default=False,
+        rich_help_panel=_CLUSTER,
+    ),
+]
+ClusterStop = Annotated[
+    bool,
+    typer.Option("--stop", help="With -i: stop the cluster's server.", rich_help_panel=_CLUSTER),
+]
+NoApiKey = Annotated[
+    bool,
+    typer.Option(
+        "--no-api-key",
+        help="With -i: serve without an API key. (default: serve -i makes one, kept in "
+        "~/.llmctl/NAME-api.env on the head node; `cluster status` says where)",
+        rich_help_panel=_CLUSTER,
+    ),
+]
+ClusterWait = Annotated[
+    float, typer.Option(help="With -i: seconds to wait for /health.", rich_help_panel=_CLUSTER)
+]
+
+
 @app.command()
 @engine_options("serve")
 @engine_options("serve", param="server", args_class=ServerConfig)
@@ -31,46 +71,11 @@ def serve(
     # shows in the Server panel with the former, the others in the Engine and Parallelism panels.
     server: ServerKwargs = None,
     engine: EngineKwargs = None,
-    inventory: Annotated[
-        str | None,
-        typer.Option(
-            "--inventory",
-            "-i",
-            help="Serve on the cluster of this inventory (started by `llmctl cluster up`): in "
-            "its head container on the Ray backend, or in every node's container on the mp "
-            "backend; the layout from `llmctl plan` unless -tp/-pp are given. MODEL defaults to "
-            "the inventory's `model`.",
-            rich_help_panel=_CLUSTER,
-        ),
-    ] = None,
-    backend: Annotated[
-        str | None,
-        typer.Option(
-            help="With -i: ray, or mp (`llmctl serve --nnodes N` in each node's container, no "
-            "Ray). (default: the backend `cluster up` started the containers on)",
-            show_default=False,
-            rich_help_panel=_CLUSTER,
-        ),
-    ] = None,
-    stop: Annotated[
-        bool,
-        typer.Option(
-            "--stop", help="With -i: stop the cluster's server.", rich_help_panel=_CLUSTER
-        ),
-    ] = False,
-    no_api_key: Annotated[
-        bool,
-        typer.Option(
-            "--no-api-key",
-            help="With -i: serve without an API key. (default: serve -i makes one, kept in "
-            "~/.llmctl/NAME-api.env on the head node; `cluster status` says where)",
-            rich_help_panel=_CLUSTER,
-        ),
-    ] = False,
-    wait: Annotated[
-        float,
-        typer.Option(help="With -i: seconds to wait for /health.", rich_help_panel=_CLUSTER),
-    ] = 600.0,
+    inventory: ClusterInventory = None,
+    backend: ClusterBackend = None,
+    stop: ClusterStop = False,
+    no_api_key: NoApiKey = False,
+    wait: ClusterWait = 600.0,
 ) -> None:
     """Serve a model with an OpenAI-compatible API (/v1/completions, /v1/chat/completions).
 
