@@ -72,11 +72,12 @@ class CatalogEntry:
         elif shape.num_experts:
             values.update(
                 num_experts=shape.num_experts,
-                moe_intermediate_size=shape.moe_intermediate_size or None,
                 decoder_sparse_step=shape.decoder_sparse_step,
                 mlp_only_layers=list(shape.mlp_only_layers),
                 norm_topk_prob=shape.architecture == "Qwen3MoeForCausalLM",
             )
+            if shape.moe_intermediate_size:  # (0: each expert as wide as the dense MLP)
+                values["moe_intermediate_size"] = shape.moe_intermediate_size
             if shape.shared_expert_intermediate_size:
                 values["shared_expert_intermediate_size"] = shape.shared_expert_intermediate_size
         if shape.num_experts:
