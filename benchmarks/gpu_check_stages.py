@@ -198,16 +198,18 @@ def cuda_tests(result: Result, model: str) -> None:
 
     junit = result.path.with_name("cuda_tests.xml")
     seconds = SIZES.seconds - 5
-    argv = [sys.executable, "-m", "pytest", "-m", "cuda", "-x", "-q", "-p", "no:cacheprovider"]
+    argv = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider"]
     argv += ["tests/cuda", f"--junitxml={junit}"]
     result["argv"] = argv
     try:
         run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=seconds)
         result["exit_code"] = run.returncode
         result["tail"] = (run.stdout + run.stderr)[-3000:]
+        print(run.stdout + run.stderr)  # the whole of it into gpu_check.log
     except subprocess.TimeoutExpired as exc:
         result["exit_code"] = None
         result["tail"] = f"timed out after {seconds:.0f} s: {(exc.stdout or b'')[-2000:]!r}"
+        print(exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or "")
     if junit.is_file():
         suite = ElementTree.parse(junit).getroot()
         suite = suite if suite.tag == "testsuite" else suite[0]

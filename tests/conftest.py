@@ -83,6 +83,8 @@ def _hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     import torch
 
     ids = torch.tensor([prompt_ids], device=model.device)
+    if _long_rope(model):
+        return _hf_greedy_recomputed(model, ids, max_new_tokens)
     with torch.no_grad():
         out = model.generate(
             ids,
@@ -93,6 +95,28 @@ def _hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+def _long_rope(model) -> bool:
+    rope = getattr(model.config, "rope_parameters", None) or {}
+    return rope.get("rope_type") == "longrope"
+
+
+def _hf_greedy_recomputed(model, ids, max_new_tokens: int) -> list[int]:
+    """LongRoPE (Phi-3): every token from the whole sequence again, no KV cache, so that a
+    sequence longer than original_max_position_embeddings reads the long factors at every
+    position. That is what transformers' generate means to do (its Phi-3 drops the cache when the
+    sequence crosses that length), but transformers 5.17 (a GPU machine's) then also dropped all
+    but the last token and generated from it alone; 5.24 does it right. Same tokens as 5.24's
+    generate (tests/engine/test_new_families.py runs both paths' models)."""
+    import torch
+
+    start = ids.shape[1]
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(ids, use_cache=False).logits[0, -1]
+            ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
+    return ids[0, start:].tolist()
 
 
 @pytest.fixture(scope="session")

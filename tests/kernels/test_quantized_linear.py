@@ -256,7 +256,7 @@ def test_triton_group_mm_matches_reference(device, qtype, n, k, m, dtype):
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K], ids=lambda v: v.name)
 def test_triton_group_mm_splits_long_rows_over_programs(device, monkeypatch, qtype, m):
     # K = 2304: 18 steps of 128, split over 4 programs (640 columns each) when the (M, N) tiles
-    # alone are few
+    # alone are few (and always at decode's few rows)
     monkeypatch.setattr(triton_group_mm, "_multiprocessors", lambda device: 8)
     n, k = 45, 2304
     raw = gguf_blocks(qtype, n, k)
@@ -265,9 +265,29 @@ def test_triton_group_mm_splits_long_rows_over_programs(device, monkeypatch, qty
     out = assert_matmul_close(packed, reference, m, torch.float32, triton_matmul, device)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device)
     assert torch.equal(triton_matmul(packed, x), out)  # a fixed order of partial sums
-    monkeypatch.setattr(triton_group_mm, "_multiprocessors", lambda device: 10_000)
-    whole = triton_matmul(packed, x)  # no split: another summation order, same result
+    w = packed
+    whole = triton_group_mm.group_mm(x, w.qweight, w.scales, w.zeros, w.bits, w.group_size, split=1)
+    assert not torch.equal(whole, out)  # no split: another summation order, same result
     assert torch.allclose(whole, out, rtol=1e-5, atol=1e-5 * out.abs().max().item())
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (8, 32)])
+def test_triton_group_mm_summed_in_registers_matches(device, bits, group_size, m):
+    """The kernel's other form for a few rows (USE_DOT=False: products summed in registers, no
+    16-row tensor-core tile), which benchmarks/group_mm_tiles.py times against tl.dot."""
+    n, k = 45, 384
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(3))
+    packed = kernels.pack_groups(*quantize_rtn(w, bits, group_size), bits, group_size).to(device)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device)
+    want = x.double() @ packed.dequantize().double().T
+    for block_n, block_k, split in ((16, 128, None), (32, 64, 3)):
+        tiles = dict(BLOCK_M=1 << (m - 1).bit_length(), BLOCK_N=block_n, BLOCK_K=block_k,
+                     USE_DOT=False, num_warps=4, num_stages=2)  # fmt: skip
+        y = triton_group_mm.group_mm(
+            x, packed.qweight, packed.scales, packed.zeros, bits, group_size, tiles, split
+        )
+        assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("bits, group_size", [(4, 128), (8, 16)])

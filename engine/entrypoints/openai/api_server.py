@@ -24,7 +24,9 @@ import logging
 import signal
 from collections.abc import Callable
 from http import HTTPStatus
-from importlib.metadata import version
+import re
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -76,6 +78,19 @@ class _ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+def llmctl_version() -> str:
+    """The installed llmctl's version; run from a tree never installed (the GPU check on a lent
+    machine puts the tree on the import path), pyproject.toml's version with "+source"."""
+    try:
+        return version("llmctl")
+    except PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parents[3] / "pyproject.toml"
+        found = pyproject.is_file() and re.search(
+            r'^version = "([^"]+)"', pyproject.read_text(), re.MULTILINE
+        )
+        return f"{found.group(1)}+source" if found else "unknown"
+
+
 def build_app(
     engine_client: EngineClient,
     served_model_name: str,
@@ -97,7 +112,7 @@ def build_app(
         yield
         prepare_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="llmctl", version=version("llmctl"), lifespan=lifespan)
+    app = FastAPI(title="llmctl", version=llmctl_version(), lifespan=lifespan)
     metrics = ServerMetrics(engine_client, served_model_name)
     if config.api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=config.api_key)
@@ -172,7 +187,7 @@ def _add_info_routes(
 
     @app.get("/version")
     async def get_version() -> dict:
-        return {"version": version("llmctl")}
+        return {"version": llmctl_version()}
 
     @app.get("/v1/models")
     async def models() -> dict:

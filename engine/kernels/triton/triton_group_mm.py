@@ -10,8 +10,8 @@ decode nor at prefill, nor in a CUDA graph's replay (an earlier version expanded
 per call above 64 rows). A 4-bit tile is used as it lies: the low nibbles of a chunk's 16 bytes
 are its elements 0..15, the high ones 16..31, so the kernel multiplies them by the matching
 halves of x rather than interleaving them. Tiles grow with M (fused_tiles: 16 to 64 rows, and
-128 columns of W above 64 rows, so each expanded tile serves more rows). When the (M, N) tiles
-alone would leave the GPU's multiprocessors idle, K is split over programs too, and the partial
+128 columns of W up to 16 rows and above 64). When the (M, N) tiles alone would leave the GPU's
+multiprocessors idle, and always 8 ways up to 16 rows, K is split over programs too, and the partial
 sums (float32) are added in a fixed order by one reduction into the output: the same bits on
 every run. dequantize_kernel expands W (references, benchmarks).
 
@@ -19,8 +19,11 @@ Both kernels load a scale (and zero) once per 32-element chunk (per SUB columns 
 spread it in registers, and address the weight bytes, x and the expanded W as rows of 16-element
 runs, so that tiles move as 16-byte copies (tests/kernels/test_triton_compile.py checks the
 compiled sm_90 code for it). The previous version, which gathered a scale and a zero per weight,
-ran at 0.15-0.45x cuBLAS bfloat16 at decode on an H100 (docs/benchmarks.md); this one is not yet
-measured there.
+ran at 0.15-0.45x cuBLAS bfloat16 at decode on an H100; this one, with these tiles, at 0.6-0.7x
+on an H200 (docs/benchmarks.md: Llama-3.1-8B's shapes, group 32). Still slower than bfloat16 at
+decode, with 4x fewer bytes: the expansion (nibble to float32, scale and zero per weight, to
+bfloat16) costs more than the bytes save. Products summed in registers instead of tl.dot
+(USE_DOT=False) lost to tl.dot at 1 to 8 rows there.
 
 Activations keep their dtype (bfloat16 on the GPU by default; float32 dots run in IEEE float32,
 not TF32), accumulation is float32. Under Triton's CPU interpreter (the tests,
@@ -38,6 +41,8 @@ import triton.language as tl
 
 # Rows of x up to which the tiles are decode's (16-64 rows x 64 columns of W); above, prefill's.
 FUSED_MAX_ROWS = 64
+# K split at least this many ways for up to 16 rows of x (where K allows 4 steps a program)
+DECODE_SPLIT = 8
 
 
 @triton.jit
@@ -91,6 +96,13 @@ def expand_int8(
 
 
 @triton.jit
+def _row_dot(x, w):
+    """[BLOCK_M, BLOCK_K] x [BLOCK_N, BLOCK_K] -> [BLOCK_M, BLOCK_N], float32 products summed
+    over K in registers: no tensor-core tile of 16 rows for a step of one to four."""
+    return tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+
+
+@triton.jit
 def group_mm_kernel(
     x_ptr,  # [M, K] float, row stride stride_xm, unit column stride
     q_ptr,  # bits 4: uint8 [N, K // 2]; bits 8: int8 [N, K]; row stride stride_qn
@@ -113,6 +125,7 @@ def group_mm_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr,  # False: products summed in registers (benchmarks/group_mm_tiles.py)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -140,7 +153,9 @@ def group_mm_kernel(
             x_ok = m_ok[:, None, None] & c_ok[None, :, None]
             x_lo = tl.reshape(tl.load(x_at, mask=x_ok, other=0.0), (BLOCK_M, HALF))
             x_hi = tl.reshape(tl.load(x_at + 16, mask=x_ok, other=0.0), (BLOCK_M, HALF))
-            if UPCAST:
+            if not USE_DOT:
+                acc += _row_dot(x_lo, lo) + _row_dot(x_hi, hi)
+            elif UPCAST:
                 acc += tl.dot(x_lo.to(tl.float32), tl.trans(lo), input_precision=DOT_PRECISION)
                 acc += tl.dot(x_hi.to(tl.float32), tl.trans(hi), input_precision=DOT_PRECISION)
             else:
@@ -149,7 +164,9 @@ def group_mm_kernel(
         else:
             w, k, k_ok = expand_int8(q_rows, s_rows, k0, k_end, n_ok, GROUP, SUB, BLOCK_N, BLOCK_K)
             x = tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if UPCAST:
+            if not USE_DOT:
+                acc += _row_dot(x, w)
+            elif UPCAST:
                 acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision=DOT_PRECISION)
             else:
                 acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
@@ -208,13 +225,17 @@ def fused_tiles(m: int, k: int, dtype: torch.dtype) -> dict:
             BLOCK_M=64,
             BLOCK_N=128,
             BLOCK_K=64 if k >= 64 and dtype != torch.float32 else 32,
+            USE_DOT=True,
             num_warps=8,
             num_stages=2 if dtype == torch.float32 else 3,
         )
     return dict(
         BLOCK_M=block_m,
-        BLOCK_N=64,
+        # 128 columns of W a program at up to 16 rows, with K split up to 8 ways (group_mm):
+        # 1.1-2.1x faster than 64 columns on an H200 (benchmarks/group_mm_tiles.py)
+        BLOCK_N=128 if m <= 16 else 64,
         BLOCK_K=128 if k >= 128 and not wide else 64 if k >= 64 else 32,
+        USE_DOT=True,
         num_warps=4,
         num_stages=2 if dtype == torch.float32 else 3,
     )
@@ -227,10 +248,13 @@ def group_mm(
     zeros: torch.Tensor | None,
     bits: int,
     group_size: int,
+    tiles: dict | None = None,
+    split: int | None = None,
 ) -> torch.Tensor:
     """x: [M, K] float -> [M, N] in x's dtype; the PackedLinearWeight's tensors on x's device
     (contiguous, as pack_groups makes them: the kernels take one row stride for the scales and
-    the zeros, and unit column strides)."""
+    the zeros, and unit column strides). `tiles` and `split` replace fused_tiles' choice and the
+    K split (benchmarks/group_mm_tiles.py tries them)."""
     m, k = x.shape
     n = qweight.shape[0]
     if x.stride(1) != 1:
@@ -239,12 +263,16 @@ def group_mm(
     zeros = None if zeros is None else zeros.contiguous()
     if m == 0 or n == 0:
         return x.new_empty(m, n)
-    tiles = fused_tiles(m, k, x.dtype)
+    tiles = tiles or fused_tiles(m, k, x.dtype)
     block_m, block_n, block_k = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
     grid_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     k_blocks = triton.cdiv(k, block_k)
-    # Enough programs for about two waves over the multiprocessors, each still a few K steps.
-    split = max(1, min(2 * _multiprocessors(x.device) // grid_mn, k_blocks // 4))
+    # Enough programs for about two waves over the multiprocessors, each still a few K steps;
+    # a decode step's few rows split K at least 8 ways (its programs only stream W).
+    if split is None:
+        waves = 2 * _multiprocessors(x.device) // grid_mn
+        split = max(1, min(max(waves, DECODE_SPLIT) if m <= 16 else waves, k_blocks // 4))
+    split = max(1, min(split, k_blocks))
     k_per_split = triton.cdiv(k_blocks, split) * block_k
     split = triton.cdiv(k, k_per_split)
     partial = torch.empty(
