@@ -21,10 +21,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import re
 import signal
 from collections.abc import Callable
 from http import HTTPStatus
-import re
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
