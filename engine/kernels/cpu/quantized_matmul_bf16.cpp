@@ -2,18 +2,21 @@
 // tile into bfloat16 and multiplied by oneDNN's brgemm kernel (torch's cpublas::brgemm), which
 // runs on AMX tiles where the CPU has them and on AVX512-BF16 dot products otherwise.
 //
-// A thread owns whole tiles of NT rows of W (NT a multiple of 16). It expands a tile, once, into
-// the layout brgemm multiplies by ("VNNI": a 32-bit word holds the bfloat16 pair W[n][k],
-// W[n][k + 1], and the words of one k pair lie side by side for the NT rows, B32[k / 2][NT]),
-// then runs every block of MB rows of x against it and rounds the float32 sums into its columns
-// of y. The tile (K * NT * 2 bytes: 72 KiB for SmolLM2's K = 576 and NT = 64) stays in the core's
-// cache while the rows of x stream past, so each weight is expanded once per matmul: at M = 64
-// (a decode step of 64 sequences) the expansion is about a third of the GEMM's time.
+// y^T = W x^T: a thread owns whole tiles of NT rows of W (NT a multiple of 16). It expands a
+// tile, once, into bfloat16 rows (brgemm's A operand, row-major: a row's neighbours along K are
+// already the pairs AMX multiplies), then multiplies it by x^T, blocks of 64 rows of x at a time,
+// and writes the float32 sums, transposed 16 x 16 in registers and rounded, into its columns of
+// y. x^T is laid out once per call in the VNNI layout brgemm's B operand takes (a 32-bit word
+// holds the pair x[m][k], x[m][k + 1]; the words of one k pair lie side by side for all rows of
+// x: a transpose of x's words). The tile (K * NT * 2 bytes: 72 KiB for SmolLM2's K = 576 and
+// NT = 64) stays in the core's cache while x^T streams past, so each weight is expanded once per
+// matmul. An earlier version expanded W as the B operand, in VNNI pairs, which cost a 16 x 16
+// word transpose per 512 weights: a third of the expansion's instructions. W as A took SmolLM2's
+// 64-sequence decode (W2) from 1,235 to about 1,400 tokens/s on the Intel AMX kind.
 //
 // With AVX512-BF16 a row's 32 weights of one k chunk are expanded in registers (nibbles or int8
-// to float, times scale plus zero, rounded to bfloat16 pairs: 16 words) and 16 rows' words are
-// transposed in registers (64 shuffles per 512 weights) into 16 stores of 64 bytes. Without it
-// (a build for an older CPU) every pair is expanded one by one: the same values, slowly.
+// to float, times scale plus zero, rounded to bfloat16: one 64-byte store). Without it (a build
+// for an older CPU) every weight is expanded one by one: the same values, slowly.
 //
 // Rounding: each weight is the float32 value dequantize_rows gives (q * scale + zero, one
 // rounding; exact for GGUF's fp16 scales), rounded to the nearest bfloat16 (ties to even) as
@@ -39,7 +42,7 @@
 namespace llmctl_quantized {
 namespace {
 
-constexpr int64_t kRowBlock = 256;  // rows of x per brgemm call: a float32 C of 64 KiB at NT = 64
+constexpr int64_t kRowBlock = 64;  // rows of x (columns of x^T) per brgemm call
 
 template <typename S>
 struct Rows {  // W[n, k] = q[n, k] * scales[n, k / g] + zeros[n, k / g]
@@ -129,68 +132,6 @@ void widen_scales(const Rows<S>& w, int64_t n0, int64_t rows, float* s, float* z
   }
 }
 
-#if defined(LLMCTL_Q_BF16)
-template <int BITS, typename S>
-void expand_vnni_chunks(const Rows<S>& w, int64_t n0, int64_t rows, int64_t NT, uint32_t* B,
-                        const float* s, const float* z) {
-  for (int64_t r0 = 0; r0 < NT; r0 += 16) {
-    for (int64_t k = 0; k < w.K; k += 32) {
-      const int64_t gi = k / w.g, gi2 = (k + 16) / w.g;  // the groups of the chunk's halves
-      __m512i v[16];
-      for (int64_t i = 0; i < 16; ++i) {
-        const int64_t r = r0 + i;
-        v[i] = r < rows ? row_chunk<BITS>(w, n0 + r, k, gi, gi2, s + r * w.G, z + r * w.G)
-                        : _mm512_setzero_si512();
-      }
-      transpose16(v);
-      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(B + (k / 2 + j) * NT + r0, v[j]);
-    }
-  }
-}
-#endif
-
-// Rows [n0, n0 + rows) of W into B32[K / 2][NT] (the VNNI layout); columns past `rows` are zero.
-// sz: room for 2 * NT * G floats.
-template <typename S>
-void expand_vnni(const Rows<S>& w, int64_t n0, int64_t rows, int64_t NT, uint32_t* B, float* sz) {
-#if defined(LLMCTL_Q_BF16)
-  if (w.chunked()) {
-    float *s = sz, *z = sz + NT * w.G;
-    widen_scales(w, n0, rows, s, z);
-    if (w.bits == 4) {
-      expand_vnni_chunks<4>(w, n0, rows, NT, B, s, z);
-    } else {
-      expand_vnni_chunks<8>(w, n0, rows, NT, B, s, z);
-    }
-    return;
-  }
-#endif
-  for (int64_t k = 0; k < w.K; k += 2) {
-    uint32_t* out = B + (k / 2) * NT;
-    for (int64_t j = 0; j < NT; ++j) {
-      out[j] = j < rows ? uint32_t(bf16_bits(w.value(n0 + j, k))) |
-                              uint32_t(bf16_bits(w.value(n0 + j, k + 1))) << 16
-                        : 0u;
-    }
-  }
-}
-
-// y[i, 0 .. cols) = bfloat16(C[i, 0 .. cols)) for mb rows; C: [mb, ldc] float32, y: [mb, ldy].
-void store_rows(const float* C, int64_t ldc, int64_t mb, int64_t cols, c10::BFloat16* y,
-                int64_t ldy) {
-  for (int64_t i = 0; i < mb; ++i) {
-    const float* c = C + i * ldc;
-    c10::BFloat16* out = y + i * ldy;
-    int64_t j = 0;
-#if defined(LLMCTL_Q_BF16)
-    for (; j + 16 <= cols; j += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j),
-                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(c + j))));
-#endif
-    for (; j < cols; ++j) out[j] = c10::BFloat16(c[j]);
-  }
-}
-
 template <typename S>
 Rows<S> rows_of(const at::Tensor& q, const at::Tensor& scales,
                 const std::optional<at::Tensor>& zeros, int64_t bits, int64_t g) {
@@ -201,22 +142,101 @@ Rows<S> rows_of(const at::Tensor& q, const at::Tensor& scales,
                  K / g, g};
 }
 
+// Rows [n0, n0 + rows) of W as bfloat16, row-major: Wt[r][k] (the A operand of brgemm needs no
+// VNNI pairing: a row's neighbours along K are already pairs). sz: room for 2 * rows * G floats.
+template <typename S>
+void expand_rows(const Rows<S>& w, int64_t n0, int64_t rows, uint16_t* Wt, float* sz) {
+#if defined(LLMCTL_Q_BF16)
+  if (w.chunked()) {
+    float *s = sz, *z = sz + rows * w.G;
+    widen_scales(w, n0, rows, s, z);
+    for (int64_t r = 0; r < rows; ++r) {
+      uint16_t* out = Wt + r * w.K;
+      const float *rs = s + r * w.G, *rz = z + r * w.G;
+      for (int64_t k = 0; k < w.K; k += 32) {
+        const int64_t gi = k / w.g, gi2 = (k + 16) / w.g;
+        _mm512_storeu_si512(out + k, w.bits == 4 ? row_chunk<4>(w, n0 + r, k, gi, gi2, rs, rz)
+                                                 : row_chunk<8>(w, n0 + r, k, gi, gi2, rs, rz));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < w.K; ++k) Wt[r * w.K + k] = bf16_bits(w.value(n0 + r, k));
+}
+
+// x^T in the VNNI layout brgemm's B operand takes: XB[k / 2][m] = (x[m][k], x[m][k + 1]), Mp
+// columns (M rounded up to 16; the padding zero). A word of x is already such a pair, so this is
+// a transpose of [M, K / 2] words, 16 x 16 at a time in registers.
+std::vector<uint32_t> vnni_columns(const c10::BFloat16* x, int64_t M, int64_t K, int64_t Mp) {
+  const int64_t K2 = K / 2;
+  std::vector<uint32_t> XB(K2 * Mp, 0u);
+  const auto* xs = reinterpret_cast<const uint32_t*>(x);  // a word: the pair (k, k + 1)
+  int64_t k0 = 0;
+#if defined(LLMCTL_Q_BF16)
+  for (; k0 + 16 <= K2; k0 += 16) {
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      __m512i v[16];
+      for (int64_t i = 0; i < 16; ++i)
+        v[i] = m0 + i < M ? _mm512_loadu_si512(xs + (m0 + i) * K2 + k0) : _mm512_setzero_si512();
+      transpose16(v);
+      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(XB.data() + (k0 + j) * Mp + m0, v[j]);
+    }
+  }
+#endif
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k2 = k0; k2 < K2; ++k2) XB[k2 * Mp + m] = xs[m * K2 + k2];
+  return XB;
+}
+
+// y[j][i] = bfloat16(C[i][j]) for i < rows, j < mb; C: [rows, ldc] float32, y's rows N apart.
+void store_columns(const float* C, int64_t ldc, int64_t rows, int64_t mb, c10::BFloat16* y,
+                   int64_t N) {
+  int64_t i0 = 0;
+#if defined(LLMCTL_Q_BF16)
+  for (; i0 + 16 <= rows; i0 += 16) {
+    int64_t j0 = 0;
+    for (; j0 + 16 <= mb; j0 += 16) {
+      __m512i v[16];
+      for (int64_t i = 0; i < 16; ++i)
+        v[i] = _mm512_loadu_si512(C + (i0 + i) * ldc + j0);
+      transpose16(v);  // v[j]: column j0 + j of C, rows i0 .. i0 + 15
+      for (int64_t j = 0; j < 16; ++j)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (j0 + j) * N + i0),
+                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_castsi512_ps(v[j]))));
+    }
+    for (int64_t j = j0; j < mb; ++j)
+      for (int64_t i = i0; i < i0 + 16; ++i) y[j * N + i] = c10::BFloat16(C[i * ldc + j]);
+  }
+#endif
+  for (int64_t j = 0; j < mb; ++j)
+    for (int64_t i = i0; i < rows; ++i) y[j * N + i] = c10::BFloat16(C[i * ldc + j]);
+}
+
+// y^T = W x^T, tile by tile: a thread expands NT rows of W into bfloat16 rows (brgemm's A), once,
+// and multiplies them by x^T (B, in VNNI pairs, laid out once per call), kRowBlock columns at a
+// time. Expanding W as A rather than B spares the 16 x 16 word transposes the VNNI layout needs:
+// a third of the expansion's instructions.
 template <typename S>
 void tiled_mm(const at::Tensor& x, const Rows<S>& w, int64_t N, int64_t NT, at::Tensor& y) {
-  const int64_t M = x.size(0), K = w.K, tiles = (N + NT - 1) / NT;
-  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const int64_t M = x.size(0), K = w.K, tiles = (N + NT - 1) / NT, Mp = (M + 15) / 16 * 16;
+  const std::vector<uint32_t> XB = vnni_columns(x.data_ptr<c10::BFloat16>(), M, K, Mp);
+  const auto* xb = reinterpret_cast<const c10::BFloat16*>(XB.data());
   auto* yp = y.data_ptr<c10::BFloat16>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> B(K / 2 * NT);
-    std::vector<float> C(std::min(M, kRowBlock) * NT), sz(2 * NT * w.G);
+    std::vector<uint16_t> Wt(NT * K);
+    std::vector<float> C(NT * std::min(Mp, kRowBlock)), sz(2 * NT * w.G);
+    const int64_t ldc = std::min(Mp, kRowBlock);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * NT, rows = std::min(NT, N - n0);
-      expand_vnni(w, n0, rows, NT, B.data(), sz.data());
-      const auto* b = reinterpret_cast<const c10::BFloat16*>(B.data());
+      expand_rows(w, n0, rows, Wt.data(), sz.data());
+      const auto* a = reinterpret_cast<const c10::BFloat16*>(Wt.data());
       for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-        const int64_t mb = std::min(kRowBlock, M - m0);
-        at::native::cpublas::brgemm(mb, NT, K, K, NT, NT, false, xp + m0 * K, b, C.data(), true);
-        store_rows(C.data(), NT, mb, rows, yp + m0 * N + n0, N);
+        const int64_t mb = std::min(kRowBlock, M - m0), nb = std::min(kRowBlock, Mp - m0);
+        at::native::cpublas::brgemm(rows, nb, K, K, Mp, ldc, false, a, xb + 2 * m0, C.data(),
+                                    true);
+        store_columns(C.data(), ldc, rows, mb, yp + m0 * N + n0, N);
       }
     }
     at::native::cpublas::brgemm_release(true);  // this thread's AMX tile state
