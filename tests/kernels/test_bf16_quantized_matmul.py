@@ -30,7 +30,7 @@ SHAPES = [
     (8, 32, 203, 160),
     (8, 16, 29, 400),
 ]
-ROWS = [5, 64, 300, kernels.LARGE_BATCH + 3]
+ROWS = [5, 64, kernels.BF16_LARGE_BATCH - 1, 300, kernels.LARGE_BATCH + 3]
 
 
 @pytest.fixture(scope="module")

@@ -15,14 +15,15 @@ builds it):
   dequantize in registers; accumulation is float32, bfloat16 rows are widened in the kernel and
   the output rounded back (the float32 result's bits, rounded).
 - bfloat16 x on a CPU whose path has bfloat16 tiles (platform.cpu_path: AMX or AVX512-BF16),
-  more than BF16_SMALL_BATCH rows: tiled_group_mm expands tiles of W into bfloat16, in the layout
-  oneDNN's brgemm kernel reads, and multiplies them on AMX tiles (or AVX512-BF16 dot products)
-  into float32 sums; from LARGE_BATCH rows, W in bfloat16 chunks for torch's bfloat16 GEMM. The
-  tiles hold exactly the float path's weights in bfloat16 (W dequantized, rounded to nearest).
-  On the Intel AMX kind, single-thread CPU time of SmolLM2's 30 layers and LM head at M = 64:
-  37 ms, against 154 ms for the float32 tiles and 22 ms for the float bfloat16 weights
-  prepacked for oneDNN; at M = 8192 the chunks run at the float path's speed. The decode kernels
-  stay up to 4 rows: 10 ms at M = 1 against 25 ms for the tiles (the expansion of the weights).
+  more than BF16_SMALL_BATCH rows: tiled_group_mm expands tiles of W into bfloat16 rows, the A
+  operand of oneDNN's brgemm kernel (y^T = W x^T), and multiplies them on AMX tiles (or
+  AVX512-BF16 dot products) into float32 sums; from BF16_LARGE_BATCH rows, W in bfloat16 chunks
+  for torch's bfloat16 GEMM. The tiles hold exactly the float path's weights in bfloat16 (W
+  dequantized, rounded to nearest). On the Intel AMX kind, 2 threads, SmolLM2's layer shapes at
+  M = 64: QKV 79-81 us, O 58-78, gate/up 217-221, down 125-214, LM head 3.5 ms, against F.linear
+  on the bfloat16 weights 69 / 45-47 / 201-207 / 97-113 us and 4.2 ms (runs on that VM vary by up
+  to 1.5x); at M = 8192 the chunks run at the float path's speed. The decode kernels stay up to 4 rows: at M = 1 they read each weight byte once,
+  where the tiles expand every weight.
 The float32 paths (AVX2 CPUs, or float32 activations anywhere):
 - larger M (prefill): tiled_group_mm expands tiles of W to float32 (about 1 MiB each) and runs
   torch's float GEMM on them, every tile on one thread inside a single parallel region, so the
@@ -70,6 +71,9 @@ SMALL_BATCH = 24  # rows of x up to which the fused kernels beat dequantize + GE
 BF16_SMALL_BATCH = 4  # the same against bfloat16 tiles for AMX (measured on the Intel AMX kind)
 _TILE_BYTES = 1 << 20  # float32 bytes of W expanded per tile on the batched path
 LARGE_BATCH = 512  # rows of x from which W is expanded in large chunks for one GEMM each
+# The same for bfloat16 tiles: at 512 rows the tiles took 1.3-2.3x the chunks' time on SmolLM2's
+# layer shapes (Intel AMX kind, 2 threads), at 256 about the same, at 128 and below less.
+BF16_LARGE_BATCH = 256
 _CHUNK_BYTES = 16 << 20  # float32 bytes of W expanded at once on that path
 
 
@@ -136,10 +140,10 @@ class PackedLinearWeight:
 
     def _bf16_matmul(self, op: Any, x: torch.Tensor) -> torch.Tensor:
         """bfloat16 x of more than BF16_SMALL_BATCH rows: W expanded to bfloat16 tiles for
-        oneDNN's brgemm (AMX or AVX512-BF16); from LARGE_BATCH rows in large chunks for torch's
-        bfloat16 GEMM."""
+        oneDNN's brgemm (AMX or AVX512-BF16); from BF16_LARGE_BATCH rows in large chunks for
+        torch's bfloat16 GEMM."""
         n, k = self.out_features, self.in_features
-        if x.shape[0] >= LARGE_BATCH:
+        if x.shape[0] >= BF16_LARGE_BATCH:
             return self._chunked_matmul(x, max(8, _CHUNK_BYTES // (2 * k)))
         # tiles of 16-64 rows (a multiple of 16), two per thread at least
         rows = -(-n // (2 * torch.get_num_threads()))
