@@ -145,9 +145,10 @@ class PackedLinearWeight:
         n, k = self.out_features, self.in_features
         if x.shape[0] >= BF16_LARGE_BATCH:
             return self._chunked_matmul(x, max(8, _CHUNK_BYTES // (2 * k)))
-        # tiles of 16-64 rows (a multiple of 16), two per thread at least
+        # tiles of 16-128 rows (a multiple of 16), two per thread at least: fewer brgemm calls,
+        # each with a fixed cost (~2 us); 128 rows ran W2 ~3% faster than 64 on the AMX kind
         rows = -(-n // (2 * torch.get_num_threads()))
-        rows = min(64, max(16, -(-rows // 16) * 16))
+        rows = min(128, max(16, -(-rows // 16) * 16))
         return op.tiled_group_mm(x, self.qweight, self.scales, self.zeros, self.bits,
                                  self.group_size, rows)  # fmt: skip
 
