@@ -268,7 +268,8 @@ class ServingChild:
 
 def interleaved(engines: tuple[str, str], threads: str, spec_path: Path, workloads, rounds: int):
     """Rows as run_child gives them, from `rounds` alternating runs per workload: each engine's
-    median tok/s, and "ratio": the median of the rounds' ratios (engines[0] / engines[1])."""
+    median tok/s, and "ratio_to": {engines[1]: the median of the rounds' ratios (engines[0] /
+    engines[1])}."""
     children = [ServingChild(e, threads, spec_path) for e in engines]
     rows = {e: {"start_s": c.start["start_s"]} for e, c in zip(engines, children, strict=True)}
     try:
@@ -289,7 +290,8 @@ def interleaved(engines: tuple[str, str], threads: str, spec_path: Path, workloa
             ratios = [a / b for a, b in zip(rates[engines[0]], rates[engines[1]], strict=True)]
             for e in engines:
                 rows[e][name]["tok_s"] = statistics.median(rates[e])
-            rows[engines[0]][name]["ratio"] = statistics.median(ratios)
+            # the median of the rounds' ratios: to this peer only, not to the others
+            rows[engines[0]][name]["ratio_to"] = {engines[1]: statistics.median(ratios)}
     finally:
         for child in children:
             child.close()
@@ -362,9 +364,10 @@ def print_table(title: str, rows: dict, pairs: list[tuple[str, str]], workloads)
             a, b = rows.get((ours, threads)), rows.get((theirs, threads))
             if not a or not b:
                 continue
-            ratios = [
-                f"{w} {a[w].get('ratio', a[w]['tok_s'] / b[w]['tok_s']):.2f}x" for w in workloads
-            ]
+            ratios = []
+            for w in workloads:
+                ratio = a[w].get("ratio_to", {}).get(theirs, a[w]["tok_s"] / b[w]["tok_s"])
+                ratios.append(f"{w} {ratio:.2f}x")
             ratios.append(f"warm start {a['start_s'] / b['start_s']:.1f}x as long")
             if "rss_w1_mb" in a:
                 ratios.append(f"RSS {a['rss_w1_mb'] / b['rss_w1_mb']:.1f}x")
