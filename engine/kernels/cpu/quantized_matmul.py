@@ -42,9 +42,9 @@ Without a C++ compiler (or if the build fails) the same math runs in plain torch
 dequantizes tiles and calls F.linear (correct, slower at decode); one warning says why.
 
 On a GPU the matmul is the custom op llmctl::group_quantized_mm (triton_group_mm.py; CUDA graphs
-capture it): up to 64 rows of x, one Triton kernel expands tiles of W in registers; above, W is
-expanded once into a temporary and multiplied by cuBLAS. Activations keep their dtype (bfloat16
-on the GPU by default) and accumulate in float32.
+capture it): at every M one Triton kernel expands tiles of W in registers for tl.dot, W never
+written out. Activations keep their dtype (bfloat16 on the GPU by default) and accumulate in
+float32.
 """
 
 from __future__ import annotations
