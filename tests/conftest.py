@@ -107,8 +107,8 @@ def _hf_greedy_recomputed(model, ids, max_new_tokens: int) -> list[int]:
     sequence longer than original_max_position_embeddings reads the long factors at every
     position. That is what transformers' generate means to do (its Phi-3 drops the cache when the
     sequence crosses that length), but transformers 5.17 (a GPU machine's) then also dropped all
-    but the last token and generated from it alone; 5.24 does it right. Same tokens as 5.24's
-    generate (tests/engine/test_new_families.py runs both paths' models)."""
+    but the last token and generated from it alone; 5.24 does it right. On the Phi-3 tests'
+    prompts this gives 5.24's generate's tokens (compared when it was written)."""
     import torch
 
     start = ids.shape[1]
