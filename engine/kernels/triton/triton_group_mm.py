@@ -11,15 +11,15 @@ per call above 64 rows). A 4-bit tile is used as it lies: the low nibbles of a c
 are its elements 0..15, the high ones 16..31, so the kernel multiplies them by the matching
 halves of x rather than interleaving them. Tiles grow with M (fused_tiles: 16 to 64 rows, and
 128 columns of W up to 16 rows and above 64). When the (M, N) tiles alone would leave the GPU's
-multiprocessors idle, and always 8 ways up to 16 rows, K is split over programs too, and the partial
-sums (float32) are added in a fixed order by one reduction into the output: the same bits on
-every run. dequantize_kernel expands W (references, benchmarks).
+multiprocessors idle, and at least 8 ways up to 16 rows, K is split over programs too, and the
+partial sums (float32) are added in a fixed order by one reduction into the output: the same
+bits on every run. dequantize_kernel expands W (references, benchmarks).
 
 Both kernels load a scale (and zero) once per 32-element chunk (per SUB columns for 8 bits) and
 spread it in registers, and address the weight bytes, x and the expanded W as rows of 16-element
 runs, so that tiles move as 16-byte copies (tests/kernels/test_triton_compile.py checks the
 compiled sm_90 code for it). The previous version, which gathered a scale and a zero per weight,
-ran at 0.15-0.45x cuBLAS bfloat16 at decode on an H100; this one, with these tiles, at 0.6-0.7x
+ran at 0.15-0.45x cuBLAS bfloat16 at decode on an H100; this one, with these tiles, at about 0.7x
 on an H200 (docs/benchmarks.md: Llama-3.1-8B's shapes, group 32). Still slower than bfloat16 at
 decode, with 4x fewer bytes: the expansion (nibble to float32, scale and zero per weight, to
 bfloat16) costs more than the bytes save. Products summed in registers instead of tl.dot
