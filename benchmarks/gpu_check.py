@@ -27,7 +27,8 @@ rewritten with everything so far; DIR/gpu_check.log holds each stage's output. S
     cuda_tests      `pytest -m cuda tests/cuda` (all of it, output into the log), with what is left
 
 Without a GPU it prints why, writes that to the JSON and exits with status 2. `--dry-run` runs
-every stage on the CPU at toy sizes instead (the figures mean nothing; the code paths all run).
+every stage on the CPU at toy sizes instead (the figures mean nothing; the code paths all run),
+on a toy model named with --model DIR: one over 1 B parameters is refused, naming the option.
 """
 
 from __future__ import annotations
@@ -87,6 +88,13 @@ def run_check(args) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict = {"budget_s": args.budget, "model": args.model, "stages": {}}
     json_path, log_path = args.out / "gpu_check.json", args.out / "gpu_check.log"
+    if args.dry_run:
+        reason = _too_large_for_a_dry_run(args.model)
+        if reason is not None:
+            report["error"] = reason
+            _write(json_path, report)
+            print(f"gpu_check: {reason}; nothing run (JSON: {json_path})")
+            return NO_GPU_EXIT
     reason = None if args.dry_run else _no_gpu_reason()
     if reason is not None:
         report["gpu"] = None
@@ -141,6 +149,24 @@ def _run_stage(stage: str, timeout: float, args, work: Path, env: dict, log) -> 
     data["status"] = data.get("status", status) if status == "ok" else status
     data["seconds"] = round(time.monotonic() - began, 1)
     return data
+
+
+DRY_RUN_MAX_PARAMS = 1_000_000_000  # the dry run builds the model on the CPU, in float32
+
+
+def _too_large_for_a_dry_run(model: str) -> str | None:
+    """Why `model` cannot run the CPU dry run (a catalog model of billions of parameters would
+    take all the memory, Llama-3.1-8B 32 GB in float32), or None."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_check_stages import _shape
+
+    params = _shape(model)[0].total_params()
+    if params <= DRY_RUN_MAX_PARAMS:
+        return None
+    return (
+        f"the dry run builds {model} ({params / 1e9:.1f} B parameters) on the CPU: name a toy "
+        f"config with --model DIR (a config.json of at most {DRY_RUN_MAX_PARAMS / 1e9:.0f} B)"
+    )
 
 
 def _no_gpu_reason() -> str | None:

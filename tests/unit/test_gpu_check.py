@@ -95,3 +95,16 @@ def test_the_budget_holds_whatever_the_stages_do(tmp_path):
     assert wall < 20 + 15  # the interpreter's start and exit around the budget
     assert report["stages"]["env"]["status"] == "ok"
     assert report["stages"]["engine"]["status"].startswith(("timed out", "skipped"))
+
+
+def test_a_dry_run_of_a_model_of_billions_is_refused_naming_the_option(tmp_path):
+    """The dry run builds its model on the CPU: Llama-3.1-8B (the default) in float32 took this
+    machine's 24 GiB and was killed without a word."""
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [sys.executable, str(CHECK), "--dry-run", "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "Llama-3.1-8B (8.0 B parameters)" in run.stdout and "--model DIR" in run.stdout
+    assert "8.0 B parameters" in json.loads((out / "gpu_check.json").read_text())["error"]
