@@ -157,8 +157,7 @@ DRY_RUN_MAX_PARAMS = 1_000_000_000  # the dry run builds the model on the CPU, i
 def _too_large_for_a_dry_run(model: str) -> str | None:
     """Why `model` cannot run the CPU dry run (a catalog model of billions of parameters would
     take all the memory, Llama-3.1-8B 32 GB in float32), or None."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from gpu_check_stages import _shape
+    from gpu_check_stages import _shape  # (main put this folder on the path)
 
     params = _shape(model)[0].total_params()
     if params <= DRY_RUN_MAX_PARAMS:

@@ -70,34 +70,15 @@ struct Rows {  // W[n, k] = q[n, k] * scales[n, k / g] + zeros[n, k / g]
 inline uint16_t bf16_bits(float v) { return c10::BFloat16(v).x; }  // round to nearest even
 
 #if defined(LLMCTL_Q_BF16)
-// 32 weights of one row as 32 bfloat16 values (16 words: pairs k, k + 1 in order). int4: q the
-// chunk's 16 bytes, one group (scale s, zero z); int8: q its 32 bytes, scales s for the first
-// 16 and s2 for the last (a group of 16 may end between them).
-template <int BITS>
-inline __m512i chunk_bf16(const uint8_t* q, float s, float z, float s2) {
-  __m512 lo, hi;
-  if constexpr (BITS == 4) {
-    const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))), vs, vz);
-    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), vs, vz);
-  } else {
-    const __m128i* p = reinterpret_cast<const __m128i*>(q);
-    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))),
-                       _mm512_set1_ps(s));
-    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1))),
-                       _mm512_set1_ps(s2));
-  }
+// 32 int8 weights of one row as 32 bfloat16 values: q the chunk's 32 bytes, scale s for the
+// first 16 and s2 for the last (a group of 16 may end between them). (4-bit rows: expand_int4_row.)
+inline __m512i int8_chunk_bf16(const int8_t* q, float s, float s2) {
+  const __m128i* p = reinterpret_cast<const __m128i*>(q);
+  const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))),
+                                  _mm512_set1_ps(s));
+  const __m512 hi = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1))), _mm512_set1_ps(s2));
   return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // lo: the first 16 values
-}
-
-// Row n's weights k .. k + 31 (k a multiple of 32); s, z: the row's float32 scales and zeros.
-template <int BITS, typename S>
-inline __m512i row_chunk(const Rows<S>& w, int64_t n, int64_t k, int64_t gi, int64_t gi2,
-                         const float* s, const float* z) {
-  const int64_t row_bytes = BITS == 4 ? w.K / 2 : w.K;
-  const uint8_t* q = w.q + n * row_bytes + (BITS == 4 ? k / 2 : k);
-  return chunk_bf16<BITS>(q, s[gi], BITS == 4 ? z[gi] : 0.f, s[gi2]);
 }
 
 // v[i] word j -> v[j] word i, for 16 x 16 32-bit words.
@@ -184,10 +165,9 @@ void expand_rows(const Rows<S>& w, int64_t n0, int64_t rows, uint16_t* Wt, float
         expand_int4_row(w.q + (n0 + r) * (w.K / 2), w.K, w.g, rs, rz, out);
         continue;
       }
-      for (int64_t k = 0; k < w.K; k += 32) {
-        const int64_t gi = k / w.g, gi2 = (k + 16) / w.g;
-        _mm512_storeu_si512(out + k, row_chunk<8>(w, n0 + r, k, gi, gi2, rs, rz));
-      }
+      const auto* q = reinterpret_cast<const int8_t*>(w.q) + (n0 + r) * w.K;
+      for (int64_t k = 0; k < w.K; k += 32)
+        _mm512_storeu_si512(out + k, int8_chunk_bf16(q + k, rs[k / w.g], rs[(k + 16) / w.g]));
     }
     return;
   }
@@ -304,27 +284,10 @@ at::Tensor dequantize_rows_bf16(const at::Tensor& q, const at::Tensor& scales,
   TORCH_CHECK(group_size > 0 && K % group_size == 0, "K must be a multiple of group_size");
   at::Tensor w = at::empty({n1 - n0, K}, scales.options().dtype(at::kBFloat16));
   auto* wp = reinterpret_cast<uint16_t*>(w.data_ptr());
-  const int64_t g = group_size;
-  auto run = [&](const auto& rows) {
+  auto run = [&](const auto& rows) {  // the tiles' row expansion, rows [begin, end) at a time
     at::parallel_for(n0, n1, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) {
-        uint16_t* out = wp + (n - n0) * K;
-#if defined(LLMCTL_Q_BF16)
-        if (rows.chunked()) {
-          std::vector<float> sz(2 * rows.G);
-          const float *s = sz.data(), *z = sz.data() + rows.G;
-          widen_scales(rows, n, 1, sz.data(), sz.data() + rows.G);
-          for (int64_t k = 0; k < K; k += 32) {
-            const int64_t gi = k / g, gi2 = (k + 16) / g;
-            _mm512_storeu_si512(out + k, rows.bits == 4
-                                             ? row_chunk<4>(rows, n, k, gi, gi2, s, z)
-                                             : row_chunk<8>(rows, n, k, gi, gi2, s, z));
-          }
-          continue;
-        }
-#endif
-        for (int64_t k = 0; k < K; ++k) out[k] = bf16_bits(rows.value(n, k));
-      }
+      std::vector<float> sz(2 * (end - begin) * rows.G);
+      expand_rows(rows, begin, end - begin, wp + (begin - n0) * K, sz.data());
     });
   };
   if (scales.scalar_type() == at::kHalf) {
