@@ -146,8 +146,8 @@ class Gemma3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head.compute_logits(hidden_states)
-        if logits is not None and self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+        if logits is not None and self.softcap:  # in float32, as the sampler computes
+            logits = torch.tanh(logits.float() / self.softcap) * self.softcap
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:

@@ -64,7 +64,7 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, md: SamplingMetadata
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: float32 [num_rows, vocab_size] -> a token (and log-probabilities) per row."""
+        """logits: float [num_rows, vocab_size] -> a token (and log-probabilities) per row."""
         sampled, stats = self.sample(logits, md)
         return self.to_host(sampled, stats, md.num_logprobs)
 
@@ -72,9 +72,20 @@ class Sampler:
         self, logits: torch.Tensor, md: SamplingMetadata
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """On the device: the sampled ids [num_rows] and, when any row asked for them, the
-        log-probability statistics packed for to_host. logits may be modified in place."""
+        log-probability statistics packed for to_host. logits (float32, or the model's
+        bfloat16) may be modified in place; everything but a plain greedy argmax runs on them
+        in float32."""
+        wants_logprobs = bool(md.num_logprobs) and any(k is not None for k in md.num_logprobs)
+        if md.all_greedy and not (
+            wants_logprobs
+            or md.forbidden_tokens is not None
+            or md.logit_bias is not None
+            or md.presence_penalty is not None
+        ):
+            return _argmax(logits), None  # the values' argmax: no float32 copy needed
+        logits = logits.float()
         raw_logprobs = None
-        if md.num_logprobs and any(k is not None for k in md.num_logprobs):
+        if wants_logprobs:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if md.forbidden_tokens is not None:
             rows, token_ids = md.forbidden_tokens
@@ -122,10 +133,13 @@ class Sampler:
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(dim=-1); on the CPU one vectorised C++ pass per row (kernels/cpu/
-    layer_ops.py: torch's is a scalar loop, ~7 ms a step for 64 rows of a 49152-token vocab)."""
+    """logits.argmax(dim=-1); on the CPU one vectorised C++ pass per row, float32 or bfloat16
+    (kernels/cpu/layer_ops.py: torch's is a scalar loop, ~7 ms a step for 64 rows of a
+    49152-token vocab)."""
+    if logits.is_cpu and logits.dtype not in (torch.float32, torch.bfloat16):
+        logits = logits.float()  # float16: torch's CPU argmax is the scalar loop
     ops = layer_ops.ops_for(logits)
-    if ops is not None and logits.dtype == torch.float32 and logits.dim() == 2:
+    if ops is not None and logits.dim() == 2:
         return ops.argmax_rows(logits.contiguous())
     return logits.argmax(dim=-1)
 

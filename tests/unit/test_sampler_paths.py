@@ -79,3 +79,39 @@ def test_a_seeded_request_keeps_one_generator_until_it_finishes():
     assert first[0].initial_seed() == 7
     state.remove_request("s")
     assert "s" not in state.generators
+
+
+def _greedy_metadata(rows: int, **extra):
+    from llmctl.engine.worker.sampler import SamplingMetadata
+
+    md = SamplingMetadata(None, None, True, None, None, None, [None] * rows)
+    for name, value in extra.items():
+        setattr(md, name, value)
+    return md
+
+
+def test_a_greedy_step_takes_the_argmax_of_bfloat16_logits_without_a_float_copy():
+    from llmctl.engine.worker.sampler import Sampler
+
+    logits = (torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(3)) * 3).bfloat16()
+    logits[1, 7] = logits[1, 4000] = logits[1].max()  # a tie: the first index
+    with CountOps() as counter:
+        sampled, stats = Sampler(None).sample(logits, _greedy_metadata(5))
+    assert stats is None
+    assert torch.equal(sampled, logits.float().argmax(dim=-1))
+    assert int(sampled[1]) == 7
+    assert counter.ops["aten::_to_copy"] == 0, counter.ops  # no float32 copy of the logits
+
+
+def test_logprobs_of_bfloat16_logits_are_computed_in_float32():
+    from llmctl.engine.worker.sampler import Sampler
+
+    logits = (torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(4)) * 3).bfloat16()
+    sampler = Sampler(None)
+    md = _greedy_metadata(3, num_logprobs=[2, None, 0])
+    tokens, logprobs = sampler(logits.clone(), md)
+    assert tokens == logits.float().argmax(dim=-1).tolist()
+    want = torch.log_softmax(logits.float(), dim=-1)
+    assert logprobs[1] is None
+    assert logprobs[0].sampled_logprob == pytest.approx(float(want[0, tokens[0]]), abs=1e-6)
+    assert logprobs[0].top_logprobs[0] == pytest.approx(float(want[0].max()), abs=1e-6)

@@ -313,6 +313,8 @@ def _fusable(layer: nn.Module) -> bool:
 
 def _flatten(layers: Sequence[nn.Module], tile_from: int) -> tuple[list[torch.Tensor], list[int]]:
     """The tensors and integers DecodeStack's constructor reads (see fused_decode_cpu.cpp)."""
+    from llmctl.engine.kernels.cpu import quantized_matmul as kernels
+
     first = layers[0].self_attn
     rotary = first.rotary_emb
     tensors: list[torch.Tensor] = [rotary.cos_cache, rotary.sin_cache]
@@ -327,8 +329,9 @@ def _flatten(layers: Sequence[nn.Module], tile_from: int) -> tuple[list[torch.Te
         for linear in _linears(layer):
             parts = _parts(linear)
             meta += [len(parts), int(linear.bias is not None)]
-            for part in parts:
-                meta += [part.bits, part.group]
+            for part in parts:  # bfloat16 tiles of W: the rows the Python path takes
+                rows = kernels.bf16_tile_rows(part.q.shape[0], torch.get_num_threads())
+                meta += [part.bits, part.group, rows if part.bits > 0 else 0]
                 tensors += [part.q, part.scales, part.zeros]
             if linear.bias is not None:
                 tensors.append(linear.bias)

@@ -61,6 +61,7 @@ c10::TypedOperatorHandle<Sig> find_op(const std::string& name) {
 struct Part {
   int64_t bits = 0;  // 4, 8; 0: a float [N, K] weight in q; -1: oneDNN's prepacked weight
   int64_t group = 0;
+  int64_t tile_rows = 0;  // rows of W per bfloat16 tile (quantized_matmul.bf16_tile_rows)
   at::Tensor q, scales, zeros;
 };
 
@@ -125,6 +126,7 @@ class DecodeStack : public torch::CustomClassHolder {
         Part part;
         part.bits = next_m();
         part.group = next_m();
+        part.tile_rows = next_m();
         part.q = next_t();
         part.scales = next_t();
         part.zeros = next_t();
@@ -291,7 +293,7 @@ class DecodeStack : public torch::CustomClassHolder {
       if (tile_from_ > 0 && x.scalar_type() == at::kBFloat16 && x.size(0) > tile_from_) {
         const std::optional<at::Tensor> zeros =
             p.bits == 4 ? std::optional<at::Tensor>(p.zeros) : std::nullopt;
-        return tiled_->call(x, p.q, p.scales, zeros, p.bits, p.group, tile_rows(p.q.size(0)));
+        return tiled_->call(x, p.q, p.scales, zeros, p.bits, p.group, p.tile_rows);
       }
       if (p.bits == 4) return int4_->call(x, p.q, p.scales, p.zeros, p.group);
       return int8_->call(x, p.q, p.scales, p.group);
@@ -303,12 +305,6 @@ class DecodeStack : public torch::CustomClassHolder {
       return stack[0].toTensor();
     }
     return at::mm(x, p.q.t());
-  }
-
-  // quantized_matmul.py's tile rows for N output rows: 16-64, a multiple of 16, two per thread
-  static int64_t tile_rows(int64_t N) {
-    const int64_t per = (N + 2 * at::get_num_threads() - 1) / (2 * at::get_num_threads());
-    return std::min<int64_t>(64, std::max<int64_t>(16, (per + 15) / 16 * 16));
   }
 
   at::Tensor linear(const at::Tensor& x, const Linear& lin) {
