@@ -20,10 +20,11 @@ builds it):
   AVX512-BF16 dot products) into float32 sums; from BF16_LARGE_BATCH rows, W in bfloat16 chunks
   for torch's bfloat16 GEMM. The tiles hold exactly the float path's weights in bfloat16 (W
   dequantized, rounded to nearest). On the Intel AMX kind, 2 threads, SmolLM2's layer shapes at
-  M = 64: QKV 79-81 us, O 58-78, gate/up 217-221, down 125-214, LM head 3.5 ms, against F.linear
-  on the bfloat16 weights 69 / 45-47 / 201-207 / 97-113 us and 4.2 ms (runs on that VM vary by up
-  to 1.5x); at M = 8192 the chunks run at the float path's speed. The decode kernels stay up to
-  4 rows: at M = 1 they read each weight byte once, where the tiles expand every weight.
+  M = 64 (best of 3 medians, 2026-11-27): QKV 73 us, O 55, gate/up 187, down 117, LM head (Q8_0)
+  3.6 ms, against F.linear on the bfloat16 weights 73 / 51 / 215 / 115 us and 4.8 ms (runs on
+  that VM vary by up to 1.5x); at M = 8192 the chunks run at the float path's speed. The decode
+  kernels stay up to 4 rows: at M = 1 they read each weight byte once, where the tiles expand
+  every weight.
 The float32 paths (AVX2 CPUs, or float32 activations anywhere):
 - larger M (prefill): tiled_group_mm expands tiles of W to float32 (about 1 MiB each) and runs
   torch's float GEMM on them, every tile on one thread inside a single parallel region, so the
