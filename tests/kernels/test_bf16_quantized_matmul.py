@@ -94,3 +94,25 @@ def test_bad_tile_rows_are_refused(kernel):
     x = torch.zeros(8, 96, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         kernel.tiled_group_mm(x, packed.qweight, packed.scales, packed.zeros, 4, 32, 24)
+
+
+def _busiest_thread_rows(n: int, rows: int, threads: int) -> int:
+    """Rows of W the busiest thread expands: at::parallel_for gives each thread one run of
+    ceil(tiles / threads) tiles."""
+    tiles = -(-n // rows)
+    per = -(-tiles // threads)
+    return min(n, per * rows)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [16, 100, 576, 960, 1536, 3072, 49152])
+def test_tile_rows_split_the_weight_evenly_between_threads(n, threads):
+    rows = kernels.bf16_tile_rows(n, threads)
+    assert rows % 16 == 0 and 16 <= rows <= 128
+    # no thread expands more than a fair share plus one tile
+    assert _busiest_thread_rows(n, rows, threads) <= -(-n // threads) + rows
+
+
+def test_smollm2s_576_row_weights_split_exactly_in_two():
+    # 5 tiles of 128 split 3 to 2 left one thread idle a third of O and down projections
+    assert _busiest_thread_rows(576, kernels.bf16_tile_rows(576, 2), 2) == 288

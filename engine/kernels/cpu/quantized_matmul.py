@@ -269,7 +269,7 @@ def bf16_tile_rows(n: int, threads: int) -> int:
     rows on 2 threads: 6 tiles of 96, not 4 of 128 and one of 64 split 3 to 2, which left one
     thread idle a third of SmolLM2's O and down projections)."""
     per_thread = -(-n // max(1, threads))
-    tiles = max(2, -(-per_thread // 128))  # per thread, two at least
+    tiles = max(2, -(-per_thread // 128))  # per thread, two at least before rounding to 16
     rows = -(-per_thread // tiles)
     return min(128, max(16, -(-rows // 16) * 16))
 
