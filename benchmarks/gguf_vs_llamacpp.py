@@ -30,11 +30,12 @@ crashes in its first llama_decode on the Intel AMX kind of this project's machin
 runs there with AVX-512, VNNI and BF16. LLMCTL_CPU_FLAGS_OFF (flags treated as absent) gives an
 older CPU's build, e.g. `LLMCTL_CPU_FLAGS_OFF='avx512*,amx*'` an AVX2-only one.
 
---interleave N: for llmctl vs llama.cpp, both engines stay up (one process each) and take turns,
-N rounds per workload, the order swapped every round; the table gives each engine's median and
-the ratio is the median of the rounds' ratios. On a VM whose speed drifts by 10-30% from one
-minute to the next (this project's build machine), sequential runs compare different machines;
-alternating rounds compare the engines under the same conditions.
+--interleave N: llmctl and each peer in turn (llama.cpp, transformers in float32, in bfloat16)
+stay up (one process each) and take turns, N rounds per workload, the order swapped every
+round; the table gives each engine's median (llmctl's over the rounds against every peer) and
+each ratio is the median of that pair's rounds' ratios. On a VM whose speed drifts by 10-30% from
+one minute to the next (this project's build machine), sequential runs compare different
+machines; alternating rounds compare the engines under the same conditions.
 """
 
 from __future__ import annotations
@@ -268,8 +269,8 @@ class ServingChild:
 
 def interleaved(engines: tuple[str, str], threads: str, spec_path: Path, workloads, rounds: int):
     """Rows as run_child gives them, from `rounds` alternating runs per workload: each engine's
-    median tok/s, and "ratio_to": {engines[1]: the median of the rounds' ratios (engines[0] /
-    engines[1])}."""
+    median tok/s and its "rates" (every round's), and "ratio_to": {engines[1]: the median of the
+    rounds' ratios (engines[0] / engines[1])}."""
     children = [ServingChild(e, threads, spec_path) for e in engines]
     rows = {e: {"start_s": c.start["start_s"]} for e, c in zip(engines, children, strict=True)}
     try:
@@ -290,6 +291,7 @@ def interleaved(engines: tuple[str, str], threads: str, spec_path: Path, workloa
             ratios = [a / b for a, b in zip(rates[engines[0]], rates[engines[1]], strict=True)]
             for e in engines:
                 rows[e][name]["tok_s"] = statistics.median(rates[e])
+                rows[e][name]["rates"] = rates[e]
             # the median of the rounds' ratios: to this peer only, not to the others
             rows[engines[0]][name]["ratio_to"] = {engines[1]: statistics.median(ratios)}
     finally:
@@ -350,6 +352,12 @@ def _fmt(value, unit="") -> str:
     return "-" if value is None else f"{value:.1f}{unit}" if value < 100 else f"{value:.0f}{unit}"
 
 
+def _ratio(ours: dict, theirs: dict, peer: str) -> float:
+    """Our workload result over the peer's: the median of the interleaved rounds' ratios where
+    the two took turns, else the ratio of their tok/s."""
+    return ours.get("ratio_to", {}).get(peer, ours["tok_s"] / theirs["tok_s"])
+
+
 def print_table(title: str, rows: dict, pairs: list[tuple[str, str]], workloads) -> None:
     print(f"\n{title}")
     head = ["engine", "threads", "start cold s", "start warm s"]
@@ -366,7 +374,7 @@ def print_table(title: str, rows: dict, pairs: list[tuple[str, str]], workloads)
                 continue
             ratios = []
             for w in workloads:
-                ratio = a[w].get("ratio_to", {}).get(theirs, a[w]["tok_s"] / b[w]["tok_s"])
+                ratio = _ratio(a[w], b[w], theirs)
                 ratios.append(f"{w} {ratio:.2f}x")
             ratios.append(f"warm start {a['start_s'] / b['start_s']:.1f}x as long")
             if "rss_w1_mb" in a:
@@ -387,10 +395,10 @@ def print_best_peer(rows: dict, ours: str, peers: list[str], workloads) -> None:
         parts = []
         for w in workloads:
             best = max(present, key=lambda p: rows[(p, threads)][w]["tok_s"])
-            ratio = a[w]["tok_s"] / rows[(best, threads)][w]["tok_s"]
+            ratio = _ratio(a[w], rows[(best, threads)][w], best)
             goal_peer, goal = GOALS[w]
             if goal_peer is not None and goal_peer in present:
-                goal_ratio = a[w]["tok_s"] / rows[(goal_peer, threads)][w]["tok_s"]
+                goal_ratio = _ratio(a[w], rows[(goal_peer, threads)][w], goal_peer)
                 verdict = f"{goal_ratio:.2f}x {goal_peer}, goal {goal}x"
             else:
                 verdict = f"goal {goal}x"
@@ -505,17 +513,30 @@ def main() -> None:
             print_best_peer(rows, "llmctl", peers, workloads)
 
 
+def merge_llmctl_rows(pairs: list[dict], workloads) -> dict:
+    """llmctl's row from its interleaved runs against several peers: per workload the median of
+    all its rounds, and its ratio to each peer from that pair's rounds."""
+    merged = {**pairs[0]}
+    for w in workloads:
+        rates = [r for pair in pairs for r in pair[w]["rates"]]
+        ratio_to = {p: x for pair in pairs for p, x in pair[w]["ratio_to"].items()}
+        merged[w] = {**pairs[0][w], "tok_s": statistics.median(rates), "rates": rates,
+                     "ratio_to": ratio_to}  # fmt: skip
+    return merged
+
+
 def run_section(args, path: Path, workloads, threads, peers: list[str], known: dict) -> dict:
     """{(engine, threads): results} for llmctl and its peers on one spec; `known`: transformers'
     rows of an earlier section (the same weights and prompts), reused and filled."""
-    rows = {key: row for key, row in known.items() if key[0] in peers}
-    if args.interleave and "llamacpp" in peers:
-        for t in threads:
-            print(f"  llmctl and llamacpp in turns, threads {t} ...", file=sys.stderr, flush=True)
-            for engine, row in interleaved(
-                ("llmctl", "llamacpp"), t, path, workloads, args.interleave
-            ).items():
-                rows[(engine, t)] = row
+    rows = {} if args.interleave else {k: r for k, r in known.items() if k[0] in peers}
+    for t in threads if args.interleave else ():
+        pairs = []
+        for peer in peers:
+            print(f"  llmctl and {peer} in turns, threads {t} ...", file=sys.stderr, flush=True)
+            pair = interleaved(("llmctl", peer), t, path, workloads, args.interleave)
+            rows[(peer, t)] = pair[peer]
+            pairs.append(pair["llmctl"])
+        rows[("llmctl", t)] = merge_llmctl_rows(pairs, workloads)
     for engine in ("llmctl", *peers):
         for t in threads:
             if (engine, t) in rows:
