@@ -39,24 +39,8 @@ def test_the_best_peer_ratio_is_the_interleaved_one(capsys):
     """llmctl in turns with each peer: its ratio to the best peer (and the goal's) is that pair's
     median ratio, not llmctl's median over all its rounds against the peer's median."""
     bench = load_script()
-    pair_llamacpp = {
-        "start_s": 1.0,
-        "W1": {
-            "tok_s": 120.0,
-            "rates": [118.0, 120.0, 121.0],
-            "ratio_to": {"llamacpp": 1.31},
-            "first_ids": [1],
-        },
-    }
-    pair_bf16 = {
-        "start_s": 1.0,
-        "W1": {
-            "tok_s": 100.0,
-            "rates": [99.0, 100.0, 102.0],
-            "ratio_to": {"transformers-bf16": 4.1},
-            "first_ids": [1],
-        },
-    }
+    pair_llamacpp = row(120.0, rates=[118.0, 120.0, 121.0], ratio_to={"llamacpp": 1.31})
+    pair_bf16 = row(100.0, rates=[99.0, 100.0, 102.0], ratio_to={"transformers-bf16": 4.1})
     llmctl = bench.merge_llmctl_rows([pair_llamacpp, pair_bf16], ["W1"])
     assert llmctl["W1"]["tok_s"] == 110.0  # the median of all six rounds
     assert llmctl["W1"]["ratio_to"] == {"llamacpp": 1.31, "transformers-bf16": 4.1}

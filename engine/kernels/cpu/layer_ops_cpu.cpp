@@ -30,6 +30,7 @@
 namespace {
 
 using llmctl_layers::BFloat16;
+using llmctl_layers::widen;
 
 constexpr int64_t kGrainValues = 1 << 15;  // values per task: a small batch stays on one thread
 
@@ -149,15 +150,12 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
 }
 
 // torch.argmax's rule one value at a time: the first NaN, else the first of the largest.
-inline float as_float(float v) { return v; }
-inline float as_float(c10::BFloat16 v) { return static_cast<float>(v); }  // exact
-
 template <typename T>
 int64_t argmax_scalar(const T* x, int64_t V) {
   int64_t best = 0;
   for (int64_t i = 0; i < V; ++i) {
-    if (std::isnan(as_float(x[i]))) return i;
-    if (as_float(x[i]) > as_float(x[best])) best = i;
+    if (std::isnan(widen(x[i]))) return i;
+    if (widen(x[i]) > widen(x[best])) best = i;
   }
   return best;
 }
@@ -186,16 +184,9 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-#if defined(LLMCTL_LAYERS_AVX512)
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const c10::BFloat16* x) {  // bfloat16 bits << 16: the same float, exactly
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#endif
-
 // The first index of row r's largest value (a NaN counting as the largest, as torch.argmax).
-// bfloat16 rows are read as the float32 values they hold: the answer float32 logits would give.
+// bfloat16 rows are read as the float32 values they hold (widen, load16: exact), the answer
+// float32 logits would give.
 template <typename T>
 int64_t argmax_row(const T* x, int64_t V) {
   int64_t i = 0;
@@ -204,7 +195,7 @@ int64_t argmax_row(const T* x, int64_t V) {
   __m512 m = _mm512_set1_ps(best);
   __mmask16 nan = 0;
   for (; i + 16 <= V; i += 16) {
-    const __m512 v = load16(x + i);
+    const __m512 v = llmctl_layers::load16(x + i);
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     m = _mm512_max_ps(m, v);
   }
@@ -212,19 +203,19 @@ int64_t argmax_row(const T* x, int64_t V) {
   best = _mm512_reduce_max_ps(m);
 #endif
   for (int64_t j = i; j < V; ++j) {
-    if (std::isnan(as_float(x[j]))) return argmax_scalar(x, V);
-    best = std::max(best, as_float(x[j]));
+    if (std::isnan(widen(x[j]))) return argmax_scalar(x, V);
+    best = std::max(best, widen(x[j]));
   }
   i = 0;  // the first index holding it (a second pass, over a row still in cache)
 #if defined(LLMCTL_LAYERS_AVX512)
   const __m512 b = _mm512_set1_ps(best);
   for (; i + 16 <= V; i += 16) {
-    const __mmask16 hit = _mm512_cmp_ps_mask(load16(x + i), b, _CMP_EQ_OQ);
+    const __mmask16 hit = _mm512_cmp_ps_mask(llmctl_layers::load16(x + i), b, _CMP_EQ_OQ);
     if (hit) return i + __builtin_ctz(hit);
   }
 #endif
   for (; i < V; ++i)
-    if (as_float(x[i]) == best) return i;
+    if (widen(x[i]) == best) return i;
   return 0;  // a row of -inf only
 }
 
@@ -246,7 +237,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   if (x.scalar_type() == at::kFloat) {
     run(x.data_ptr<float>());
   } else {
-    run(x.data_ptr<c10::BFloat16>());
+    run(x.data_ptr<BFloat16>());
   }
   return out;
 }
