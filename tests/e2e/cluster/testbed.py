@@ -2,7 +2,8 @@
 
 Host i (1-based), named llm-nI, is:
   network  namespace llm-nI; eth0 = 10.77.0.(10+i)/24 on the bridge llmbr0 (10.77.0.1 in the root
-           namespace), lo up, default route via 10.77.0.1;
+           namespace), lo up, default route via 10.77.0.1; DNS queries refused at once (no
+           name server answers from the bed: names are in each container's /etc/hosts);
   mounts   a private mount namespace, anchored by a `sleep infinity`, where /srv/llmctl is the
            host's own directory (`host.srv_dir` seen from outside); the rest of the file system is
            shared with this machine;

@@ -95,6 +95,13 @@ class Host:
         run([*ns, "link", "set", "eth0", "up"])
         run([*ns, "link", "set", "lo", "up"])
         run([*ns, "route", "add", "default", "via", GATEWAY])
+        # No name server answers from the bed (its queries leave unNATed and are lost): refuse
+        # them at once, as a network whose resolver is down does, rather than let every lookup of
+        # a name or address outside /etc/hosts wait out the resolver's 2 x 5 s (torch's c10d
+        # looks up its peers' addresses: that was 10 s of each group's start).
+        for proto, reject in (("udp", "icmp-port-unreachable"), ("tcp", "tcp-reset")):
+            rule = ["OUTPUT", "-p", proto, "--dport", "53", "-j", "REJECT", "--reject-with", reject]
+            run(["ip", "netns", "exec", self.name, "iptables", "-A", *rule])
 
     def start_anchor(self) -> None:
         """The long-lived process that holds the host's private mount namespace."""
