@@ -49,6 +49,7 @@ namespace llmctl_quantized {
 namespace {
 
 constexpr int64_t kRowBlock = 64;  // rows of x (columns of x^T) per brgemm call
+constexpr int64_t kPrefetchBytes = 4096;  // how far ahead expand_rows fetches packed rows
 
 template <typename S>
 struct Rows {  // W[n, k] = q[n, k] * scales[n, k / g] + zeros[n, k / g]
@@ -172,7 +173,16 @@ void expand_rows(const Rows<S>& w, int64_t n0, int64_t rows, uint16_t* Wt, float
   if (w.chunked()) {
     float *s = sz, *z = sz + rows * w.G;
     widen_scales(w, n0, rows, s, z);
+    // The packed rows are read once a step, from memory (a batch's KV cache and the weights
+    // outgrow the cache): fetch the rows ~4 KB ahead, where the hardware's prefetchers stop at
+    // each page and at each tile's start (W2: the expansion had stalled on these loads).
+    const int64_t row_bytes = w.bits == 4 ? w.K / 2 : w.K;
+    const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
+    const char* next = reinterpret_cast<const char*>(w.q) + (n0 + ahead) * row_bytes;
     for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t b = 0; b < row_bytes; b += 64) {  // may run past W's end: a hint, no load
+        _mm_prefetch(next + r * row_bytes + b, _MM_HINT_T0);
+      }
       uint16_t* out = Wt + r * w.K;
       const float *rs = s + r * w.G, *rz = z + r * w.G;
       if (w.bits == 4) {
