@@ -4,6 +4,8 @@ Tests marked `cuda` are skipped, with the reason, where torch sees no GPU."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 from pathlib import Path
 
@@ -21,6 +23,31 @@ if not torch.cuda.is_available():
 # a test starts, and the `llmctl serve --headless` nodes it spawns, share this one. Tests of a
 # missing secret remove it.
 os.environ.setdefault("LLMCTL_CLUSTER_SECRET", "llmctl-test-suite-cluster-secret")
+
+
+# httpx makes a new SSL context, parsing certifi's CA bundle (~20 ms here), for every client:
+# each httpx.get/post/stream and each openai client (openai 3 builds on httpx2, a fork). The
+# tests make thousands of them to talk plain HTTP to their own servers: per library, they share
+# one default context (a context is safe to share; an explicit verify= or cert= still gets its
+# own).
+def _share_default_ssl_context(module_name: str) -> None:
+    try:
+        transport = importlib.import_module(module_name)
+    except ImportError:
+        return
+    new_context = transport.create_ssl_context
+    default = functools.cache(new_context)
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is True and cert is None and trust_env:
+            return default()
+        return new_context(verify=verify, cert=cert, trust_env=trust_env)
+
+    transport.create_ssl_context = create_ssl_context
+
+
+for _name in ("httpx._transports.default", "httpx2._transports.default"):
+    _share_default_ssl_context(_name)
 
 
 @pytest.fixture(scope="session")
