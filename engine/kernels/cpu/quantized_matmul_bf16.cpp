@@ -178,10 +178,12 @@ void expand_rows(const Rows<S>& w, int64_t n0, int64_t rows, uint16_t* Wt, float
     // each page and at each tile's start (W2: the expansion had stalled on these loads).
     const int64_t row_bytes = w.bits == 4 ? w.K / 2 : w.K;
     const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
-    const char* next = reinterpret_cast<const char*>(w.q) + (n0 + ahead) * row_bytes;
+    // (An address, not a pointer into W: past W's last rows it points at nothing, and a
+    // prefetch of it loads nothing.)
+    const uintptr_t next = reinterpret_cast<uintptr_t>(w.q) + (n0 + ahead) * row_bytes;
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t b = 0; b < row_bytes; b += 64) {  // may run past W's end: a hint, no load
-        _mm_prefetch(next + r * row_bytes + b, _MM_HINT_T0);
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + r * row_bytes + b), _MM_HINT_T0);
       }
       uint16_t* out = Wt + r * w.K;
       const float *rs = s + r * w.G, *rz = z + r * w.G;
