@@ -528,15 +528,18 @@ def merge_llmctl_rows(pairs: list[dict], workloads) -> dict:
 def run_section(args, path: Path, workloads, threads, peers: list[str], known: dict) -> dict:
     """{(engine, threads): results} for llmctl and its peers on one spec; `known`: transformers'
     rows of an earlier section (the same weights and prompts), reused and filled."""
-    rows = {} if args.interleave else {k: r for k, r in known.items() if k[0] in peers}
-    for t in threads if args.interleave else ():
-        pairs = []
-        for peer in peers:
-            print(f"  llmctl and {peer} in turns, threads {t} ...", file=sys.stderr, flush=True)
-            pair = interleaved(("llmctl", peer), t, path, workloads, args.interleave)
-            rows[(peer, t)] = pair[peer]
-            pairs.append(pair["llmctl"])
-        rows[("llmctl", t)] = merge_llmctl_rows(pairs, workloads)
+    if not args.interleave:
+        rows = {k: r for k, r in known.items() if k[0] in peers}
+    else:  # every peer in turns with llmctl, here: no row of an earlier section
+        rows = {}
+        for t in threads:
+            pairs = []
+            for peer in peers:
+                print(f"  llmctl and {peer} in turns, threads {t} ...", file=sys.stderr, flush=True)
+                pair = interleaved(("llmctl", peer), t, path, workloads, args.interleave)
+                rows[(peer, t)] = pair[peer]
+                pairs.append(pair["llmctl"])
+            rows[("llmctl", t)] = merge_llmctl_rows(pairs, workloads)
     for engine in ("llmctl", *peers):
         for t in threads:
             if (engine, t) in rows:
