@@ -100,6 +100,19 @@ def test_silu_and_mul(dtype, rows, inner):
     assert ((got.double() - want).abs() <= rel * want.abs() + 1e-6).all()
 
 
+def test_bfloat16_silu_and_mul_for_every_gate_value():
+    """bfloat16 silu is a table of all 65536 gates (layer_ops_cpu.h): each entry, ±0, the
+    subnormals, ±inf and the NaNs included, gives torch's bits, and a row's tail reads it too."""
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    up = random(2, 65536, dtype=torch.bfloat16, seed=4) * 4
+    gu = torch.cat([every.expand(2, -1), up], dim=1)
+    got, want = OPS.silu_and_mul(gu), F.silu(every) * up
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert got.isnan().sum() == want.isnan().sum() > 0
+    tail = torch.cat([gu[:, 65536 - 21 : 65536], gu[:, -21:]], dim=1)  # 21: 16 + 5 over
+    torch.testing.assert_close(OPS.silu_and_mul(tail), got[:, -21:], rtol=0, atol=0, equal_nan=True)
+
+
 def test_other_dtypes_and_devices_take_the_torch_code():
     assert layer_ops.ops_for(torch.zeros(2, dtype=torch.float64)) is None
     assert layer_ops.ops_for(torch.zeros(2, dtype=torch.float16)) is None
