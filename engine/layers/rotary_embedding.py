@@ -178,8 +178,9 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]. On the
-        GPU q and k (views of the QKV projection's output) are rotated in place and returned."""
+        """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]. Where a
+        kernel runs (the GPU's, the CPU's) q and k (views of the QKV projection's output) are
+        rotated in place and returned."""
         if self._fused is None:
             self._fused = use_fused_kernels(q) and self.plain and q.shape[-1] == self.head_dim
         if self._fused:
@@ -187,8 +188,10 @@ class RotaryEmbedding(nn.Module):
             return q, k
         ops = layer_ops.ops_for(q) if self.plain else None
         if ops is not None and self._fits(q, k):
-            # on the CPU: one C++ pass per token (kernels/cpu/layer_ops.py), the same rounding
-            return ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
+            # on the CPU: one C++ pass per token (kernels/cpu/layer_ops.py), the same rounding,
+            # in place as on the GPU
+            ops.rotary_embedding_(positions, q, k, self.cos_cache, self.sin_cache)
+            return q, k
         cos, sin = self._cos_sin(positions, q.dtype)
         if self.rotary_dim == self.head_dim and not self.interleaved:
             return _apply(q, cos, sin), _apply(k, cos, sin)

@@ -166,8 +166,9 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
     def broken_build():
         raise RuntimeError("Error building extension\nfoo.cpp:1:1: error: no compiler here")
 
-    monkeypatch.setattr(pa, "build_kernel", broken_build)
+    monkeypatch.setattr(pa, "build_namespace", broken_build)
     pa._kernel.cache_clear()
+    pa.namespace.cache_clear()
     try:
         case = make_case(SEQ_LENS, 2, 3, 64, torch.float32)
         with caplog.at_level(logging.WARNING, logger="llmctl"):
@@ -181,6 +182,7 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
         assert "error: no compiler here" in warnings[0].getMessage()
     finally:
         pa._kernel.cache_clear()
+        pa.namespace.cache_clear()
 
 
 def test_stale_torch_lock_does_not_hang(kernel):

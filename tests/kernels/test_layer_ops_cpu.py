@@ -66,7 +66,9 @@ def test_rope_matches_torch_and_float64(dtype, head_dim):
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(3))
-    got_q, got_k = OPS.rotary_embedding(positions, q, k, rotary.cos_cache, rotary.sin_cache)
+    before = qkv.clone()
+    got_q, got_k = q.clone(), k.clone()
+    OPS.rotary_embedding_(positions, got_q, got_k, rotary.cos_cache, rotary.sin_cache)
     cos = rotary.cos_cache[positions].unsqueeze(1).to(dtype)
     sin = rotary.sin_cache[positions].unsqueeze(1).to(dtype)
     half = head_dim // 2
@@ -77,11 +79,14 @@ def test_rope_matches_torch_and_float64(dtype, head_dim):
         want = x64 * c64 + torch.cat((-x64[..., half:], x64[..., :half]), -1) * s64
         tolerance = 1e-6 if dtype == torch.float32 else 2.0**-6
         assert ((got.double() - want).abs() <= tolerance * (x64.abs().amax(-1, True) + 1)).all()
-    assert all(
-        torch.equal(a, b) for a, b in zip(rotary(positions, q, k), (got_q, got_k), strict=True)
-    )
+    # the layer rotates the views in place, in qkv: the rest of each row (v, the padding) kept
+    rotated = rotary(positions, q, k)
+    assert rotated[0] is q and rotated[1] is k
+    assert torch.equal(q, got_q) and torch.equal(k, got_k)
+    rest = (heads + kv_heads) * head_dim
+    assert torch.equal(qkv[:, rest:], before[:, rest:])
     with pytest.raises(RuntimeError, match="outside the rotary table"):
-        OPS.rotary_embedding(positions + 4096, q, k, rotary.cos_cache, rotary.sin_cache)
+        OPS.rotary_embedding_(positions + 4096, q, k, rotary.cos_cache, rotary.sin_cache)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

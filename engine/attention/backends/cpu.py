@@ -1,15 +1,19 @@
-"""CPUAttentionBackend: the torch backend, with decodes in the C++ paged decode kernel.
+"""CPUAttentionBackend: the torch backend, with decodes in the C++ paged decode kernel and, in
+bfloat16, the prefill chunks that start a sequence in the C++ prefill kernel.
 
 The kernel (kernels/cpu/paged_attention_cpu.cpp) reads each K and V row once, for all the query
 heads that share it, straight from the paged cache, with the layer's sliding window and sinks;
 where it is not built, or cannot take the shape, the torch backend's gather + SDPA runs instead
 (kernels/cpu/paged_attention_cpu.py decides per call). The fused decode stack
-(kernels/cpu/fused_decode.py) calls the same kernel.
+(kernels/cpu/fused_decode.py) calls the same kernel. A prefill chunk with no cached context and
+no sliding window inside it goes to kernels/cpu/prefill_attention.py's kernel (all such chunks of
+a layer in one call) where `usable`; the others to scaled_dot_product_attention.
 """
 
 from __future__ import annotations
 
 from llmctl.engine.attention.backends.torch_sdpa import TorchSDPABackend
+from llmctl.engine.kernels.cpu import prefill_attention
 from llmctl.engine.kernels.cpu.paged_attention_cpu import paged_decode_attention
 
 
@@ -21,3 +25,18 @@ class CPUAttentionBackend(TorchSDPABackend):
         return paged_decode_attention(
             q, key_cache, value_cache, block_tables, seq_lens, scale, window, sinks
         )
+
+    def prefill(self, layer, q, k, v, chunks, md, key_cache, value_cache, out) -> None:
+        if not prefill_attention.usable(layer, q):
+            super().prefill(layer, q, k, v, chunks, md, key_cache, value_cache, out)
+            return
+        window = layer.sliding_window
+        own, rest = [], []
+        for c in chunks:  # own: causal over its own keys only, all inside the window
+            fits = not c.context_len and (not window or c.seq_len <= window)
+            (own if fits else rest).append(c)
+        if own:
+            spans = [(c.query_start, c.query_len) for c in own]
+            prefill_attention.prefill_attention(q, k, v, out, spans, layer.scale)
+        if rest:
+            super().prefill(layer, q, k, v, rest, md, key_cache, value_cache, out)

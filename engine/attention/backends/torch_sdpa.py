@@ -37,12 +37,17 @@ class TorchSDPABackend(AttentionBackend):
                 layer.sliding_window,
                 layer.sinks,
             )
-        for chunk in md.prefills:
+        if md.prefills:
+            self.prefill(layer, q, k, v, md.prefills, md, key_cache, value_cache, out)
+        return out
+
+    def prefill(self, layer, q, k, v, chunks, md, key_cache, value_cache, out) -> None:
+        """Each prefill chunk's attention into its rows of `out`."""
+        for chunk in chunks:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = _prefill(
                 layer, q[rows], k[rows], v[rows], chunk, md, key_cache, value_cache
             )
-        return out
 
     def decode(self, q, key_cache, value_cache, block_tables, seq_lens, scale, window, sinks):
         """[num_decodes, num_heads, head_dim]: one query per sequence over its paged keys."""

@@ -43,7 +43,11 @@ from llmctl.engine.kernels.cpu.cpu_extension import (
 
 logger = logging.getLogger("llmctl")
 
-_SOURCE = Path(__file__).with_suffix(".cpp")
+# One extension: the decode kernel and the prefill one (prefill_attention.py calls it)
+_SOURCE = (
+    Path(__file__).with_suffix(".cpp"),
+    Path(__file__).with_name("prefill_attention_cpu.cpp"),
+)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _MAX_HEAD_DIM = 256  # kMaxHeadDim in the kernel
 _PREFIX = "llmctl_paged_attention"
@@ -146,8 +150,16 @@ def gathered_sdpa(
 
 @functools.cache
 def _kernel() -> Callable[..., torch.Tensor] | None:
+    name = namespace()
+    return None if name is None else getattr(torch.ops, name).paged_decode_attention
+
+
+@functools.cache
+def namespace() -> str | None:
+    """The built extension's op namespace (the decode and the prefill kernel), None when it
+    cannot be built (one warning says why)."""
     try:
-        return build_kernel()
+        return build_namespace()
     except Exception as e:  # a missing compiler, ninja or header: degrade, don't fail the engine
         logger.warning(
             "CPU paged attention kernel unavailable, decoding with gather + "
@@ -164,8 +176,12 @@ def build_kernel(march: str = "native", extra_cflags: tuple[str, ...] = ()) -> C
     Each flag set gets its own extension name and op namespace, so several builds can be
     loaded in one process (the tests load a portable build next to the native one).
     """
-    name = compile_extension(_SOURCE, _PREFIX, "CPU paged attention kernel", march, extra_cflags)
-    return getattr(torch.ops, name).paged_decode_attention
+    return getattr(torch.ops, build_namespace(march, extra_cflags)).paged_decode_attention
+
+
+def build_namespace(march: str = "native", extra_cflags: tuple[str, ...] = ()) -> str:
+    """Compile (or reuse) the extension for -march=`march`; its op namespace's name."""
+    return compile_extension(_SOURCE, _PREFIX, "CPU paged attention kernel", march, extra_cflags)
 
 
 def _build_spec(march: str, extra_cflags: tuple[str, ...]) -> tuple[str, list[str], list[str]]:
