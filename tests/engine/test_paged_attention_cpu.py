@@ -155,6 +155,27 @@ def test_public_function_uses_the_kernel():
     assert_close(out, reference(*case, 0.3, 16), torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cache_write_puts_each_row_in_its_slot(kernel, dtype):
+    """write_kv_cache against index_copy_: strided k and v (views into one QKV row), scattered
+    slots, a padding slot (-1) left unwritten; a slot past the cache is refused by name."""
+    g = torch.Generator().manual_seed(5)
+    shape = (6, BLOCK_SIZE, 2, 40)
+    key_cache = torch.randn(shape, generator=g).to(dtype)
+    value_cache = torch.randn(shape, generator=g).to(dtype)
+    qkv = torch.randn(9, 3 * 80 + 1, generator=g).to(dtype)
+    k, v = qkv[:, 80:160].view(9, 2, 40), qkv[:, 160:240].view(9, 2, 40)
+    slots = torch.tensor([17, 3, 95, -1, 40, 41, 0, 64, 88])
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    valid = slots >= 0
+    want_k.view(-1, 2, 40).index_copy_(0, slots[valid], k[valid])
+    want_v.view(-1, 2, 40).index_copy_(0, slots[valid], v[valid])
+    assert pa.write_kv_cache(key_cache, value_cache, k, v, slots)
+    assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
+    with pytest.raises(RuntimeError, match="slot 96 is outside the KV cache"):
+        pa.write_kv_cache(key_cache, value_cache, k, v, slots.clamp(max=96) + (slots == 95))
+
+
 def test_out_of_range_block_id_is_refused(kernel):
     q, key_cache, value_cache, table, lens = make_case(SEQ_LENS, 2, 1, 16, torch.float32)
     table[4, 6] = key_cache.shape[0]  # the last block of the 100-token sequence

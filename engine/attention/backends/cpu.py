@@ -7,14 +7,15 @@ where it is not built, or cannot take the shape, the torch backend's gather + SD
 (kernels/cpu/paged_attention_cpu.py decides per call). The fused decode stack
 (kernels/cpu/fused_decode.py) calls the same kernel. A prefill chunk with no cached context and
 no sliding window inside it goes to kernels/cpu/prefill_attention.py's kernel (all such chunks of
-a layer in one call) where `usable`; the others to scaled_dot_product_attention.
+a layer in one call) where `usable`; the others to scaled_dot_product_attention. The step's keys
+and values go into the cache by the extension's row copy (paged_attention_cpu.write_kv_cache).
 """
 
 from __future__ import annotations
 
 from llmctl.engine.attention.backends.torch_sdpa import TorchSDPABackend
 from llmctl.engine.kernels.cpu import prefill_attention
-from llmctl.engine.kernels.cpu.paged_attention_cpu import paged_decode_attention
+from llmctl.engine.kernels.cpu.paged_attention_cpu import paged_decode_attention, write_kv_cache
 
 
 class CPUAttentionBackend(TorchSDPABackend):
@@ -25,6 +26,10 @@ class CPUAttentionBackend(TorchSDPABackend):
         return paged_decode_attention(
             q, key_cache, value_cache, block_tables, seq_lens, scale, window, sinks
         )
+
+    def write_cache(self, key_cache, value_cache, k, v, slot_mapping) -> None:
+        if not write_kv_cache(key_cache, value_cache, k, v, slot_mapping):
+            super().write_cache(key_cache, value_cache, k, v, slot_mapping)
 
     def prefill(self, layer, q, k, v, chunks, md, key_cache, value_cache, out) -> None:
         if not prefill_attention.usable(layer, q):

@@ -22,9 +22,7 @@ class TorchSDPABackend(AttentionBackend):
 
     def forward(self, layer, q, k, v, md: AttentionMetadata) -> torch.Tensor:
         key_cache, value_cache = layer.kv_cache.unbind(0)
-        flat_shape = (-1, layer.num_kv_heads, layer.head_dim)
-        key_cache.view(flat_shape).index_copy_(0, md.slot_mapping, k)
-        value_cache.view(flat_shape).index_copy_(0, md.slot_mapping, v)
+        self.write_cache(key_cache, value_cache, k, v, md.slot_mapping)
         out = torch.empty_like(q)
         if md.num_decodes:
             out[: md.num_decodes] = self.decode(
@@ -40,6 +38,12 @@ class TorchSDPABackend(AttentionBackend):
         if md.prefills:
             self.prefill(layer, q, k, v, md.prefills, md, key_cache, value_cache, out)
         return out
+
+    def write_cache(self, key_cache, value_cache, k, v, slot_mapping) -> None:
+        """The step's keys and values into their slots of the layer's paged caches."""
+        flat_shape = (-1, *key_cache.shape[2:])
+        key_cache.view(flat_shape).index_copy_(0, slot_mapping, k)
+        value_cache.view(flat_shape).index_copy_(0, slot_mapping, v)
 
     def prefill(self, layer, q, k, v, chunks, md, key_cache, value_cache, out) -> None:
         """Each prefill chunk's attention into its rows of `out`."""

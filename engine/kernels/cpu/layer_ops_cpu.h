@@ -81,12 +81,50 @@ inline void store8(BFloat16* p, __m256 v) {  // v already rounded: keep the high
 }
 #endif
 
+// The same with 16 lanes, where the CPU has AVX-512 (each lane's arithmetic as the 8-lane code's)
+#if defined(LLMCTL_LAYERS_AVX512)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const BFloat16* p) {
+  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+inline __m512 round16(__m512 v) {  // to bfloat16 (nearest even) and back, as round8
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+template <typename T>
+inline __m512 rnd16(__m512 v) {
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    return round16(v);
+  } else {
+    return v;
+  }
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(BFloat16* p, __m512 v) {
+  const __m512i hi = _mm512_srli_epi32(_mm512_castps_si512(round16(v)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(hi));
+}
+#endif
+
 // res = h + res (res = h when `add` is false), rounded to T; out = w * T(res * rsqrt(mean(res^2)
 // + eps)), rounded: RMSNorm (layers/layernorm.py) with its residual add, over n values.
 template <typename T>
 void add_rms_norm_row(const T* h, T* res, bool add, const T* w, T* out, int64_t n, float eps) {
   float ss = 0.f;
   int64_t i = 0;
+#if defined(LLMCTL_LAYERS_AVX512)
+  __m512 acc16 = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m512 r = load16(h + i);
+    if (add) r = rnd16<T>(_mm512_add_ps(r, load16(res + i)));
+    store16(res + i, r);
+    acc16 = _mm512_fmadd_ps(r, r, acc16);
+  }
+  ss = _mm512_reduce_add_ps(acc16);
+#endif
 #if defined(LLMCTL_LAYERS_AVX2)
   __m256 acc = _mm256_setzero_ps();  // 8 partial sums (one chain of n adds: ~1 us at n = 576)
   for (; i + 8 <= n; i += 8) {
@@ -106,6 +144,13 @@ void add_rms_norm_row(const T* h, T* res, bool add, const T* w, T* out, int64_t 
   }
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
   i = 0;
+#if defined(LLMCTL_LAYERS_AVX512)
+  const __m512 vinv16 = _mm512_set1_ps(inv);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = rnd16<T>(_mm512_mul_ps(load16(res + i), vinv16));
+    store16(out + i, rnd16<T>(_mm512_mul_ps(load16(w + i), x)));
+  }
+#endif
 #if defined(LLMCTL_LAYERS_AVX2)
   const __m256 vinv = _mm256_set1_ps(inv);
   for (; i + 8 <= n; i += 8) {
@@ -125,10 +170,30 @@ template <typename T>
 void rope_row(T* v, int64_t heads, int64_t D, const float* cos, const float* sin) {
   const int64_t half = D / 2;
   float c[kMaxHeadDim], s[kMaxHeadDim];  // the row as T holds it
-  for (int64_t i = 0; i < D; ++i) c[i] = rnd<T>(cos[i]), s[i] = rnd<T>(sin[i]);
+  int64_t j = 0;
+#if defined(LLMCTL_LAYERS_AVX512)
+  for (; j + 16 <= D; j += 16) {
+    _mm512_storeu_ps(c + j, rnd16<T>(_mm512_loadu_ps(cos + j)));
+    _mm512_storeu_ps(s + j, rnd16<T>(_mm512_loadu_ps(sin + j)));
+  }
+#endif
+  for (; j < D; ++j) c[j] = rnd<T>(cos[j]), s[j] = rnd<T>(sin[j]);
   for (int64_t head = 0; head < heads; ++head) {
     T* x = v + head * D;
     int64_t i = 0;
+#if defined(LLMCTL_LAYERS_AVX512)
+    const __m512 sign16 = _mm512_set1_ps(-0.f);
+    for (; i + 16 <= half; i += 16) {
+      const __m512 x1 = load16(x + i), x2 = load16(x + i + half);
+      __m512 a = rnd16<T>(_mm512_mul_ps(x1, _mm512_loadu_ps(c + i)));
+      __m512 b = rnd16<T>(_mm512_mul_ps(_mm512_xor_ps(x2, sign16), _mm512_loadu_ps(s + i)));
+      __m512 d = rnd16<T>(_mm512_mul_ps(x2, _mm512_loadu_ps(c + i + half)));
+      __m512 e = rnd16<T>(_mm512_mul_ps(x1, _mm512_loadu_ps(s + i + half)));
+      __asm__("" : "+v"(a), "+v"(b), "+v"(d), "+v"(e));  // no fused multiply-add (below)
+      store16(x + i, _mm512_add_ps(a, b));
+      store16(x + i + half, _mm512_add_ps(d, e));
+    }
+#endif
 #if defined(LLMCTL_LAYERS_AVX2)
     const __m256 sign = _mm256_set1_ps(-0.f);
     for (; i + 8 <= half; i += 8) {
@@ -158,32 +223,6 @@ void rope_row(T* v, int64_t heads, int64_t D, const float* cos, const float* sin
 // output rounded to T before the product. With AVX2 a loop on SLEEF's exp (ATen's, the same
 // bits): at::silu and mul_ (two TensorIterators and an allocation) took ~11 us a layer for
 // SmolLM2's 1536 columns in float32 decode, the loop 2 us.
-#if defined(LLMCTL_LAYERS_AVX512)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const BFloat16* p) {
-  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-}
-inline __m512 round16(__m512 v) {  // to bfloat16 (nearest even) and back, as round8
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(int(0xFFFF0000u))));
-}
-template <typename T>
-inline __m512 rnd16(__m512 v) {
-  if constexpr (std::is_same_v<T, BFloat16>) {
-    return round16(v);
-  } else {
-    return v;
-  }
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(BFloat16* p, __m512 v) {
-  const __m512i hi = _mm512_srli_epi32(_mm512_castps_si512(round16(v)), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(hi));
-}
-#endif
 
 template <typename T>
 void silu_mul_compute(const T* gate, const T* up, T* out, int64_t I) {

@@ -43,10 +43,11 @@ from llmctl.engine.kernels.cpu.cpu_extension import (
 
 logger = logging.getLogger("llmctl")
 
-# One extension: the decode kernel and the prefill one (prefill_attention.py calls it)
+# One extension: the decode kernel, the prefill one (prefill_attention.py) and the cache write
 _SOURCE = (
     Path(__file__).with_suffix(".cpp"),
     Path(__file__).with_name("prefill_attention_cpu.cpp"),
+    Path(__file__).with_name("kv_cache_write_cpu.cpp"),
 )
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _MAX_HEAD_DIM = 256  # kMaxHeadDim in the kernel
@@ -73,6 +74,24 @@ def paged_decode_attention(
     return paged_decode_attention_sdpa(
         q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, sinks
     )
+
+
+def write_kv_cache(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """k, v ([num_tokens, num_kv_heads, head_dim]) into their slots of the paged caches
+    ([num_blocks, block_size, num_kv_heads, head_dim]; a negative slot is padding) by the C++
+    copy (kv_cache_write_cpu.cpp). False, writing nothing, where it is not built or cannot take
+    the caches: the caller writes them itself."""
+    name = namespace() if key_cache.device.type == "cpu" else None
+    if name is None or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        return False
+    getattr(torch.ops, name).write_kv_cache(key_cache, value_cache, k, v, slot_mapping)
+    return True
 
 
 def kernel_available() -> bool:
