@@ -1,12 +1,12 @@
 """The CPU prefill attention kernel (kernels/cpu/prefill_attention_cpu.cpp) against a float64
-oracle on odd shapes, and the CPU attention backend's choice of chunks for it.
+oracle on odd shapes, and the CPU attention backend's use of it.
 
-Chunks of 1, 7, 33, 100 and 600 tokens (over the kernel's 512-key block: its online softmax
-rescales; under its 32-key padding: its masks), query-head groups of 1, 3 and 4, head_dim 32, 64
-and 128, queries, keys and values read as views into one QKV row of odd width. The backend sends
-a layer's first chunks to the kernel in one call and keeps scaled_dot_product_attention for a
-chunk after cached context and for one longer than the sliding window: those come out bit for bit
-as the torch backend's.
+Chunks of 1, 7, 33, 70, 100 and 600 tokens (over the kernel's 512-key block: its online softmax
+rescales; off its 32-key padding: its masks), first chunks and chunks after cached context, with
+and without a sliding window, query-head groups of 1, 3 and 4, head_dim 32, 64 and 128, queries
+read as views into a QKV row of odd width, keys and values from scattered blocks of a paged
+cache. The backend sends all of a layer's chunks to the kernel in one call; layers with sinks,
+float32 and odd head sizes stay with scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -24,10 +24,13 @@ from llmctl.engine.attention.metadata import AttentionMetadata, PrefillChunk
 from llmctl.engine.kernels.cpu import paged_attention_cpu, prefill_attention
 from llmctl.engine.platform import cpu_flags
 
+# On a CPU with AVX512-BF16 the kernel must be there (a failed build fails these tests).
 pytestmark = pytest.mark.skipif(
-    not prefill_attention.usable(Attention(2, 64, 0.125, 1), torch.zeros(1, dtype=torch.bfloat16)),
-    reason="the prefill kernel needs a build with AVX512-BF16 (this CPU has none)",
+    "avx512_bf16" not in cpu_flags(), reason="the prefill kernel needs AVX512-BF16"
 )
+
+
+BLOCK = 16
 
 
 def qkv_views(tokens, heads, kv_heads, head_dim, seed=0):
@@ -42,17 +45,80 @@ def qkv_views(tokens, heads, kv_heads, head_dim, seed=0):
     return q, k, v
 
 
-def oracle(q, k, v, chunks, scale):
-    """float64 causal softmax(q k^T * scale) v per chunk; rows outside the chunks stay NaN."""
-    out = torch.full(q.shape, float("nan"), dtype=torch.float64)
-    group = q.shape[1] // k.shape[1]
-    for start, n in chunks:
-        qq, kk, vv = (x[start : start + n].double().transpose(0, 1) for x in (q, k, v))
-        kk, vv = kk.repeat_interleave(group, 0), vv.repeat_interleave(group, 0)
-        scores = qq @ kk.transpose(-1, -2) * scale
-        scores.masked_fill_(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
-        out[start : start + n] = (scores.softmax(-1) @ vv).transpose(0, 1)
-    return out
+class Case:
+    """Prefill chunks of (context, length) tokens: each sequence's keys and values in scattered
+    blocks of a paged cache, its chunk's queries (views into a QKV row) one after another."""
+
+    def __init__(self, spec, heads, kv_heads, head_dim, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        tokens = sum(n for _, n in spec)
+        self.q, _, _ = qkv_views(tokens + 4, heads, kv_heads, head_dim, seed)  # 4 rows spare
+        blocks = [-(-(ctx + n) // BLOCK) for ctx, n in spec]
+        ids = torch.randperm(sum(blocks) + 2, generator=g).tolist()
+        shape = (sum(blocks) + 2, BLOCK, kv_heads, head_dim)
+        self.key_cache = torch.randn(shape, generator=g).to(torch.bfloat16)
+        self.value_cache = torch.randn(shape, generator=g).to(torch.bfloat16)
+        self.block_tables = torch.zeros(len(spec) + 1, max(blocks) + 1, dtype=torch.int64)
+        self.chunks, start = [], 0
+        for i, ((ctx, n), count) in enumerate(zip(spec, blocks, strict=True)):
+            row = 1 + i  # table row 0 unused: chunk i reads its own row
+            self.block_tables[row, :count] = torch.tensor([ids.pop() for _ in range(count)])
+            self.chunks.append(PrefillChunk(start, n, ctx + n, ctx, row))
+            start += n
+
+    def keys(self, chunk, cache):
+        pos = torch.arange(chunk.seq_len)
+        slots = self.block_tables[chunk.index, pos // BLOCK] * BLOCK + pos % BLOCK
+        return cache.reshape(-1, *cache.shape[2:])[slots]  # [seq_len, kv_heads, head_dim]
+
+    def run(self, scale, window=None):
+        out = torch.full(self.q.shape, 7.0, dtype=torch.bfloat16)
+        prefill_attention.prefill_attention(
+            self.q,
+            self.key_cache,
+            self.value_cache,
+            out,
+            self.block_tables,
+            self.chunks,
+            scale,
+            window,
+        )
+        return out
+
+    def oracle(self, scale, window=None):
+        """float64 softmax(q k^T * scale) v over each query's visible keys; other rows NaN."""
+        out = torch.full(self.q.shape, float("nan"), dtype=torch.float64)
+        group = self.q.shape[1] // self.key_cache.shape[2]
+        for c in self.chunks:
+            k = self.keys(c, self.key_cache).double().repeat_interleave(group, 1)
+            v = self.keys(c, self.value_cache).double().repeat_interleave(group, 1)
+            q = self.q[c.query_start : c.query_start + c.query_len].double()
+            scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+            q_pos = torch.arange(c.context_len, c.seq_len)[:, None]
+            k_pos = torch.arange(c.seq_len)[None, :]
+            seen = k_pos <= q_pos
+            if window is not None:
+                seen &= k_pos > q_pos - window
+            scores.masked_fill_(~seen, float("-inf"))
+            rows = slice(c.query_start, c.query_start + c.query_len)
+            out[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        return out
+
+
+def assert_close_to(out, want, rows, values):
+    """Each probability and each output is rounded to bfloat16 (8 significant bits) once: an
+    output is off by at most 2^-9 of itself plus 2^-9 of the largest value it averages (the
+    probabilities' roundings, summed); twice that is allowed."""
+    err = (out[:rows].double() - want[:rows]).abs()
+    bound = 2.0**-8 * (want[:rows].abs() + values.abs().max().item())
+    assert (err <= bound).all(), f"max error {err.max().item()}"
+    assert torch.equal(out[rows:], torch.full_like(out[rows:], 7.0))  # rows of no chunk
+
+
+# (context, length): first chunks, a chunk over the kernel's 512-key block (its online softmax
+# rescales), one token, chunks after cached context (a prefix-cache hit, a later chunk) of
+# lengths off the 32-key padding
+SPEC = [(0, 7), (0, 600), (20, 1), (530, 33), (0, 100), (45, 70)]
 
 
 @pytest.mark.parametrize(
@@ -60,107 +126,100 @@ def oracle(q, k, v, chunks, scale):
     [(9, 3, 64), (4, 4, 32), (8, 2, 128)],
     ids=["group3-d64", "group1-d32", "group4-d128"],
 )
-def test_kernel_matches_float64(heads, kv_heads, head_dim):
-    chunks = [(0, 7), (7, 600), (607, 1), (608, 33), (641, 100)]  # 741 tokens
-    q, k, v = qkv_views(750, heads, kv_heads, head_dim)
-    out = torch.full((750, heads, head_dim), 7.0, dtype=torch.bfloat16)
+@pytest.mark.parametrize("window", [None, 100, 40], ids=["causal", "window100", "window40"])
+def test_kernel_matches_float64(heads, kv_heads, head_dim, window):
+    case = Case(SPEC, heads, kv_heads, head_dim)
     scale = head_dim**-0.5
-    prefill_attention.prefill_attention(q, k, v, out, chunks, scale)
-    want = oracle(q, k, v, chunks, scale)
-    assert torch.equal(out[741:], torch.full_like(out[741:], 7.0))  # rows of no chunk untouched
-    err = (out[:741].double() - want[:741]).abs()
-    # The output and the probabilities are rounded to bfloat16 (8 bits) once each.
-    assert err.max().item() <= 2.0**-7 * want[:741].abs().max().item()
-    assert err.mean().item() <= 2.0**-9 * want[:741].abs().mean().item()
-    # no worse than torch's own bfloat16 kernel on the same inputs, within a rounding
-    for start, n in chunks:
-        rows = slice(start, start + n)
+    assert_close_to(
+        case.run(scale, window),
+        case.oracle(scale, window),
+        sum(n for _, n in SPEC),
+        case.value_cache,
+    )
+
+
+def test_first_chunks_as_torchs_kernel():
+    """Where scaled_dot_product_attention takes a chunk (no context, causal), the kernel is no
+    further from float64 than torch's own bfloat16 kernel, within a rounding."""
+    case = Case([(0, 300), (0, 45)], 9, 3, 64, seed=4)
+    out, want = case.run(0.125), case.oracle(0.125)
+    for c in case.chunks:
+        rows = slice(c.query_start, c.query_start + c.query_len)
+        k, v = (case.keys(c, x)[None].transpose(1, 2) for x in (case.key_cache, case.value_cache))
         torch_out = F.scaled_dot_product_attention(
-            *(x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v)),
-            is_causal=True,
-            scale=scale,
-            enable_gqa=heads != kv_heads,
+            case.q[rows][None].transpose(1, 2), k, v, is_causal=True, scale=0.125, enable_gqa=True
         )[0].transpose(0, 1)
         torch_err = (torch_out.double() - want[rows]).abs().max().item()
-        assert err[rows.start : rows.stop].max().item() <= torch_err + 2.0**-8
+        assert (out[rows].double() - want[rows]).abs().max().item() <= torch_err + 2.0**-8
 
 
 def test_large_scores_and_a_single_token():
     """Scores in the hundreds (a scale of 1): the running maximum keeps every exp finite; a
-    chunk of one token attends to itself only, its value exactly."""
-    q, k, v = qkv_views(520, 2, 1, 32, seed=1)
-    q, k = q * 8, k * 8
-    out = torch.empty(520, 2, 32, dtype=torch.bfloat16)
-    prefill_attention.prefill_attention(q, k, v, out, [(0, 519), (519, 1)], 1.0)
-    want = oracle(q, k, v, [(0, 519), (519, 1)], 1.0)
-    assert torch.isfinite(out).all()
-    assert (out.double() - want).abs().max().item() <= 2.0**-7 * want.abs().max().item()
-    assert torch.equal(out[519], v[519].expand(2, 32))
+    first chunk of one token attends to itself only: its value, exactly."""
+    case = Case([(0, 519), (0, 1)], 2, 1, 32, seed=1)
+    case.q.mul_(8)
+    case.key_cache.mul_(8)
+    out, want = case.run(1.0), case.oracle(1.0)
+    assert torch.isfinite(out[:520]).all()
+    assert_close_to(out, want, 520, case.value_cache)
+    last = case.chunks[1]
+    assert torch.equal(out[519], case.keys(last, case.value_cache)[0].expand(2, 32))
 
 
 def test_bad_input_is_refused_by_name():
-    q, k, v = qkv_views(8, 4, 2, 64)
-    out = torch.empty(8, 4, 64, dtype=torch.bfloat16)
+    case = Case([(0, 8), (3, 5)], 4, 2, 64)
+    out = torch.empty_like(case.q)
+    call = prefill_attention.prefill_attention
     with pytest.raises(RuntimeError, match="chunk 0 .* is outside q"):
-        prefill_attention.prefill_attention(q, k, v, out, [(4, 5)], 0.125)
+        chunks = [PrefillChunk(10, 8, 8, 0, 1)]
+        call(case.q, case.key_cache, case.value_cache, out, case.block_tables, chunks, 0.1)
+    with pytest.raises(RuntimeError, match="block table row cannot hold 900 tokens"):
+        chunks = [PrefillChunk(0, 8, 900, 892, 1)]
+        call(case.q, case.key_cache, case.value_cache, out, case.block_tables, chunks, 0.1)
+    with pytest.raises(RuntimeError, match="block id 99 is outside the KV cache"):
+        tables = case.block_tables.clone()
+        tables[1, 0] = 99
+        call(case.q, case.key_cache, case.value_cache, out, tables, case.chunks, 0.1)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        prefill_attention.prefill_attention(q.float(), k, v, out, [(0, 8)], 0.125)
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        q2, k2, v2 = qkv_views(8, 4, 2, 48)
-        prefill_attention.prefill_attention(q2, k2, v2, torch.empty_like(q2), [(0, 8)], 0.125)
+        call(case.q.float(), case.key_cache, case.value_cache, out, case.block_tables, [], 0.1)
 
 
-def run_backend(backend, layer, q, k, v, md):
-    layer.kv_cache = layer_cache = layer.kv_cache.clone()
-    out = backend.forward(layer, q, k, v, md)
-    return out, layer_cache
-
-
-def test_backend_sends_first_chunks_to_the_kernel(monkeypatch):
-    """Chunks 0 and 2 start their sequences: one kernel call. Chunk 1 follows 20 cached tokens
-    and chunk 3 is longer than the window: scaled_dot_product_attention, as the torch backend."""
-    block_size, heads, kv_heads, head_dim = 16, 6, 2, 64
-    lens = [40, 30, 50, 70]
-    contexts = [0, 20, 0, 0]
-    q, k, v = qkv_views(sum(lens), heads, kv_heads, head_dim, seed=2)
-    starts = [sum(lens[:i]) for i in range(len(lens))]
-    chunks, slots, tables = [], [], []
-    next_block = 0
-    for i, (n, ctx) in enumerate(zip(lens, contexts, strict=True)):
-        blocks = list(range(next_block, next_block + -(-(ctx + n) // block_size)))
-        next_block += len(blocks)
-        tables.append(blocks + [0] * (8 - len(blocks)))
-        slots += [
-            blocks[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + n)
-        ]
-        chunks.append(PrefillChunk(starts[i], n, ctx + n, ctx, i))
+def test_backend_runs_every_chunk_in_one_call(monkeypatch):
+    """First chunks, one after 20 cached tokens, one longer than the window: one kernel call per
+    layer, the cache written as the torch backend writes it, the output within bfloat16's
+    rounding of the torch backend's (gathered keys, masked SDPA)."""
+    heads, kv_heads, head_dim = 6, 2, 64
+    spec = [(0, 40), (20, 30), (0, 50), (0, 90)]
+    case = Case(spec, heads, kv_heads, head_dim, seed=2)
+    tokens = sum(n for _, n in spec)
+    _, k, v = qkv_views(tokens, heads, kv_heads, head_dim, seed=3)
+    slots = []
+    for c in case.chunks:
+        pos = torch.arange(c.context_len, c.seq_len)
+        slots.append(case.block_tables[c.index, pos // BLOCK] * BLOCK + pos % BLOCK)
     md = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
+        slot_mapping=torch.cat(slots),
         num_decodes=0,
-        prefills=chunks,
-        prefill_block_tables=torch.tensor(tables),
+        prefills=case.chunks,
+        prefill_block_tables=case.block_tables,
     )
-    g = torch.Generator().manual_seed(3)
-    cache = torch.randn(2, next_block, block_size, kv_heads, head_dim, generator=g)
     layer = Attention(heads, head_dim, head_dim**-0.5, kv_heads, sliding_window=64)
-    layer.kv_cache = cache.to(torch.bfloat16)
     calls = []
     real = prefill_attention.prefill_attention
     monkeypatch.setattr(
         prefill_attention,
         "prefill_attention",
-        lambda *a: calls.append(a[4]) or real(*a),
+        lambda *a: calls.append([c.index for c in a[5]]) or real(*a),
     )
-    ours, our_cache = run_backend(CPUAttentionBackend(), layer, q, k, v, md)
-    theirs, their_cache = run_backend(TorchSDPABackend(), layer, q, k, v, md)
-    assert calls == [[(starts[0], lens[0]), (starts[2], lens[2])]]
+    q = case.q[:tokens]
+    results = {}
+    for backend in (CPUAttentionBackend(), TorchSDPABackend()):
+        layer.kv_cache = torch.stack([case.key_cache, case.value_cache])
+        results[backend.name] = (backend.forward(layer, q, k, v, md), layer.kv_cache)
+    assert calls == [[c.index for c in case.chunks]]
+    (ours, our_cache), (theirs, their_cache) = results["cpu"], results["torch"]
     assert torch.equal(our_cache, their_cache)  # the same keys and values written
-    for i in (1, 3):
-        rows = slice(starts[i], starts[i] + lens[i])
-        assert torch.equal(ours[rows], theirs[rows])
-    for i in (0, 2):
-        rows = slice(starts[i], starts[i] + lens[i])
-        assert (ours[rows].double() - theirs[rows].double()).abs().max().item() <= 2.0**-6
+    assert (ours.double() - theirs.double()).abs().max().item() <= 2.0**-6
 
 
 def test_float32_and_sinks_stay_with_torch():
@@ -179,6 +238,17 @@ def test_a_build_without_avx512_bf16_says_so():
     """A build for a CPU without AVX512-BF16 has the op, answers False, and refuses to run."""
     ops = getattr(torch.ops, paged_attention_cpu.build_namespace("native", ("-mno-avx512bf16",)))
     assert ops.prefill_attention_available() is False
-    q, k, v = qkv_views(8, 4, 2, 64)
+    case = Case([(0, 8)], 4, 2, 64)
     with pytest.raises(RuntimeError, match="built without AVX512-BF16"):
-        ops.prefill_attention(q, k, v, torch.empty(8, 4, 64, dtype=torch.bfloat16), [0], [8], 0.1)
+        ops.prefill_attention(
+            case.q,
+            case.key_cache,
+            case.value_cache,
+            torch.empty_like(case.q),
+            case.block_tables,
+            [1],
+            [0],
+            [8],
+            [0],
+            0.1,
+        )

@@ -1,14 +1,14 @@
 """CPUAttentionBackend: the torch backend, with decodes in the C++ paged decode kernel and, in
-bfloat16, the prefill chunks that start a sequence in the C++ prefill kernel.
+bfloat16, prefill chunks in the C++ prefill kernel.
 
 The kernel (kernels/cpu/paged_attention_cpu.cpp) reads each K and V row once, for all the query
 heads that share it, straight from the paged cache, with the layer's sliding window and sinks;
 where it is not built, or cannot take the shape, the torch backend's gather + SDPA runs instead
 (kernels/cpu/paged_attention_cpu.py decides per call). The fused decode stack
-(kernels/cpu/fused_decode.py) calls the same kernel. A prefill chunk with no cached context and
-no sliding window inside it goes to kernels/cpu/prefill_attention.py's kernel (all such chunks of
-a layer in one call) where `usable`; the others to scaled_dot_product_attention. The step's keys
-and values go into the cache by the extension's row copy (paged_attention_cpu.write_kv_cache).
+(kernels/cpu/fused_decode.py) calls the same kernel. A layer's prefill chunks go to
+kernels/cpu/prefill_attention.py's kernel, all in one call, where `usable` (bfloat16, no sinks);
+else to scaled_dot_product_attention one by one. The step's keys and values go into the cache
+first, by the extension's row copy (paged_attention_cpu.write_kv_cache).
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ class CPUAttentionBackend(TorchSDPABackend):
         if not prefill_attention.usable(layer, q):
             super().prefill(layer, q, k, v, chunks, md, key_cache, value_cache, out)
             return
-        window = layer.sliding_window
-        own, rest = [], []
-        for c in chunks:  # own: causal over its own keys only, all inside the window
-            fits = not c.context_len and (not window or c.seq_len <= window)
-            (own if fits else rest).append(c)
-        if own:
-            spans = [(c.query_start, c.query_len) for c in own]
-            prefill_attention.prefill_attention(q, k, v, out, spans, layer.scale)
-        if rest:
-            super().prefill(layer, q, k, v, rest, md, key_cache, value_cache, out)
+        prefill_attention.prefill_attention(
+            q,
+            key_cache,
+            value_cache,
+            out,
+            md.prefill_block_tables,
+            chunks,
+            layer.scale,
+            layer.sliding_window,
+        )

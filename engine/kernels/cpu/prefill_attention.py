@@ -1,38 +1,47 @@
-"""Causal prefill attention on the CPU in bfloat16: a C++ kernel on oneDNN's brgemm
-(prefill_attention_cpu.cpp, built into the paged attention extension) for the prefill chunks that
-start a sequence.
+"""Causal prefill attention on the CPU in bfloat16 over the paged KV cache: a C++ kernel on
+oneDNN's brgemm (prefill_attention_cpu.cpp, built into the paged attention extension).
 
-    prefill_attention(q, k, v, out, chunks, scale)
+    prefill_attention(q, key_cache, value_cache, out, block_tables, chunks, scale, window)
 
-q, out: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim], each
-token's heads contiguous (a view into the QKV projection's output is fine); chunks: (first token,
-length) of each chunk, each causal from its sequence's position 0. Writes those rows of out.
+q, out: [num_tokens, num_heads, head_dim], each token's heads contiguous (a view into the QKV
+projection's output is fine); key_cache, value_cache: the layer's [num_blocks, block_size,
+num_kv_heads, head_dim], the chunks' own keys and values already written; block_tables:
+[rows, width] int64; chunks: the step's PrefillChunks (query_start, query_len, context_len and
+index, the chunk's block table row). Query i of a chunk sits at position context_len + i and sees
+the keys at positions <= its own (and > its own - window with a sliding window). Writes the
+chunks' rows of out.
 
-The kernel multiplies all the query heads of a KV head's group at once (AMX tiles where the CPU has
-them, AVX512-BF16 dot products otherwise) with flash attention's online softmax; on SmolLM2's
+The kernel multiplies all the query heads of a KV head's group at once (AMX tiles where the CPU
+has them, AVX512-BF16 dot products otherwise) with flash attention's online softmax: on SmolLM2's
 16 x 512-token prefill on the Intel AMX kind it took the attention from torch's
-scaled_dot_product_attention's 0.9 ms a sequence and layer to ~0.3. `usable` says when it can run:
-a CPU bfloat16 layer with a head_dim that is a multiple of 32 (at most 256), no sinks, and a build
-with AVX512-BF16; chunks after a prefix-cache hit or an earlier chunk, or longer than the layer's
-sliding window, stay with scaled_dot_product_attention (the attention backend decides per chunk).
+scaled_dot_product_attention's 0.9 ms a sequence and layer to 0.56, and a chunk after cached
+context (a prefix-cache hit, a chunked prefill's later chunks) reads its keys from the cache's
+blocks where the torch backend gathered them and built a mask. `usable` says when it can run: a
+CPU bfloat16 layer with a bfloat16 cache, a head_dim that is a multiple of 32 (at most 256), no
+sinks, and a build with AVX512-BF16; the attention backend runs scaled_dot_product_attention
+otherwise.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
+from llmctl.engine.attention.metadata import PrefillChunk
 from llmctl.engine.kernels.cpu import paged_attention_cpu
 
 _MAX_HEAD_DIM = 256
 
 
 def usable(layer, q: torch.Tensor) -> bool:
-    """Whether the kernel can run `layer`'s first-chunk prefills for queries like `q`."""
+    """Whether the kernel can run `layer`'s prefills for queries like `q`."""
     return (
         q.device.type == "cpu"
         and q.dtype == torch.bfloat16
+        and layer.kv_cache.dtype == torch.bfloat16
+        and layer.kv_cache.is_contiguous()
         and layer.sinks is None
         and layer.head_dim % 32 == 0
         and layer.head_dim <= _MAX_HEAD_DIM
@@ -42,19 +51,31 @@ def usable(layer, q: torch.Tensor) -> bool:
 
 def prefill_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
     out: torch.Tensor,
-    chunks: list[tuple[int, int]],
+    block_tables: torch.Tensor,
+    chunks: Sequence[PrefillChunk],
     scale: float,
+    window: int | None = None,
 ) -> None:
-    """Causal attention of each chunk's queries over its own keys, into `out`'s rows."""
+    """Each chunk's causal attention over its sequence's cached keys, into `out`'s rows."""
     ops = _ops()
     if ops is None:
         raise RuntimeError("the CPU prefill attention kernel is not built: check usable() first")
-    starts = [start for start, _ in chunks]
-    lens = [length for _, length in chunks]
-    ops.prefill_attention(q, k, v, out, starts, lens, scale)
+    ops.prefill_attention(
+        q,
+        key_cache,
+        value_cache,
+        out,
+        block_tables,
+        [c.index for c in chunks],
+        [c.query_start for c in chunks],
+        [c.query_len for c in chunks],
+        [c.context_len for c in chunks],
+        scale,
+        window,
+    )
 
 
 @functools.cache

@@ -1,22 +1,25 @@
 // Causal prefill attention on the CPU in bfloat16 with oneDNN's brgemm (torch's cpublas::brgemm:
-// AMX tiles where the CPU has them, AVX512-BF16 dot products otherwise), for the prefill chunks
-// of a step that start a sequence (no cached context, no sliding window inside the chunk, no
-// sinks): prefill_attention.py sends the others to scaled_dot_product_attention.
+// AMX tiles where the CPU has them, AVX512-BF16 dot products otherwise), over the paged KV cache:
+// a chunk of a sequence's new tokens, after `context` tokens already cached (a prefix-cache hit,
+// an earlier chunk) or none, within the layer's sliding window if it has one. The chunk's own keys
+// and values are in the cache already (the backend writes them first). prefill_attention.py sends
+// layers with sinks, float32 and odd head sizes to scaled_dot_product_attention instead.
 //
-// For a chunk of L tokens and a KV head h shared by G query heads, the keys and values are laid
-// out once in the VNNI pairs brgemm's B operand takes (K^T: a 32-bit word per (d pair, key);
-// V: a word per (key pair, d)), zero-padded to a multiple of 32 keys. A task is (chunk, KV head,
-// block of BQ queries): its G x BQ query rows (all G heads of the group read the same keys, so
-// one GEMM serves them) times K^T for the keys [0, last query], in blocks of kKeyBlock, an online
-// softmax per row (flash attention's running max and sum), P rounded to bfloat16, then P V added
-// into a float32 accumulator; the output is acc / sum, rounded once. Tasks run largest first
-// (the last query blocks see the most keys), taken from a shared counter.
+// For a chunk and a KV head h shared by G query heads, the keys any of its queries sees are read
+// once from the cache's blocks into the VNNI pairs brgemm's B operand takes (K^T: a 32-bit word
+// per (d pair, key); V: a word per (key pair, d)), zero-padded. A task is (chunk, KV head, block
+// of BQ queries): its G x BQ query rows (all G heads of the group read the same keys, so one GEMM
+// serves them) times K^T for the keys the block sees, kKeyBlock at a time, an online softmax per
+// row (flash attention's running max and sum) over the row's own interval of keys (causal, and
+// windowed), P rounded to bfloat16, then P V added into a float32 accumulator; the output is
+// acc / sum, rounded once. Tasks run largest first, taken from a shared counter.
 //
 // torch's own kernel (scaled_dot_product_attention's flash attention for the CPU) runs one query
 // head at a time with SLEEF's exp: on SmolLM2's 16 x 512-token prefill (9 heads, 3 KV heads,
 // head_dim 64) on the Intel AMX kind it took 0.9 ms a sequence and layer, half of it in its exp and
-// softmax loops (perf). Here the exp is a degree-6 polynomial after a range reduction (a few ulp
-// in float32; P is then rounded to bfloat16's 8 bits, as torch's is).
+// softmax loops (perf); this kernel 0.56 ms. Its exp is a degree-6 polynomial after a range
+// reduction (a few ulp in float32; P is then rounded to bfloat16's 8 bits, as torch's is). A chunk
+// after cached context went through a gather of its blocks and a masked SDPA before.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,6 +34,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
@@ -75,54 +79,73 @@ inline __m512 exp_nonpositive(__m512 x) {
 // float32 -> bfloat16, nearest even (no NaN reaches here: scores are finite)
 inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
-// One chunk's keys and values of one KV head in brgemm's VNNI layouts, Lp = L padded to kKeyAlign.
-//   kt[p][j] = the word (K[j][2p], K[j][2p + 1]): B of S = Q K^T, [D / 2][Lp] words
-//   vp[j / 2][d] = the word (V[j][d], V[j + 1][d]): B of P V, [Lp / 2][D] words
-void pack_kv(const Bf16* k, int64_t k_stride, const Bf16* v, int64_t v_stride, int64_t L,
-             int64_t Lp, int64_t D, uint32_t* kt, uint32_t* vp) {
-  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k);
-  for (int64_t p = 0; p < D / 2; ++p) {  // written in order; the L rows' words stay cached
+// The paged cache of one layer: [num_blocks, block_size, kv_heads, D] rows of keys or values.
+struct Cache {
+  const Bf16* k;
+  const Bf16* v;
+  int64_t block_size, heads, D;
+};
+
+struct Chunk {
+  int64_t start, len, context;  // its first row in q and out, its tokens, the tokens before it
+  const int64_t* table;         // its block table row
+  int64_t first_key, padded;    // the earliest key any of its queries sees; packed key columns
+  size_t packed;                // offset of its packed K and V (per KV head: D * padded words)
+};
+
+// Chunk c's keys [first_key, first_key + n) of KV head h in brgemm's VNNI layouts, zero-padded
+// to `padded` keys:
+//   kt[p][j] = the word (K[j][2p], K[j][2p + 1]): B of S = Q K^T, [D / 2][padded] words
+//   vp[j / 2][d] = the word (V[j][d], V[j + 1][d]): B of P V, [padded / 2][D] words
+void pack_kv(const Cache& cache, const Chunk& c, int64_t h, uint32_t* kt, uint32_t* vp) {
+  const int64_t n = c.context + c.len - c.first_key, Lp = c.padded, D = cache.D;
+  auto row = [&](const Bf16* base, int64_t j) {  // key j of the chunk's packed range
+    const int64_t key = c.first_key + j, bs = cache.block_size;
+    const int64_t slot = c.table[key / bs] * bs + key % bs;
+    return reinterpret_cast<const uint16_t*>(base + (slot * cache.heads + h) * D);
+  };
+  for (int64_t p = 0; p < D / 2; ++p) {  // written in order; the n rows' words stay cached
     uint32_t* out = kt + p * Lp;
-    for (int64_t j = 0; j < L; ++j) std::memcpy(out + j, kb + j * k_stride + 2 * p, 4);
-    std::fill(out + L, out + Lp, 0u);
+    for (int64_t j = 0; j < n; ++j) std::memcpy(out + j, row(cache.k, j) + 2 * p, 4);
+    std::fill(out + n, out + Lp, 0u);
   }
-  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v);
   for (int64_t j = 0; j < Lp; j += 2) {
     uint32_t* out = vp + (j / 2) * D;
-    for (int64_t d = 0; d < D; ++d) {
-      const uint32_t lo = j < L ? vb[j * v_stride + d] : 0u;
-      const uint32_t hi = j + 1 < L ? vb[(j + 1) * v_stride + d] : 0u;
-      out[d] = lo | (hi << 16);
-    }
+    const uint16_t* lo = j < n ? row(cache.v, j) : nullptr;
+    const uint16_t* hi = j + 1 < n ? row(cache.v, j + 1) : nullptr;
+    for (int64_t d = 0; d < D; ++d)
+      out[d] = (lo ? uint32_t(lo[d]) : 0u) | ((hi ? uint32_t(hi[d]) : 0u) << 16);
   }
 }
 
-struct Chunk {
-  int64_t start, len, padded;
-  size_t packed;  // offset of its packed K and V (per KV head: D * padded words each)
-};
-
 struct Task {
-  int64_t chunk, head, q0;
-  int64_t keys() const { return q0; }  // cost order: later query blocks see more keys
+  int64_t chunk, head, q0, cost;
 };
 
 struct Scratch {
-  int64_t rows, D;
   std::unique_ptr<Bf16[]> a, p;
   std::unique_ptr<float[]> s, acc, m, l;
-  Scratch(int64_t rows_, int64_t D_)
-      : rows(rows_), D(D_), a(new Bf16[rows_ * D_]), p(new Bf16[rows_ * kKeyBlock]),
-        s(new float[rows_ * kKeyBlock]), acc(new float[rows_ * D_]), m(new float[rows_]),
-        l(new float[rows_]) {}
+  Scratch(int64_t rows, int64_t D)
+      : a(new Bf16[rows * D]), p(new Bf16[rows * kKeyBlock]), s(new float[rows * kKeyBlock]),
+        acc(new float[rows * D]), m(new float[rows]), l(new float[rows]) {}
 };
 
-// Rows r = g * nq + i: query token q0 + i of query head head * G + g.
+inline __mmask16 lanes(int64_t from, int64_t to, int64_t j) {  // lanes j + i in [from, to)
+  const int64_t lo = std::max<int64_t>(0, from - j), hi = std::min<int64_t>(16, to - j);
+  if (hi <= lo) return 0;
+  return static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
+// Rows r = g * nq + i: query token q0 + i of the chunk (position context + q0 + i) of query
+// head head * G + g. Key indices below are relative to the chunk's first_key.
 void run_task(const Task& t, const Chunk& c, const Bf16* q, int64_t q_stride, Bf16* out,
               int64_t out_stride, const uint32_t* packed, int64_t G, int64_t D, float scale,
-              Scratch& w) {
+              int64_t window, Scratch& w) {
   const int64_t nq = std::min(kQueryBlock, c.len - t.q0), rows = G * nq;
-  const int64_t last = t.q0 + nq - 1;  // the last query's position: keys [0, last]
+  const int64_t pos0 = c.context + t.q0;  // the block's first query position
+  // keys [lo, hi) cover every row's: causal up to the last query, windowed from the first's
+  const int64_t hi = pos0 + nq - c.first_key;
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1 - c.first_key) : 0;
   for (int64_t g = 0; g < G; ++g)
     for (int64_t i = 0; i < nq; ++i)
       std::memcpy(w.a.get() + (g * nq + i) * D,
@@ -133,35 +156,36 @@ void run_task(const Task& t, const Chunk& c, const Bf16* q, int64_t q_stride, Bf
   std::fill(w.m.get(), w.m.get() + rows, -std::numeric_limits<float>::infinity());
   std::fill(w.l.get(), w.l.get() + rows, 0.f);
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t n0 = 0; n0 <= last; n0 += kKeyBlock) {
-    const int64_t nk = std::min(kKeyBlock, last + 1 - n0);
+  for (int64_t n0 = lo & ~int64_t(1); n0 < hi; n0 += kKeyBlock) {  // even: V's key pairs
+    const int64_t nk = std::min(kKeyBlock, hi - n0);
     const int64_t nkp = (nk + kKeyAlign - 1) / kKeyAlign * kKeyAlign;
     at::native::cpublas::brgemm(rows, nkp, D, D, c.padded, kKeyBlock, false, w.a.get(),
                                 reinterpret_cast<const Bf16*>(kt) + 2 * n0, w.s.get(), true);
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t pos = t.q0 + r % nq;
-      const int64_t valid = std::min(nk, pos + 1 - n0);  // keys n0 .. pos: >= 1 here
+      const int64_t pos = pos0 + r % nq;
+      // this row's keys in the block: [a, b), block-relative
+      const int64_t row_lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+      const int64_t a = std::max(row_lo - c.first_key, n0) - n0;
+      const int64_t b = std::min(pos + 1 - c.first_key, n0 + nk) - n0;
       float* s = w.s.get() + r * kKeyBlock;
       Bf16* p = w.p.get() + r * kKeyBlock;
-      if (valid <= 0) {  // a block past this row's position: nothing to add
+      if (a >= b) {  // none in this block
         std::memset(p, 0, nkp * sizeof(Bf16));
         continue;
       }
+      const int64_t j0 = a & ~int64_t(15);
       __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      int64_t j = 0;
-      for (; j + 16 <= valid; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
-      const __mmask16 tail = static_cast<__mmask16>((1u << (valid - j)) - 1u);
-      mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + j));
+      for (int64_t j = j0; j < b; j += 16)
+        mx = _mm512_mask_max_ps(mx, lanes(a, b, j), mx, _mm512_loadu_ps(s + j));
       const float m_new = std::max(w.m[r], _mm512_reduce_max_ps(mx) * scale);
-      const float alpha = std::exp(w.m[r] - m_new);  // 0 at the first block
+      const float alpha = std::exp(w.m[r] - m_new);  // 0 at the row's first block
       const __m512 vm = _mm512_set1_ps(m_new);
       __m512 sum = _mm512_setzero_ps();
-      for (j = 0; j < valid; j += 16) {
-        const int64_t left = valid - j;
-        const __mmask16 live =
-            left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+      std::memset(p, 0, j0 * sizeof(Bf16));
+      int64_t j = j0;
+      for (; j < b; j += 16) {
         const __m512 e = _mm512_maskz_mov_ps(
-            live, exp_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vscale, vm)));
+            lanes(a, b, j), exp_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vscale, vm)));
         sum = _mm512_add_ps(sum, e);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), to_bf16(e));
       }
@@ -199,68 +223,100 @@ bool available() {
 #endif
 }
 
-// q: [tokens, heads, D]; k, v: [tokens, kv_heads, D] (each token's heads contiguous, any token
-// stride); out: [tokens, heads, D], contiguous. starts, lens: the chunks' first token and length;
-// each chunk is a sequence's first tokens (causal from position 0). Writes the chunks' rows of out.
-void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       at::Tensor& out, at::IntArrayRef starts, at::IntArrayRef lens,
-                       double scale) {
+// q, out: [tokens, heads, D] (each token's heads contiguous, any token stride); key_cache,
+// value_cache: contiguous [num_blocks, block_size, kv_heads, D], the chunks' own keys and values
+// already written; block_tables: [rows, width] int64; per chunk: its block table row, first token
+// in q, length and context (tokens cached before it). Writes the chunks' rows of out.
+void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
+                       const at::Tensor& value_cache, at::Tensor& out,
+                       const at::Tensor& block_tables, at::IntArrayRef table_rows,
+                       at::IntArrayRef starts, at::IntArrayRef lens, at::IntArrayRef contexts,
+                       double scale, std::optional<int64_t> sliding_window) {
   TORCH_CHECK(available(), "prefill_attention: built without AVX512-BF16 (use SDPA)");
-  TORCH_CHECK(starts.size() == lens.size(), "one start per chunk length");
   const int64_t D = q.dim() == 3 ? q.size(2) : 0;
-  for (const at::Tensor* x : {&q, &k, &v, static_cast<const at::Tensor*>(&out)}) {
+  for (const at::Tensor* x : {&q, static_cast<const at::Tensor*>(&out)}) {
     TORCH_CHECK(x->dim() == 3 && x->scalar_type() == at::kBFloat16 && x->size(2) == D &&
-                    x->stride(2) == 1 && x->stride(1) == D && x->size(0) == q.size(0),
-                "q, k, v and out must be bfloat16 [tokens, heads, head_dim] with each token's "
-                "heads contiguous");
+                    x->stride(2) == 1 && x->stride(1) == D && x->sizes() == q.sizes(),
+                "q and out must be bfloat16 [tokens, heads, head_dim] with each token's heads "
+                "contiguous");
   }
   TORCH_CHECK(D % 32 == 0 && D <= kMaxHeadDim, "head_dim must be a multiple of 32, at most 256");
-  TORCH_CHECK(k.sizes() == v.sizes() && out.sizes() == q.sizes() && k.size(1) > 0 &&
-                  q.size(1) % k.size(1) == 0,
-              "k and v: [tokens, kv_heads, head_dim] with kv_heads dividing q's heads");
-  for (size_t i = 0; i < starts.size(); ++i)
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  value_cache.sizes() == key_cache.sizes() &&
+                  key_cache.scalar_type() == at::kBFloat16 &&
+                  value_cache.scalar_type() == at::kBFloat16 && key_cache.size(3) == D &&
+                  key_cache.size(2) > 0 && q.size(1) % key_cache.size(2) == 0,
+              "key_cache, value_cache: contiguous bfloat16 [num_blocks, block_size, kv_heads, "
+              "head_dim] with kv_heads dividing q's heads");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong,
+              "block_tables: int64 [rows, width]");
+  const size_t C = starts.size();
+  TORCH_CHECK(table_rows.size() == C && lens.size() == C && contexts.size() == C,
+              "one table row, start, length and context per chunk");
+  const int64_t window = sliding_window.value_or(0);
+  TORCH_CHECK(window >= 0, "sliding_window must be positive");
+  const at::Tensor tables = block_tables.contiguous();
+  const int64_t bs = key_cache.size(1), width = tables.size(1);
+  for (size_t i = 0; i < C; ++i) {
     TORCH_CHECK(starts[i] >= 0 && lens[i] > 0 && starts[i] + lens[i] <= q.size(0),
                 "chunk ", i, " (start ", starts[i], ", length ", lens[i], ") is outside q");
+    TORCH_CHECK(contexts[i] >= 0 && (contexts[i] + lens[i] + bs - 1) / bs <= width &&
+                    table_rows[i] >= 0 && table_rows[i] < tables.size(0),
+                "chunk ", i, ": its block table row cannot hold ", contexts[i] + lens[i],
+                " tokens");
+    const int64_t* row = tables.data_ptr<int64_t>() + table_rows[i] * width;
+    for (int64_t b = 0; b < (contexts[i] + lens[i] + bs - 1) / bs; ++b)
+      TORCH_CHECK(row[b] >= 0 && row[b] < key_cache.size(0), "chunk ", i, ": block id ", row[b],
+                  " is outside the KV cache");
+  }
 #if defined(LLMCTL_PREFILL_BF16)
-  const int64_t Hkv = k.size(1), G = q.size(1) / Hkv;
+  const int64_t Hkv = key_cache.size(2), G = q.size(1) / Hkv;
+  const Cache cache{key_cache.data_ptr<Bf16>(), value_cache.data_ptr<Bf16>(), bs, Hkv, D};
   std::vector<Chunk> chunks;
   size_t words = 0;
-  for (size_t i = 0; i < starts.size(); ++i) {
-    const int64_t padded = (lens[i] + kKeyAlign - 1) / kKeyAlign * kKeyAlign;
-    chunks.push_back({starts[i], lens[i], padded, words});
+  for (size_t i = 0; i < C; ++i) {
+    const int64_t first = window > 0 ? std::max<int64_t>(0, contexts[i] - window + 1) : 0;
+    const int64_t keys = contexts[i] + lens[i] - first;
+    // room for a block to start one key early (an even start) and end on kKeyAlign
+    const int64_t padded = (keys + kKeyAlign - 1) / kKeyAlign * kKeyAlign + kKeyAlign;
+    chunks.push_back({starts[i], lens[i], contexts[i], tables.data_ptr<int64_t>() + table_rows[i] * width,
+                      first, padded, words});
     words += static_cast<size_t>(Hkv * D * padded);  // K^T and V: D / 2 * padded words each
   }
   std::unique_ptr<uint32_t[]> packed(new uint32_t[words]);
-  const auto* qp = q.data_ptr<Bf16>();
-  const auto* kp = k.data_ptr<Bf16>();
-  const auto* vp = v.data_ptr<Bf16>();
-  auto* op = out.data_ptr<Bf16>();
-  const int64_t C = static_cast<int64_t>(chunks.size());
-  at::parallel_for(0, C * Hkv, 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_chunks = static_cast<int64_t>(C);
+  at::parallel_for(0, num_chunks * Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Chunk& c = chunks[i / Hkv];
       const int64_t h = i % Hkv;
       uint32_t* kt = packed.get() + c.packed + h * D * c.padded;
-      pack_kv(kp + c.start * k.stride(0) + h * D, k.stride(0), vp + c.start * v.stride(0) + h * D,
-              v.stride(0), c.len, c.padded, D, kt, kt + (D / 2) * c.padded);
+      pack_kv(cache, c, h, kt, kt + (D / 2) * c.padded);
     }
   });
   std::vector<Task> tasks;
-  for (int64_t c = 0; c < C; ++c)
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const Chunk& ch = chunks[c];
     for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t q0 = 0; q0 < chunks[c].len; q0 += kQueryBlock) tasks.push_back({c, h, q0});
+      for (int64_t q0 = 0; q0 < ch.len; q0 += kQueryBlock) {
+        const int64_t last = ch.context + std::min(ch.len, q0 + kQueryBlock);
+        const int64_t first = window > 0 ? std::max<int64_t>(0, ch.context + q0 - window + 1) : 0;
+        tasks.push_back({c, h, q0, last - first});  // the keys it reads
+      }
+  }
   std::stable_sort(tasks.begin(), tasks.end(),
-                   [](const Task& a, const Task& b) { return a.keys() > b.keys(); });
+                   [](const Task& a, const Task& b) { return a.cost > b.cost; });
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(tasks.size());
   const float fscale = static_cast<float>(scale);
+  const auto* qp = q.data_ptr<Bf16>();
+  auto* op = out.data_ptr<Bf16>();
   at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1,
                    [&](int64_t begin, int64_t end) {
                      Scratch w(G * kQueryBlock, D);
                      for (int64_t i; (i = next.fetch_add(1)) < n;) {
                        const Task& t = tasks[i];
                        run_task(t, chunks[t.chunk], qp, q.stride(0), op, out.stride(0),
-                                packed.get(), G, D, fscale, w);
+                                packed.get(), G, D, fscale, window, w);
                      }
                      at::native::cpublas::brgemm_release(true);
                    });
@@ -275,8 +331,9 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 LLMCTL_LIBRARY_FRAGMENT(LLMCTL_OP_NAMESPACE, m) {
   m.def("prefill_attention_available() -> bool", &available);
   m.def(
-      "prefill_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int[] starts, "
-      "int[] lens, float scale) -> ()");
+      "prefill_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor(a!) out, "
+      "Tensor block_tables, int[] table_rows, int[] starts, int[] lens, int[] contexts, "
+      "float scale, int? sliding_window=None) -> ()");
 }
 
 LLMCTL_LIBRARY_IMPL(LLMCTL_OP_NAMESPACE, CPU, m) {
