@@ -18,13 +18,14 @@ def test_a_pass_reads_the_positions_its_static_buffer_holds_now():
     q, k = torch.randn(3, 2, 8, generator=g), torch.randn(3, 1, 8, generator=g)
     static_positions = torch.zeros(3, dtype=torch.int64)  # as a captured graph's input
 
+    # each call its own q and k: where a kernel runs (the CPU's, the GPU's) they rotate in place
     with set_forward_context(object()):
-        at_zero = rope(static_positions, q, k)
+        at_zero = rope(static_positions, q.clone(), k.clone())
     static_positions.copy_(torch.tensor([5, 6, 7]))
     with set_forward_context(object()):
-        moved = rope(static_positions, q, k)
+        moved = rope(static_positions, q.clone(), k.clone())
 
-    fresh = rope(torch.tensor([5, 6, 7]), q, k)  # outside any pass: nothing memoized
+    fresh = rope(torch.tensor([5, 6, 7]), q.clone(), k.clone())  # outside any pass: no memo
     assert torch.equal(moved[0], fresh[0]) and torch.equal(moved[1], fresh[1])
     assert not torch.allclose(moved[0], at_zero[0])
 
