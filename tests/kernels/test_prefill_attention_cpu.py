@@ -153,6 +153,27 @@ def test_first_chunks_as_torchs_kernel():
         assert (out[rows].double() - want[rows]).abs().max().item() <= torch_err + 2.0**-8
 
 
+def test_kv_heads_in_waves_give_the_same_bits():
+    """Packed keys and values over max_packed_bytes (64 MB by default: a context of ~100K tokens)
+    go one wave of KV heads at a time: the same tasks, the same output bits."""
+    case = Case([(0, 40), (30, 90), (0, 130)], 8, 4, 64, seed=6)
+    ops = prefill_attention._ops()
+    outs = []
+    # a KV head's slab: 4 bytes x head_dim x the chunks' padded keys (96 + 160 + 192)
+    slab = 4 * 64 * (96 + 160 + 192)
+    for budget in (None, 1, 2 * slab + 1):  # all heads; one a wave; two a wave
+        out = torch.full(case.q.shape, 7.0, dtype=torch.bfloat16)
+        ops.prefill_attention(
+            case.q, case.key_cache, case.value_cache, out, case.block_tables,
+            [c.index for c in case.chunks], [c.query_start for c in case.chunks],
+            [c.query_len for c in case.chunks], [c.context_len for c in case.chunks],
+            0.125, None, budget,
+        )  # fmt: skip
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert_close_to(outs[0], case.oracle(0.125), 260, case.value_cache)
+
+
 def test_large_scores_and_a_single_token():
     """Scores in the hundreds (a scale of 1): the running maximum keeps every exp finite; a
     first chunk of one token attends to itself only: its value, exactly."""

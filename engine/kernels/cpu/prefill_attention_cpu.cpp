@@ -12,7 +12,9 @@
 // serves them) times K^T for the keys the block sees, kKeyBlock at a time, an online softmax per
 // row (flash attention's running max and sum) over the row's own interval of keys (causal, and
 // windowed), P rounded to bfloat16, then P V added into a float32 accumulator; the output is
-// acc / sum, rounded once. Tasks run largest first, taken from a shared counter.
+// acc / sum, rounded once. Tasks run largest first, taken from a shared counter. KV heads go in
+// waves whose packed copies fit kMaxPackedBytes (every head at once below ~100K tokens of
+// context for SmolLM2's shapes), so a long context's copy stays far below its KV cache.
 //
 // torch's own kernel (scaled_dot_product_attention's flash attention for the CPU) runs one query
 // head at a time with SLEEF's exp: on SmolLM2's 16 x 512-token prefill (9 heads, 3 KV heads,
@@ -56,6 +58,7 @@ using Bf16 = c10::BFloat16;
 constexpr int64_t kQueryBlock = 64;   // queries of one head per task (times G heads: the rows)
 constexpr int64_t kKeyBlock = 512;    // keys per S block
 constexpr int64_t kKeyAlign = 32;     // keys are padded to this (brgemm's K for P V)
+constexpr int64_t kMaxPackedBytes = 64 << 20;  // packed K and V per wave of KV heads
 
 // exp(x) for x <= 0 (a score minus its row's maximum): 2^n e^r with r = x - n ln 2 in
 // [-ln2/2, ln2/2], e^r by its Taylor polynomial to r^6 (relative error < 2e-7 there). Below
@@ -90,7 +93,7 @@ struct Chunk {
   int64_t start, len, context;  // its first row in q and out, its tokens, the tokens before it
   const int64_t* table;         // its block table row
   int64_t first_key, padded;    // the earliest key any of its queries sees; packed key columns
-  size_t packed;                // offset of its packed K and V (per KV head: D * padded words)
+  size_t packed;                // offset of its K and V in a KV head's slab (D * padded words)
 };
 
 // Chunk c's keys [first_key, first_key + n) of KV head h in brgemm's VNNI layouts, zero-padded
@@ -150,7 +153,7 @@ void run_task(const Task& t, const Chunk& c, const Bf16* q, int64_t q_stride, Bf
     for (int64_t i = 0; i < nq; ++i)
       std::memcpy(w.a.get() + (g * nq + i) * D,
                   q + (c.start + t.q0 + i) * q_stride + (t.head * G + g) * D, D * sizeof(Bf16));
-  const uint32_t* kt = packed + c.packed + t.head * D * c.padded;  // pack_kv's K^T, then V
+  const uint32_t* kt = packed + c.packed;  // pack_kv's K^T, then V (of the task's KV head)
   const uint32_t* vp = kt + (D / 2) * c.padded;
   std::fill(w.acc.get(), w.acc.get() + rows * D, 0.f);
   std::fill(w.m.get(), w.m.get() + rows, -std::numeric_limits<float>::infinity());
@@ -231,7 +234,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
                        const at::Tensor& value_cache, at::Tensor& out,
                        const at::Tensor& block_tables, at::IntArrayRef table_rows,
                        at::IntArrayRef starts, at::IntArrayRef lens, at::IntArrayRef contexts,
-                       double scale, std::optional<int64_t> sliding_window) {
+                       double scale, std::optional<int64_t> sliding_window,
+                       std::optional<int64_t> max_packed_bytes) {
   TORCH_CHECK(available(), "prefill_attention: built without AVX512-BF16 (use SDPA)");
   const int64_t D = q.dim() == 3 ? q.size(2) : 0;
   for (const at::Tensor* x : {&q, static_cast<const at::Tensor*>(&out)}) {
@@ -273,53 +277,63 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
   const int64_t Hkv = key_cache.size(2), G = q.size(1) / Hkv;
   const Cache cache{key_cache.data_ptr<Bf16>(), value_cache.data_ptr<Bf16>(), bs, Hkv, D};
   std::vector<Chunk> chunks;
-  size_t words = 0;
+  size_t words = 0;  // one KV head's packed keys and values, all chunks
   for (size_t i = 0; i < C; ++i) {
     const int64_t first = window > 0 ? std::max<int64_t>(0, contexts[i] - window + 1) : 0;
     const int64_t keys = contexts[i] + lens[i] - first;
     // room for a block to start one key early (an even start) and end on kKeyAlign
     const int64_t padded = (keys + kKeyAlign - 1) / kKeyAlign * kKeyAlign + kKeyAlign;
-    chunks.push_back({starts[i], lens[i], contexts[i], tables.data_ptr<int64_t>() + table_rows[i] * width,
-                      first, padded, words});
-    words += static_cast<size_t>(Hkv * D * padded);  // K^T and V: D / 2 * padded words each
+    const int64_t* table = tables.data_ptr<int64_t>() + table_rows[i] * width;
+    chunks.push_back({starts[i], lens[i], contexts[i], table, first, padded, words});
+    words += static_cast<size_t>(D * padded);  // K^T and V: D / 2 * padded words each
   }
-  std::unique_ptr<uint32_t[]> packed(new uint32_t[words]);
+  // KV heads in waves whose packed keys and values fit max_packed_bytes (all of them at once
+  // for the usual prompts; one or a few for a context of a hundred thousand tokens, whose packed
+  // copy would otherwise be as large as the sequence's KV cache)
+  const int64_t budget = max_packed_bytes.value_or(kMaxPackedBytes);
+  TORCH_CHECK(budget > 0, "max_packed_bytes must be positive");
+  const int64_t wave = std::clamp<int64_t>(budget / std::max<int64_t>(1, words * 4), 1, Hkv);
+  std::unique_ptr<uint32_t[]> packed(new uint32_t[words * wave]);
   const int64_t num_chunks = static_cast<int64_t>(C);
-  at::parallel_for(0, num_chunks * Hkv, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const Chunk& c = chunks[i / Hkv];
-      const int64_t h = i % Hkv;
-      uint32_t* kt = packed.get() + c.packed + h * D * c.padded;
-      pack_kv(cache, c, h, kt, kt + (D / 2) * c.padded);
-    }
-  });
-  std::vector<Task> tasks;
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    const Chunk& ch = chunks[c];
-    for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t q0 = 0; q0 < ch.len; q0 += kQueryBlock) {
-        const int64_t last = ch.context + std::min(ch.len, q0 + kQueryBlock);
-        const int64_t first = window > 0 ? std::max<int64_t>(0, ch.context + q0 - window + 1) : 0;
-        tasks.push_back({c, h, q0, last - first});  // the keys it reads
-      }
-  }
-  std::stable_sort(tasks.begin(), tasks.end(),
-                   [](const Task& a, const Task& b) { return a.cost > b.cost; });
-  std::atomic<int64_t> next{0};
-  const int64_t n = static_cast<int64_t>(tasks.size());
   const float fscale = static_cast<float>(scale);
   const auto* qp = q.data_ptr<Bf16>();
   auto* op = out.data_ptr<Bf16>();
-  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1,
-                   [&](int64_t begin, int64_t end) {
-                     Scratch w(G * kQueryBlock, D);
-                     for (int64_t i; (i = next.fetch_add(1)) < n;) {
-                       const Task& t = tasks[i];
-                       run_task(t, chunks[t.chunk], qp, q.stride(0), op, out.stride(0),
-                                packed.get(), G, D, fscale, window, w);
-                     }
-                     at::native::cpublas::brgemm_release(true);
-                   });
+  for (int64_t h0 = 0; h0 < Hkv; h0 += wave) {
+    const int64_t heads = std::min(wave, Hkv - h0);
+    // head h0 + j of chunk c: at j * words + c.packed
+    at::parallel_for(0, num_chunks * heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const Chunk& c = chunks[i / heads];
+        uint32_t* kt = packed.get() + (i % heads) * words + c.packed;
+        pack_kv(cache, c, h0 + i % heads, kt, kt + (D / 2) * c.padded);
+      }
+    });
+    std::vector<Task> tasks;
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const Chunk& ch = chunks[c];
+      for (int64_t h = h0; h < h0 + heads; ++h)
+        for (int64_t q0 = 0; q0 < ch.len; q0 += kQueryBlock) {
+          const int64_t last = ch.context + std::min(ch.len, q0 + kQueryBlock);
+          const int64_t first = window > 0 ? std::max<int64_t>(0, ch.context + q0 - window + 1) : 0;
+          tasks.push_back({c, h, q0, last - first});  // the keys it reads
+        }
+    }
+    std::stable_sort(tasks.begin(), tasks.end(),
+                     [](const Task& a, const Task& b) { return a.cost > b.cost; });
+    std::atomic<int64_t> next{0};
+    const int64_t n = static_cast<int64_t>(tasks.size());
+    at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1,
+                     [&](int64_t begin, int64_t end) {
+                       Scratch w(G * kQueryBlock, D);
+                       for (int64_t i; (i = next.fetch_add(1)) < n;) {
+                         const Task& t = tasks[i];
+                         const uint32_t* kv = packed.get() + (t.head - h0) * words;
+                         run_task(t, chunks[t.chunk], qp, q.stride(0), op, out.stride(0), kv, G,
+                                  D, fscale, window, w);
+                       }
+                       at::native::cpublas::brgemm_release(true);
+                     });
+  }
 #endif
 }
 
@@ -333,7 +347,7 @@ LLMCTL_LIBRARY_FRAGMENT(LLMCTL_OP_NAMESPACE, m) {
   m.def(
       "prefill_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor(a!) out, "
       "Tensor block_tables, int[] table_rows, int[] starts, int[] lens, int[] contexts, "
-      "float scale, int? sliding_window=None) -> ()");
+      "float scale, int? sliding_window=None, int? max_packed_bytes=None) -> ()");
 }
 
 LLMCTL_LIBRARY_IMPL(LLMCTL_OP_NAMESPACE, CPU, m) {
