@@ -22,7 +22,7 @@ _tried = False
 
 
 def ops_for(x: torch.Tensor) -> Any | None:
-    """The op namespace (`rms_norm`, `fused_add_rms_norm`, `rotary_embedding`, `silu_and_mul`)
+    """The op namespace (`rms_norm`, `fused_add_rms_norm`, `rotary_embedding_`, `silu_and_mul`)
     when it can take `x` (a CPU float32 or bfloat16 tensor), else None."""
     if not (x.dtype in _DTYPES and x.device.type == "cpu"):
         return None

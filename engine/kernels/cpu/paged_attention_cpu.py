@@ -175,7 +175,7 @@ def _kernel() -> Callable[..., torch.Tensor] | None:
 
 @functools.cache
 def namespace() -> str | None:
-    """The built extension's op namespace (the decode and the prefill kernel), None when it
+    """The built extension's op namespace (decode, prefill, the cache write), None when it
     cannot be built (one warning says why)."""
     try:
         return build_namespace()
