@@ -34,6 +34,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "exp_nonpositive.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define LLMCTL_AVX512 1
 #include <immintrin.h>
@@ -129,22 +131,8 @@ inline void vsums(const Vec* s, float* dst) {
   }
 }
 
-// exp(x) for x <= 0 (Cephes expf polynomial, about 1 ulp); -inf and x < -104 give 0.
-inline Vec vexp(Vec a) {
-  __m512 x = _mm512_max_ps(a.v, _mm512_set1_ps(-104.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return {_mm512_scalef_ps(y, n)};
-}
+// exp(x) for x <= 0 (exp_nonpositive.h: Cephes' polynomial, about 1 ulp)
+inline Vec vexp(Vec a) { return {llmctl_attention::exp_nonpositive(a.v)}; }
 
 #elif defined(__AVX2__) && defined(__FMA__)
 

@@ -48,6 +48,7 @@ _SOURCE = (
     Path(__file__).with_suffix(".cpp"),
     Path(__file__).with_name("prefill_attention_cpu.cpp"),
     Path(__file__).with_name("kv_cache_write_cpu.cpp"),
+    Path(__file__).with_name("exp_nonpositive.h"),
 )
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _MAX_HEAD_DIM = 256  # kMaxHeadDim in the kernel

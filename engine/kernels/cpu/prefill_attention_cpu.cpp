@@ -19,8 +19,8 @@
 // torch's own kernel (scaled_dot_product_attention's flash attention for the CPU) runs one query
 // head at a time with SLEEF's exp: on SmolLM2's 16 x 512-token prefill (9 heads, 3 KV heads,
 // head_dim 64) on the Intel AMX kind it took 0.9 ms a sequence and layer, half of it in its exp and
-// softmax loops (perf); this kernel 0.56 ms. Its exp is a degree-6 polynomial after a range
-// reduction (a few ulp in float32; P is then rounded to bfloat16's 8 bits, as torch's is). A chunk
+// softmax loops (perf); this kernel 0.56 ms. Its exp is the decode kernel's (exp_nonpositive.h,
+// about 1 ulp; P is then rounded to bfloat16's 8 bits, as torch's is). A chunk
 // after cached context went through a gather of its blocks and a masked SDPA before.
 
 #include <ATen/Parallel.h>
@@ -38,6 +38,8 @@
 #include <memory>
 #include <optional>
 #include <vector>
+
+#include "exp_nonpositive.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define LLMCTL_PREFILL_BF16 1
@@ -60,24 +62,6 @@ constexpr int64_t kKeyBlock = 512;    // keys per S block
 constexpr int64_t kKeyAlign = 32;     // keys are padded to this (brgemm's K for P V)
 constexpr int64_t kMaxPackedBytes = 64 << 20;  // packed K and V per wave of KV heads
 
-// exp(x) for x <= 0 (a score minus its row's maximum): 2^n e^r with r = x - n ln 2 in
-// [-ln2/2, ln2/2], e^r by its Taylor polynomial to r^6 (relative error < 2e-7 there). Below
-// -87.3 (e^x under float32's normal range) the result is 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln 2, high bits
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);         // and the rest
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-  return _mm512_maskz_scalef_ps(live, p, n);
-}
 
 // float32 -> bfloat16, nearest even (no NaN reaches here: scores are finite)
 inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
@@ -187,8 +171,8 @@ void run_task(const Task& t, const Chunk& c, const Bf16* q, int64_t q_stride, Bf
       std::memset(p, 0, j0 * sizeof(Bf16));
       int64_t j = j0;
       for (; j < b; j += 16) {
-        const __m512 e = _mm512_maskz_mov_ps(
-            lanes(a, b, j), exp_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vscale, vm)));
+        const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), vscale, vm);
+        const __m512 e = _mm512_maskz_mov_ps(lanes(a, b, j), llmctl_attention::exp_nonpositive(x));
         sum = _mm512_add_ps(sum, e);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), to_bf16(e));
       }
