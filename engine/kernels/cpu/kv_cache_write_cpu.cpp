@@ -48,7 +48,8 @@ void write_kv_cache(at::Tensor& key_cache, at::Tensor& value_cache, const at::Te
   auto* vc = static_cast<char*>(value_cache.data_ptr());
   const auto* kp = static_cast<const char*>(k.data_ptr());
   const auto* vp = static_cast<const char*>(v.data_ptr());
-  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
+  const int64_t k_stride = k.stride(0) * k.element_size();
+  const int64_t v_stride = v.stride(0) * v.element_size();
   at::parallel_for(0, tokens, std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, row)),
                    [&](int64_t begin, int64_t end) {
                      for (int64_t t = begin; t < end; ++t) {

@@ -270,7 +270,8 @@ void silu_mul_compute(const T* gate, const T* up, T* out, int64_t I) {
 inline const float* silu_bf16_table() {
   static const std::vector<float> table = [] {
     std::vector<BFloat16> gate(65536), one(65536, BFloat16(1.f)), silu(65536);
-    for (uint32_t b = 0; b < 65536; ++b) gate[b] = BFloat16(static_cast<uint16_t>(b), BFloat16::from_bits());
+    for (uint32_t b = 0; b < 65536; ++b)
+      gate[b] = BFloat16(static_cast<uint16_t>(b), BFloat16::from_bits());
     silu_mul_compute<BFloat16>(gate.data(), one.data(), silu.data(), 65536);
     std::vector<float> widened(65536);
     for (uint32_t b = 0; b < 65536; ++b) widened[b] = static_cast<float>(silu[b]);
