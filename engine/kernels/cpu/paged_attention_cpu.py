@@ -49,6 +49,7 @@ _SOURCE = (
     Path(__file__).with_name("prefill_attention_cpu.cpp"),
     Path(__file__).with_name("kv_cache_write_cpu.cpp"),
     Path(__file__).with_name("exp_nonpositive.h"),
+    Path(__file__).with_name("transpose16.h"),
 )
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _MAX_HEAD_DIM = 256  # kMaxHeadDim in the kernel

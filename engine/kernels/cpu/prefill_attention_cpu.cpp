@@ -19,9 +19,11 @@
 // torch's own kernel (scaled_dot_product_attention's flash attention for the CPU) runs one query
 // head at a time with SLEEF's exp: on SmolLM2's 16 x 512-token prefill (9 heads, 3 KV heads,
 // head_dim 64) on the Intel AMX kind it took 0.9 ms a sequence and layer, half of it in its exp and
-// softmax loops (perf); this kernel 0.56 ms. Its exp is the decode kernel's (exp_nonpositive.h,
-// about 1 ulp; P is then rounded to bfloat16's 8 bits, as torch's is). A chunk
-// after cached context went through a gather of its blocks and a masked SDPA before.
+// softmax loops (perf); this kernel 0.56 ms (0.62-0.69 in an hour where its first version took
+// 0.80-0.84, since packing went 16 keys at a time and S blocks to 256 keys). Its exp is the
+// decode kernel's (exp_nonpositive.h, about 1 ulp; P is then rounded to bfloat16's 8 bits, as
+// torch's is). A chunk after cached context went through a gather of its blocks and a masked SDPA
+// before.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -40,6 +42,7 @@
 #include <vector>
 
 #include "exp_nonpositive.h"
+#include "transpose16.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define LLMCTL_PREFILL_BF16 1
@@ -58,7 +61,10 @@ constexpr int64_t kMaxHeadDim = 256;
 
 using Bf16 = c10::BFloat16;
 constexpr int64_t kQueryBlock = 64;   // queries of one head per task (times G heads: the rows)
-constexpr int64_t kKeyBlock = 512;    // keys per S block
+// Keys per S block: S is rows x kKeyBlock float32 (192 KiB for SmolLM2's 192 rows). 256 ran the
+// 16 x 512-token prefill 3-10% faster than 512 or 128 (Intel AMX kind, A/B in one hour); query
+// blocks of 128 were no faster than 64 and halve the tasks a short chunk splits into.
+constexpr int64_t kKeyBlock = 256;
 constexpr int64_t kKeyAlign = 32;     // keys are padded to this (brgemm's K for P V)
 constexpr int64_t kMaxPackedBytes = 64 << 20;  // packed K and V per wave of KV heads
 
@@ -84,24 +90,46 @@ struct Chunk {
 // to `padded` keys:
 //   kt[p][j] = the word (K[j][2p], K[j][2p + 1]): B of S = Q K^T, [D / 2][padded] words
 //   vp[j / 2][d] = the word (V[j][d], V[j + 1][d]): B of P V, [padded / 2][D] words
+// 16 keys at a time: K^T as 16 x 16 word transposes of their rows, V as two rows' values
+// interleaved (a word per d). Key by key and word by word (a block lookup per word) this took
+// ~15% of the kernel on SmolLM2's 16 x 512-token prefill.
 void pack_kv(const Cache& cache, const Chunk& c, int64_t h, uint32_t* kt, uint32_t* vp) {
-  const int64_t n = c.context + c.len - c.first_key, Lp = c.padded, D = cache.D;
+  const int64_t n = c.context + c.len - c.first_key, Lp = c.padded, D = cache.D, D2 = D / 2;
   auto row = [&](const Bf16* base, int64_t j) {  // key j of the chunk's packed range
     const int64_t key = c.first_key + j, bs = cache.block_size;
     const int64_t slot = c.table[key / bs] * bs + key % bs;
-    return reinterpret_cast<const uint16_t*>(base + (slot * cache.heads + h) * D);
+    return base + (slot * cache.heads + h) * D;
   };
-  for (int64_t p = 0; p < D / 2; ++p) {  // written in order; the n rows' words stay cached
-    uint32_t* out = kt + p * Lp;
-    for (int64_t j = 0; j < n; ++j) std::memcpy(out + j, row(cache.k, j) + 2 * p, 4);
-    std::fill(out + n, out + Lp, 0u);
-  }
-  for (int64_t j = 0; j < Lp; j += 2) {
-    uint32_t* out = vp + (j / 2) * D;
-    const uint16_t* lo = j < n ? row(cache.v, j) : nullptr;
-    const uint16_t* hi = j + 1 < n ? row(cache.v, j + 1) : nullptr;
-    for (int64_t d = 0; d < D; ++d)
-      out[d] = (lo ? uint32_t(lo[d]) : 0u) | ((hi ? uint32_t(hi[d]) : 0u) << 16);
+  // (V[j][d], V[j + 1][d]) for d = d0 .. d0 + 15 (lo) and d0 + 16 .. d0 + 31 (hi)
+  alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5,
+                                                   37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42,
+                                                   11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo_idx = _mm512_load_si512(kLo);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t j0 = 0; j0 < Lp; j0 += 16) {
+    const Bf16* k[16];
+    const Bf16* v[16];
+    for (int64_t i = 0; i < 16; ++i) {
+      k[i] = j0 + i < n ? row(cache.k, j0 + i) : nullptr;
+      v[i] = j0 + i < n ? row(cache.v, j0 + i) : nullptr;
+    }
+    for (int64_t p0 = 0; p0 < D2; p0 += 16) {  // D is a multiple of 32
+      __m512i w[16];
+      for (int64_t i = 0; i < 16; ++i)
+        w[i] = k[i] != nullptr ? _mm512_loadu_si512(k[i] + 2 * p0) : zero;
+      llmctl_kernels::transpose16(w);  // w[i]: word p0 + i of the 16 keys
+      for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(kt + (p0 + i) * Lp + j0, w[i]);
+    }
+    for (int64_t i = 0; i < 16; i += 2) {
+      uint32_t* out = vp + ((j0 + i) / 2) * D;
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512i a = v[i] != nullptr ? _mm512_loadu_si512(v[i] + d) : zero;
+        const __m512i b = v[i + 1] != nullptr ? _mm512_loadu_si512(v[i + 1] + d) : zero;
+        _mm512_storeu_si512(out + d, _mm512_permutex2var_epi16(a, lo_idx, b));
+        _mm512_storeu_si512(out + d + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
+      }
+    }
   }
 }
 

@@ -65,7 +65,12 @@ logger = logging.getLogger("llmctl")
 
 _SOURCE = tuple(
     Path(__file__).with_name(name)
-    for name in ("quantized_matmul_cpu.cpp", "quantized_matmul_bf16.cpp", "quantized_matmul_cpu.h")
+    for name in (
+        "quantized_matmul_cpu.cpp",
+        "quantized_matmul_bf16.cpp",
+        "quantized_matmul_cpu.h",
+        "transpose16.h",
+    )
 )
 _PREFIX = "llmctl_quantized_matmul"
 SMALL_BATCH = 24  # rows of x up to which the fused kernels beat dequantize + GEMM (measured)

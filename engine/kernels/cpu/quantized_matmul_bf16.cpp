@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "quantized_matmul_cpu.h"
+#include "transpose16.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define LLMCTL_Q_BF16 1
@@ -83,32 +84,6 @@ inline __m512i int8_chunk_bf16(const int8_t* q, float s, float s2) {
   const __m512 hi = _mm512_mul_ps(
       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1))), _mm512_set1_ps(s2));
   return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // lo: the first 16 values
-}
-
-// v[i] word j -> v[j] word i, for 16 x 16 32-bit words.
-inline void transpose16(__m512i v[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: word pairs of rows i, i + 1
-    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // v[i + c], lane L: word 4 L + c of rows i .. i + 3
-    v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {  // gather lane L of v[c], v[4 + c], v[8 + c], v[12 + c]
-    const __m512i a = _mm512_shuffle_i32x4(v[c], v[4 + c], 0x44);  // lanes 0, 1 of each
-    const __m512i b = _mm512_shuffle_i32x4(v[c], v[4 + c], 0xEE);  // lanes 2, 3 of each
-    const __m512i d = _mm512_shuffle_i32x4(v[8 + c], v[12 + c], 0x44);
-    const __m512i e = _mm512_shuffle_i32x4(v[8 + c], v[12 + c], 0xEE);
-    t[c] = _mm512_shuffle_i32x4(a, d, 0x88);
-    t[4 + c] = _mm512_shuffle_i32x4(a, d, 0xDD);
-    t[8 + c] = _mm512_shuffle_i32x4(b, e, 0x88);
-    t[12 + c] = _mm512_shuffle_i32x4(b, e, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) v[i] = t[i];
 }
 #endif
 
@@ -219,7 +194,7 @@ std::vector<uint32_t> vnni_columns(const c10::BFloat16* x, int64_t M, int64_t K,
       __m512i v[16];
       for (int64_t i = 0; i < 16; ++i)
         v[i] = m0 + i < M ? _mm512_loadu_si512(xs + (m0 + i) * K2 + k0) : _mm512_setzero_si512();
-      transpose16(v);
+      llmctl_kernels::transpose16(v);
       for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(XB.data() + (k0 + j) * Mp + m0, v[j]);
     }
   }
@@ -240,7 +215,7 @@ void store_columns(const float* C, int64_t ldc, int64_t rows, int64_t mb, c10::B
       __m512i v[16];
       for (int64_t i = 0; i < 16; ++i)
         v[i] = _mm512_loadu_si512(C + (i0 + i) * ldc + j0);
-      transpose16(v);  // v[j]: column j0 + j of C, rows i0 .. i0 + 15
+      llmctl_kernels::transpose16(v);  // v[j]: column j0 + j of C, rows i0 .. i0 + 15
       for (int64_t j = 0; j < 16; ++j)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (j0 + j) * N + i0),
                             reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_castsi512_ps(v[j]))));
