@@ -206,28 +206,10 @@ template <int R>
 inline void vsums(const Vec* s, float* dst) {
   for (int u = 0; u < R; ++u) dst[u] = vsum(s[u]);
 }
-// exp(x) for x <= 0, the AVX-512 path's Cephes polynomial; x below -87.3 (past float's normal
-// range, -inf included) gives 0.
-inline __m256 vexp8(__m256 a) {
-  const __m256 x = _mm256_max_ps(a, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  // y * 2^n, n in [-126, 0]: n's biased exponent
-  const __m256i pow2 =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  y = _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
-  return _mm256_and_ps(y, _mm256_cmp_ps(a, _mm256_set1_ps(-87.3f), _CMP_GE_OQ));
+// exp(x) for x <= 0 (exp_nonpositive.h's 8-lane version, the same polynomial)
+inline Vec vexp(Vec a) {
+  return {llmctl_attention::exp_nonpositive8(a.lo), llmctl_attention::exp_nonpositive8(a.hi)};
 }
-inline Vec vexp(Vec a) { return {vexp8(a.lo), vexp8(a.hi)}; }
 
 #else  // portable
 
