@@ -18,6 +18,7 @@ from llmctl.engine.attention.layer import Attention
 from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.distributed.parallel_state import get_tp_group
 from llmctl.engine.distributed.partition import PipelineShard, head_shards
+from llmctl.engine.kernels.cpu.gated_mlp import amx_gated_mlp
 from llmctl.engine.layers.activation import SiluAndMul, gated_act_fn
 from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
 from llmctl.engine.layers.fused_moe import expert_param
@@ -53,8 +54,13 @@ class LlamaMLP(nn.Module):
             reduce_results=reduce_results,
         )
         self.act_fn = SiluAndMul() if act == "silu" else gated_act_fn(act)
+        self._silu = act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._silu:  # quantized layers at prefill on AMX: one kernel (None elsewhere)
+            out = amx_gated_mlp(self.gate_up_proj, self.down_proj, x)
+            if out is not None:
+                return out
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 

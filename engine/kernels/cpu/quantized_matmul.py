@@ -69,6 +69,8 @@ _SOURCE = tuple(
         "quantized_matmul_cpu.cpp",
         "quantized_matmul_bf16.cpp",
         "quantized_matmul_cpu.h",
+        "gated_mlp_amx.cpp",
+        "layer_ops_cpu.h",
         "transpose16.h",
     )
 )

@@ -204,6 +204,27 @@ std::vector<uint32_t> vnni_columns(const c10::BFloat16* x, int64_t M, int64_t K,
   return XB;
 }
 
+// 32 bfloat16 rows of K values (Wt, row-major) as one block of AMX's B operand: B[k / 2][n] =
+// the word (Wt[n][k], Wt[n][k + 1]), 32 words a k pair: a transpose of [32, K / 2] words, 16 x 16
+// at a time in registers. K: a multiple of 32.
+void vnni_block(const uint16_t* Wt, int64_t K, uint32_t* B) {
+  const int64_t K2 = K / 2;
+  const auto* ws = reinterpret_cast<const uint32_t*>(Wt);
+#if defined(LLMCTL_Q_BF16)
+  for (int64_t k0 = 0; k0 < K2; k0 += 16) {
+    for (int64_t h = 0; h < 32; h += 16) {
+      __m512i v[16];
+      for (int64_t i = 0; i < 16; ++i) v[i] = _mm512_loadu_si512(ws + (h + i) * K2 + k0);
+      llmctl_kernels::transpose16(v);
+      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(B + (k0 + j) * 32 + h, v[j]);
+    }
+  }
+#else
+  for (int64_t n = 0; n < 32; ++n)
+    for (int64_t k2 = 0; k2 < K2; ++k2) B[k2 * 32 + n] = ws[n * K2 + k2];
+#endif
+}
+
 // y[j][i] = bfloat16(C[i][j]) for i < rows, j < mb; C: [rows, ldc] float32, y's rows N apart.
 void store_columns(const float* C, int64_t ldc, int64_t rows, int64_t mb, c10::BFloat16* y,
                    int64_t N) {
@@ -300,6 +321,44 @@ at::Tensor dequantize_rows_bf16(const at::Tensor& q, const at::Tensor& scales,
     run(rows_of<float>(q, scales, zeros, bits, group_size));
   }
   return w;
+}
+
+at::Tensor vnni_blocks_bf16(const at::Tensor& q, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& zeros, int64_t bits,
+                            int64_t group_size, int64_t gate_up_half) {
+  check_dequant(q, scales, zeros, bits);
+  const int64_t N = q.size(0), K = bits == 4 ? q.size(1) * 2 : q.size(1);
+  TORCH_CHECK(group_size > 0 && K % group_size == 0, "K must be a multiple of group_size");
+  TORCH_CHECK(K % 32 == 0, "vnni_blocks_bf16: K must be a multiple of 32, got ", K);
+  if (gate_up_half > 0) {
+    TORCH_CHECK(N == 2 * gate_up_half && gate_up_half % 16 == 0,
+                "vnni_blocks_bf16: gate_up_half must be half of the ", N,
+                " rows and a multiple of 16");
+  } else {
+    TORCH_CHECK(N % 32 == 0, "vnni_blocks_bf16: the rows must be a multiple of 32, got ", N);
+  }
+  at::Tensor out = at::empty({N / 32, K / 2, 32, 2}, scales.options().dtype(at::kBFloat16));
+  auto* bp = reinterpret_cast<uint32_t*>(out.data_ptr());
+  auto run = [&](const auto& rows) {
+    at::parallel_for(0, N / 32, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<uint16_t> Wt(32 * K);
+      std::vector<float> sz(2 * 16 * rows.G);
+      for (int64_t b = b0; b < b1; ++b) {
+        // block b: rows 16 b .. and gate_up_half + 16 b .. (gate beside up), or rows 32 b ..
+        const int64_t first = gate_up_half > 0 ? 16 * b : 32 * b;
+        const int64_t second = gate_up_half > 0 ? gate_up_half + 16 * b : 32 * b + 16;
+        expand_rows(rows, first, 16, Wt.data(), sz.data());
+        expand_rows(rows, second, 16, Wt.data() + 16 * K, sz.data());
+        vnni_block(Wt.data(), K, bp + b * (K / 2) * 32);
+      }
+    });
+  };
+  if (scales.scalar_type() == at::kHalf) {
+    run(rows_of<c10::Half>(q, scales, zeros, bits, group_size));
+  } else {
+    run(rows_of<float>(q, scales, zeros, bits, group_size));
+  }
+  return out;
 }
 
 }  // namespace llmctl_quantized

@@ -632,6 +632,11 @@ LLMCTL_LIBRARY(LLMCTL_OP_NAMESPACE, m) {
   m.def(
       "dequantize_rows_bf16(Tensor q, Tensor scales, Tensor? zeros, int bits, int group_size, "
       "int n0, int n1) -> Tensor");
+  m.def(
+      "vnni_blocks_bf16(Tensor q, Tensor scales, Tensor? zeros, int bits, int group_size, "
+      "int gate_up_half) -> Tensor");
+  m.def("amx_gated_mlp(Tensor x, Tensor gate_up, Tensor down) -> Tensor");
+  m.def("amx_gated_mlp_built() -> bool", &llmctl_quantized::amx_gated_mlp_built);
 }
 
 LLMCTL_LIBRARY_IMPL(LLMCTL_OP_NAMESPACE, CPU, m) {
@@ -640,4 +645,6 @@ LLMCTL_LIBRARY_IMPL(LLMCTL_OP_NAMESPACE, CPU, m) {
   m.impl("dequantize_rows", &dequantize_rows);
   m.impl("tiled_group_mm", &tiled_group_mm);
   m.impl("dequantize_rows_bf16", &llmctl_quantized::dequantize_rows_bf16);
+  m.impl("vnni_blocks_bf16", &llmctl_quantized::vnni_blocks_bf16);
+  m.impl("amx_gated_mlp", &llmctl_quantized::amx_gated_mlp);
 }

@@ -51,4 +51,20 @@ at::Tensor dequantize_rows_bf16(const at::Tensor& q, const at::Tensor& scales,
                                 const std::optional<at::Tensor>& zeros, int64_t bits,
                                 int64_t group_size, int64_t n0, int64_t n1);
 
+// W's rows in the layout of AMX's B operand, blocks of 32 rows: [N / 32, K / 2, 32, 2] bfloat16,
+// B[b][k / 2][j] = (W[r][k], W[r][k + 1]) for the block's row j. gate_up_half > 0 (a gated MLP's
+// [gate; up] weight, gate_up_half rows each): block b holds gate rows 16 b .. 16 b + 15, then the
+// up rows gate_up_half + 16 b .., so one block's sums are 16 columns of both. Otherwise block b
+// is rows 32 b .. 32 b + 31. The values are dequantize_rows_bf16's.
+at::Tensor vnni_blocks_bf16(const at::Tensor& q, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& zeros, int64_t bits,
+                            int64_t group_size, int64_t gate_up_half);
+
+// out[M, H] = (silu(x Wg^T) * (x Wu^T)) Wd^T in bfloat16 on AMX tiles (gated_mlp_amx.cpp), the
+// weights as vnni_blocks_bf16 lays them out: gate_up with gate_up_half = I, down [H / 32, I / 2,
+// 32, 2]. Each value is rounded where the unfused layers round (the GEMMs' outputs, silu, the
+// product), so the output has their bits.
+at::Tensor amx_gated_mlp(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down);
+bool amx_gated_mlp_built();
+
 }  // namespace llmctl_quantized

@@ -1,0 +1,167 @@
+"""The quantized gated MLP on AMX tiles (gated_mlp_amx.cpp, kernels/cpu/gated_mlp.py).
+
+vnni_blocks_bf16 must hold the float path's bfloat16 weights (dequantize_rows_bf16's) in AMX's
+B layout, gate and up rows side by side. amx_gated_mlp must give the unfused layers' values: with
+x and the gate/up weights small integers every gate/up sum is exact in float32, so the activation
+silu(gate) * up, rounded where the layers round, is known to the bit (SiluAndMul's own kernel
+computes the reference), and the output must be that activation times W_down in float64 up to
+float32 sums and its rounding. Shapes: rows that leave a partial 32-row block (1, 33, 300), more
+rows than one panel, H and I multiples of 32 but not of 64. A LlamaMLP with RTN int4 layers
+must run the kernel at prefill and give the layers' output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmctl.engine.kernels.cpu import gated_mlp
+from llmctl.engine.kernels.cpu import quantized_matmul as kernels
+from llmctl.engine.layers.activation import SiluAndMul
+from llmctl.engine.layers.quantization.linear_method import set_quant_config
+from llmctl.engine.layers.quantization.quant_config import QuantizationConfig
+from llmctl.engine.layers.quantization.rtn import quantize_rtn
+from llmctl.engine.platform import cpu_path
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return kernels.build_kernel()
+
+
+@pytest.fixture(scope="module")
+def amx(kernel):
+    if cpu_path().name != "amx" or not kernel.amx_gated_mlp_built():
+        pytest.skip(f"{cpu_path().name} CPU: the gated MLP kernel runs on AMX tiles only")
+    return kernel
+
+
+def packed(bits: int, group: int, n: int, k: int, seed: int):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    q, scales, zeros = quantize_rtn(w, bits, group)
+    return kernels.pack_groups(q, scales.to(torch.float16), zeros, bits, group)
+
+
+def vnni_layout(w: torch.Tensor, gate_up_half: int = 0) -> torch.Tensor:
+    """W [N, K] as [N / 32, K / 2, 32, 2]: block b's column j holds row j of the block."""
+    n, k = w.shape
+    if gate_up_half:
+        half = gate_up_half
+        w = torch.stack([w[:half].view(half // 16, 16, k), w[half:].view(half // 16, 16, k)], 1)
+        w = w.reshape(n, k)
+    return w.view(n // 32, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+@pytest.mark.parametrize(
+    "bits, group, n, k, gate_up_half",
+    [(4, 32, 64, 96, 0), (4, 32, 96, 160, 48), (8, 32, 64, 96, 32), (8, 16, 32, 416, 0)],
+)
+def test_vnni_blocks_hold_the_float_paths_weights(kernel, bits, group, n, k, gate_up_half):
+    w = packed(bits, group, n, k, seed=n + k)
+    blocks = kernel.vnni_blocks_bf16(w.qweight, w.scales, w.zeros, bits, group, gate_up_half)
+    expected = kernel.dequantize_rows_bf16(w.qweight, w.scales, w.zeros, bits, group, 0, n)
+    assert blocks.dtype == torch.bfloat16 and blocks.shape == (n // 32, k // 2, 32, 2)
+    assert torch.equal(blocks, vnni_layout(expected, gate_up_half))
+
+
+def test_vnni_blocks_refuse_shapes_they_cannot_lay_out(kernel):
+    w = packed(4, 32, 48, 96, seed=1)
+    with pytest.raises(RuntimeError, match="rows must be a multiple of 32"):
+        kernel.vnni_blocks_bf16(w.qweight, w.scales, w.zeros, 4, 32, 0)
+    with pytest.raises(RuntimeError, match="gate_up_half must be half"):
+        kernel.vnni_blocks_bf16(w.qweight, w.scales, w.zeros, 4, 32, 16)
+
+
+def small_integers(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-3, 4, shape, generator=g).to(torch.bfloat16)
+
+
+def mlp_case(m: int, h: int, i: int, seed: int = 0):
+    x = small_integers((m, h), seed)
+    gate_up = small_integers((2 * i, h), seed + 1)
+    down = (torch.randn(h, i, generator=torch.Generator().manual_seed(seed + 2)) / 8).bfloat16()
+    return x, gate_up, down
+
+
+def assert_mlp_output(y, x, gate_up, down):
+    """y = act W_down^T in float64 up to float32 sums and y's rounding, act exact."""
+    h = (x.double() @ gate_up.double().T).to(torch.bfloat16)  # exact sums, rounded once
+    act = SiluAndMul()(h).double()
+    expected = act @ down.double().T
+    magnitude = act.abs() @ down.double().abs().T
+    bound = 2.0**-8 * expected.abs() + 1e-5 * magnitude
+    assert y.dtype == torch.bfloat16 and y.shape == expected.shape
+    worst = ((y.double() - expected).abs() - bound).max().item()
+    assert worst <= 0, f"an output is {worst:.3g} past its bound"
+
+
+@pytest.mark.parametrize("m, h, i", [(1, 64, 64), (33, 96, 64), (300, 64, 160), (600, 32, 96)])
+def test_gated_mlp_gives_the_layers_values(amx, m, h, i):
+    x, gate_up, down = mlp_case(m, h, i)
+    y = amx.amx_gated_mlp(x, vnni_layout(gate_up, i), vnni_layout(down))
+    assert_mlp_output(y, x, gate_up, down)
+
+
+def test_a_partial_block_of_rows_gets_the_rows_of_a_whole_one(amx):
+    x, gate_up, down = mlp_case(64, 96, 64, seed=5)
+    gu, dn = vnni_layout(gate_up, 64), vnni_layout(down)
+    whole = amx.amx_gated_mlp(x, gu, dn)
+    for m in (1, 31, 33, 63):
+        assert torch.equal(amx.amx_gated_mlp(x[:m].contiguous(), gu, dn), whole[:m])
+
+
+def test_torchs_brgemm_runs_after_the_kernel(amx):
+    """The kernel configures AMX tiles its own way: torch's brgemm (the tiled matmul of a
+    quantized layer at 64 rows) must still give its result afterwards."""
+    w = packed(4, 32, 96, 160, seed=3)
+    x = torch.randn(64, 160, generator=torch.Generator().manual_seed(4)).bfloat16()
+    before = w.matmul(x)
+    x2, gate_up, down = mlp_case(40, 64, 64)
+    amx.amx_gated_mlp(x2, vnni_layout(gate_up, 64), vnni_layout(down))
+    assert torch.equal(w.matmul(x), before)
+
+
+def test_gated_mlp_refuses_mismatched_weights(amx):
+    x, gate_up, down = mlp_case(8, 64, 64)
+    with pytest.raises(RuntimeError, match="gate_up must be"):
+        amx.amx_gated_mlp(x, vnni_layout(gate_up[:, :32].contiguous(), 64), vnni_layout(down))
+    with pytest.raises(RuntimeError, match="down's I"):
+        amx.amx_gated_mlp(x, vnni_layout(gate_up, 64), vnni_layout(down[:, :32].contiguous()))
+    with pytest.raises(RuntimeError, match="x must be a contiguous bfloat16"):
+        amx.amx_gated_mlp(x.float(), vnni_layout(gate_up, 64), vnni_layout(down))
+
+
+def quantized_mlp(h: int, i: int):
+    from llmctl.engine.models.llama import LlamaMLP
+
+    with set_quant_config(QuantizationConfig(method="int4", group_size=32)):
+        mlp = LlamaMLP(h, i, bias=False)
+    g = torch.Generator().manual_seed(7)
+    mlp.gate_up_proj.weight_loader(mlp.gate_up_proj.weight, torch.randn(i, h, generator=g), 0)
+    mlp.gate_up_proj.weight_loader(mlp.gate_up_proj.weight, torch.randn(i, h, generator=g), 1)
+    mlp.down_proj.weight_loader(mlp.down_proj.weight, torch.randn(h, i, generator=g) / 8)
+    return mlp
+
+
+def test_a_quantized_llama_mlp_runs_the_kernel_at_prefill(amx):
+    mlp = quantized_mlp(96, 160)
+    rows = kernels.BF16_LARGE_BATCH + 5
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(8)).bfloat16()
+    fused = gated_mlp.amx_gated_mlp(mlp.gate_up_proj, mlp.down_proj, x)
+    assert fused is not None
+    assert torch.equal(mlp(x), fused)
+    # the layers' own output (oneDNN's GEMMs, which add in another order): the same values up
+    # to the few sums that round one ulp apart
+    unfused = mlp.down_proj(mlp.act_fn(mlp.gate_up_proj(x))).double()
+    error = (fused.double() - unfused).norm() / unfused.norm()
+    assert error < 2.0**-8, f"relative error {error:.3g}"
+    assert (fused.double() - unfused).abs().max() <= 2.0**-5 * unfused.abs().max()
+
+
+def test_decode_batches_and_float32_keep_the_layers(kernel):
+    mlp = quantized_mlp(64, 64)
+    small = torch.randn(kernels.BF16_LARGE_BATCH - 1, 64).bfloat16()
+    assert gated_mlp.amx_gated_mlp(mlp.gate_up_proj, mlp.down_proj, small) is None
+    wide = torch.randn(kernels.BF16_LARGE_BATCH, 64)
+    assert gated_mlp.amx_gated_mlp(mlp.gate_up_proj, mlp.down_proj, wide) is None
