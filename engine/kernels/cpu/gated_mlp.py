@@ -2,7 +2,7 @@
 
 On the CPU's AMX path, from BF16_LARGE_BATCH rows of bfloat16 activations (prefill), a Llama-style
 MLP whose gate_up and down projections each hold one packed weight (GGUF or RTN int4/int8, no
-bias) runs as one kernel of the quantized matmul extension (gated_mlp_amx.cpp): both weights
+bias) runs as one kernel of the quantized matmul extension (amx_gemm.cpp): both weights
 expanded once a call into bfloat16 blocks laid out for AMX (vnni_blocks_bf16, ~0.3 ms a SmolLM2
 layer), then the gate/up GEMM, SiLU-and-mul and the down GEMM over panels of rows that stay in
 the core's cache. The gate/up output never reaches memory. Its values are the unfused layers'
@@ -15,7 +15,6 @@ multiples of 32, an activation other than SiLU) gets None: the caller runs its l
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -28,7 +27,7 @@ def amx_gated_mlp(gate_up: torch.nn.Module, down: torch.nn.Module, x: torch.Tens
     down's output where down is row-parallel; None where this path does not apply."""
     if not (x.is_cpu and x.dtype == torch.bfloat16 and x.dim() == 2):
         return None
-    if x.shape[0] < qm.BF16_LARGE_BATCH or not _amx_path():
+    if x.shape[0] < qm.BF16_LARGE_BATCH:
         return None
     gu, dn = _packed(gate_up), _packed(down)
     if gu is None or dn is None:
@@ -60,20 +59,7 @@ def _packed(layer: torch.nn.Module) -> qm.PackedLinearWeight | None:
     return part if type(part) is qm.PackedLinearWeight and part.qweight.is_cpu else None
 
 
-@functools.cache
-def _amx_path() -> bool:
-    from llmctl.engine.platform import cpu_path
-
-    return cpu_path().name == "amx"
-
-
 def _op() -> Any | None:
-    """The extension's ops where this build has the AMX kernel (a build for an older -march
-    does not)."""
+    """The extension's ops where prefill GEMMs run on AMX tiles (quantized_matmul.amx_tiles)."""
     op = qm._kernel()
-    return op if op is not None and _built(op) else None
-
-
-@functools.cache
-def _built(op: Any) -> bool:
-    return bool(op.amx_gated_mlp_built())
+    return op if op is not None and qm.amx_tiles(op) else None

@@ -8,9 +8,9 @@ with q unsigned in [0, 15] for bits=4 and signed in [-128, 127] for bits=8 (zero
 N is the output features (rows, split by column-parallel layers), K the input features (split by
 row-parallel layers in whole groups).
 
-Kernels (quantized_matmul_cpu.cpp and quantized_matmul_bf16.cpp, one extension compiled on first
-use like the paged-attention kernel, with AVX-512 / AVX2 / scalar paths picked for the CPU that
-builds it):
+Kernels (quantized_matmul_cpu.cpp, quantized_matmul_bf16.cpp and amx_gemm.cpp, one extension
+compiled on first use like the paged-attention kernel, with AVX-512 / AVX2 / scalar paths picked
+for the CPU that builds it):
 - M <= SMALL_BATCH rows (decode): int8_group_mm / int4_group_mm read each weight byte once and
   dequantize in registers; accumulation is float32, bfloat16 rows are widened in the kernel and
   the output rounded back (the float32 result's bits, rounded).
@@ -18,13 +18,14 @@ builds it):
   more than BF16_SMALL_BATCH rows: tiled_group_mm expands tiles of W into bfloat16 rows, the A
   operand of oneDNN's brgemm kernel (y^T = W x^T), and multiplies them on AMX tiles (or
   AVX512-BF16 dot products) into float32 sums; from BF16_LARGE_BATCH rows, W in bfloat16 chunks
-  for torch's bfloat16 GEMM. The tiles hold exactly the float path's weights in bfloat16 (W
-  dequantized, rounded to nearest). On the Intel AMX kind, 2 threads, SmolLM2's layer shapes at
-  M = 64 (best of 3 medians, 2026-11-27): QKV 73 us, O 55, gate/up 187, down 117, LM head (Q8_0)
-  3.6 ms, against F.linear on the bfloat16 weights 73 / 51 / 215 / 115 us and 4.8 ms (runs on
-  that VM vary by up to 1.5x); at M = 8192 the chunks run at the float path's speed. The decode
-  kernels stay up to 4 rows: at M = 1 they read each weight byte once, where the tiles expand
-  every weight.
+  for torch's bfloat16 GEMM, or on the AMX path W expanded once into AMX's B layout
+  (vnni_blocks_bf16) for our own tile loop (amx_linear, amx_gemm.cpp: N and K multiples of 32;
+  a Llama MLP there is one call, gated_mlp.py). The tiles hold exactly the float path's weights
+  in bfloat16 (W dequantized, rounded to nearest). On the Intel AMX kind, 2 threads, SmolLM2's
+  layer shapes at M = 64 (best of 3 medians, 2026-11-27): QKV 73 us, O 55, gate/up 187, down
+  117, LM head (Q8_0) 3.6 ms, against F.linear on the bfloat16 weights 73 / 51 / 215 / 115 us
+  and 4.8 ms (runs on that VM vary by up to 1.5x). The decode kernels stay up to 4 rows: at
+  M = 1 they read each weight byte once, where the tiles expand every weight.
 The float32 paths (AVX2 CPUs, or float32 activations anywhere):
 - larger M (prefill): tiled_group_mm expands tiles of W to float32 (about 1 MiB each) and runs
   torch's float GEMM on them, every tile on one thread inside a single parallel region, so the
@@ -69,7 +70,7 @@ _SOURCE = tuple(
         "quantized_matmul_cpu.cpp",
         "quantized_matmul_bf16.cpp",
         "quantized_matmul_cpu.h",
-        "gated_mlp_amx.cpp",
+        "amx_gemm.cpp",
         "layer_ops_cpu.h",
         "transpose16.h",
     )
@@ -152,6 +153,9 @@ class PackedLinearWeight:
         torch's bfloat16 GEMM."""
         n, k = self.out_features, self.in_features
         if x.shape[0] >= BF16_LARGE_BATCH:
+            if _amx_linear(op, n, k):
+                q, s, z = self.qweight, self.scales, self.zeros
+                return op.amx_linear(x, op.vnni_blocks_bf16(q, s, z, self.bits, self.group_size, 0))
             return self._chunked_matmul(x, max(8, _CHUNK_BYTES // (2 * k)))
         rows = bf16_tile_rows(n, torch.get_num_threads())
         q, s, z = self.qweight, self.scales, self.zeros
@@ -315,6 +319,20 @@ def pack_groups(
         nibbles = q.to(torch.uint8).reshape(n, k // 32, 2, 16)
         qweight = (nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
     return PackedLinearWeight(n, k, bits, group_size, qweight, scales, zeros)
+
+
+def _amx_linear(op: Any, n: int, k: int) -> bool:
+    """Whether an [n, k] weight's prefill matmul runs on our AMX tile loop (amx_linear)."""
+    return n % 32 == 0 and k % 32 == 0 and amx_tiles(op)
+
+
+@functools.cache
+def amx_tiles(op: Any) -> bool:
+    """Whether prefill GEMMs run on our AMX tile loop (amx_gemm.cpp): the AMX path, and a build
+    of the kernels that has it (one for an older -march does not)."""
+    from llmctl.engine.platform import cpu_path
+
+    return cpu_path().name == "amx" and bool(op.amx_built())
 
 
 @functools.cache

@@ -636,7 +636,8 @@ LLMCTL_LIBRARY(LLMCTL_OP_NAMESPACE, m) {
       "vnni_blocks_bf16(Tensor q, Tensor scales, Tensor? zeros, int bits, int group_size, "
       "int gate_up_half) -> Tensor");
   m.def("amx_gated_mlp(Tensor x, Tensor gate_up, Tensor down) -> Tensor");
-  m.def("amx_gated_mlp_built() -> bool", &llmctl_quantized::amx_gated_mlp_built);
+  m.def("amx_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("amx_built() -> bool", &llmctl_quantized::amx_built);
 }
 
 LLMCTL_LIBRARY_IMPL(LLMCTL_OP_NAMESPACE, CPU, m) {
@@ -647,4 +648,5 @@ LLMCTL_LIBRARY_IMPL(LLMCTL_OP_NAMESPACE, CPU, m) {
   m.impl("dequantize_rows_bf16", &llmctl_quantized::dequantize_rows_bf16);
   m.impl("vnni_blocks_bf16", &llmctl_quantized::vnni_blocks_bf16);
   m.impl("amx_gated_mlp", &llmctl_quantized::amx_gated_mlp);
+  m.impl("amx_linear", &llmctl_quantized::amx_linear);
 }

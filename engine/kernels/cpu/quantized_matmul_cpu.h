@@ -60,11 +60,14 @@ at::Tensor vnni_blocks_bf16(const at::Tensor& q, const at::Tensor& scales,
                             const std::optional<at::Tensor>& zeros, int64_t bits,
                             int64_t group_size, int64_t gate_up_half);
 
-// out[M, H] = (silu(x Wg^T) * (x Wu^T)) Wd^T in bfloat16 on AMX tiles (gated_mlp_amx.cpp), the
+// out[M, H] = (silu(x Wg^T) * (x Wu^T)) Wd^T in bfloat16 on AMX tiles (amx_gemm.cpp), the
 // weights as vnni_blocks_bf16 lays them out: gate_up with gate_up_half = I, down [H / 32, I / 2,
 // 32, 2]. Each value is rounded where the unfused layers round (the GEMMs' outputs, silu, the
 // product), so the output has their bits.
 at::Tensor amx_gated_mlp(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down);
-bool amx_gated_mlp_built();
+bool amx_built();
+
+// out[M, N] = x W^T on AMX tiles, W as vnni_blocks_bf16 lays it out (gate_up_half 0).
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w);
 
 }  // namespace llmctl_quantized

@@ -1,4 +1,5 @@
-"""The quantized gated MLP on AMX tiles (gated_mlp_amx.cpp, kernels/cpu/gated_mlp.py).
+"""GEMMs on AMX tiles (amx_gemm.cpp): the quantized gated MLP (kernels/cpu/gated_mlp.py) and the
+quantized linear's prefill path (amx_linear).
 
 vnni_blocks_bf16 must hold the float path's bfloat16 weights (dequantize_rows_bf16's) in AMX's
 B layout, gate and up rows side by side. amx_gated_mlp must give the unfused layers' values: with
@@ -7,7 +8,8 @@ silu(gate) * up, rounded where the layers round, is known to the bit (SiluAndMul
 computes the reference), and the output must be that activation times W_down in float64 up to
 float32 sums and its rounding. Shapes: rows that leave a partial 32-row block (1, 33, 300), more
 rows than one panel, H and I multiples of 32 but not of 64. A LlamaMLP with RTN int4 layers
-must run the kernel at prefill and give the layers' output.
+must run the kernel at prefill and give the layers' output. amx_linear, and a packed weight's
+matmul from BF16_LARGE_BATCH rows, must give x W^T in float64 up to float32 sums and rounding.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def kernel():
 
 @pytest.fixture(scope="module")
 def amx(kernel):
-    if cpu_path().name != "amx" or not kernel.amx_gated_mlp_built():
+    if cpu_path().name != "amx" or not kernel.amx_built():
         pytest.skip(f"{cpu_path().name} CPU: the gated MLP kernel runs on AMX tiles only")
     return kernel
 
@@ -165,3 +167,39 @@ def test_decode_batches_and_float32_keep_the_layers(kernel):
     assert gated_mlp.amx_gated_mlp(mlp.gate_up_proj, mlp.down_proj, small) is None
     wide = torch.randn(kernels.BF16_LARGE_BATCH, 64)
     assert gated_mlp.amx_gated_mlp(mlp.gate_up_proj, mlp.down_proj, wide) is None
+
+
+def assert_bf16_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y = x W^T in float64 on W's bfloat16 values, up to float32 sums and y's own rounding."""
+    assert y.dtype == torch.bfloat16 and y.shape == (x.shape[0], w.shape[0])
+    expected = x.double() @ w.double().T
+    magnitude = x.double().abs() @ w.double().abs().T
+    bound = 2.0**-8 * expected.abs() + 1e-5 * magnitude
+    worst = ((y.double() - expected).abs() - bound).max().item()
+    assert worst <= 0, f"an output is {worst:.3g} past its bound"
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 32, 64), (33, 96, 160), (300, 64, 96), (600, 160, 32)])
+def test_amx_linear_gives_x_times_w(amx, m, n, k):
+    g = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    assert_bf16_product(amx.amx_linear(x, vnni_layout(w)), x, w)
+
+
+def test_amx_linear_refuses_a_weight_of_another_k(amx):
+    x = torch.randn(8, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="w must be vnni_blocks_bf16's"):
+        amx.amx_linear(x, vnni_layout(torch.randn(32, 96).bfloat16()))
+
+
+@pytest.mark.parametrize("bits, group", [(4, 32), (8, 32)])
+def test_a_packed_weight_at_prefill_runs_amx_linear(amx, bits, group):
+    w = packed(bits, group, 96, 160, seed=bits)
+    assert kernels.amx_tiles(amx)
+    x = torch.randn(kernels.BF16_LARGE_BATCH + 37, 160).bfloat16()
+    y = w.matmul(x)
+    assert torch.equal(
+        y, amx.amx_linear(x, amx.vnni_blocks_bf16(w.qweight, w.scales, w.zeros, bits, group, 0))
+    )
+    assert_bf16_product(y, x, w.dequantize(dtype=torch.bfloat16))

@@ -1,28 +1,35 @@
-// A Llama-style MLP in one pass on AMX tiles: out = (silu(x Wg^T) * (x Wu^T)) Wd^T, bfloat16,
-// for prefill-sized batches (the quantized layers' path from BF16_LARGE_BATCH rows; weights laid
-// out by vnni_blocks_bf16, expanded once a call).
+// GEMMs of our own on AMX tiles for prefill-sized batches of bfloat16 rows, with the weights laid
+// out by vnni_blocks_bf16 (expanded from the packed 4/8-bit weights once a call, ~0.3 ms a
+// SmolLM2 layer): a Llama-style MLP in one pass, out = (silu(x Wg^T) * (x Wu^T)) Wd^T
+// (amx_gated_mlp), and a plain linear, out = x W^T (amx_linear; QKV and O). The quantized
+// layers take them from BF16_LARGE_BATCH rows on the AMX path.
 //
-// Why a GEMM of our own: unfused, the [M, 2 I] gate/up output (50 MB for SmolLM2's 8,192-token
-// step) goes to memory, SiLU-and-mul reads it back and writes [M, I], and the down GEMM reads
-// that. Here each thread takes panels of kPanelRows rows of x: the panel's x rows (295 KB) and
-// its activation [kPanelRows, I] (786 KB) stay in the core's L2, and only x, the weights and the
-// output [M, H] cross memory. Measured on the Intel AMX kind (2 threads, 8,192 x 576 -> 1,536 ->
-// 576, bfloat16 weights as given): 20-21 ms against 26 for oneDNN's two GEMMs with SiLU-and-mul
-// between (same bits); the gate/up half ~12.5 ms, the down half ~6.5.
+// Why the MLP is one kernel: unfused, the [M, 2 I] gate/up output (50 MB for SmolLM2's
+// 8,192-token step) goes to memory, SiLU-and-mul reads it back and writes [M, I], and the down
+// GEMM reads that. Here each thread takes panels of kPanelRows rows of x: the panel's x rows
+// (295 KB) and its activation [kPanelRows, I] (786 KB) stay in the core's L2, and only x, the
+// weights and the output [M, H] cross memory. Measured on the Intel AMX kind (2 threads, 8,192 x
+// 576 -> 1,536 -> 576, bfloat16 weights as given): 16.5-17 ms against 24-26 for oneDNN's two
+// GEMMs with SiLU-and-mul between (same bits at that size); inside the engine the MLP went from
+// 24.5 to 18 ms a layer. The linear stores its output with non-temporal stores (it outgrows L2;
+// read-for-ownership of its lines had cost it ~15%): QKV 3.0-3.3 ms against oneDNN's 3.3-3.6.
 //
-// The tile loop: C = 2 x 2 tiles (32 rows x 32 columns, float32 sums), A = two tiles of 16 rows of
-// the panel (x or the activation, row-major: a row's neighbours along K are AMX's pairs), B = two
-// tiles of a weight block ([K / 2][32] words, vnni_blocks_bf16). A weight block stays put while
-// the panel's row blocks pass (A read with the non-temporal tile load, so B keeps its place in
-// L1), and the next weight block is fetched into L2 meanwhile. The sums leave the tiles through a
-// 4 KB buffer; a block's epilogue (rounding, SiLU-and-mul, the store) runs spread over the next
-// block's k steps, which took the gate/up half from ~16 to ~13.5 ms: run after the tile stores it
-// waited for the whole block's products, and the tiles idled through it.
+// The tile loop: C = 2 x 2 tiles (32 rows x 32 columns, float32 sums), A = two tiles of 16 rows
+// (x or the activation, row-major: a row's neighbours along K are AMX's pairs), B = two tiles of
+// a weight block ([K / 2][32] words). A weight block stays put while the panel's row blocks pass
+// (A read with the non-temporal tile load, so B keeps its place in L1), and the next weight block
+// is fetched into L2 meanwhile. The sums leave the tiles through a 4 KB buffer; a block's
+// epilogue (rounding, SiLU-and-mul, the store) runs spread over the next block's k steps, which
+// took the MLP's gate/up half from ~16 to ~13.5 ms: run after the tile stores it waited for the
+// whole block's products, and the tiles idled through it. Lessons paid for: the buffer lives off
+// the stack (4K aliasing with the stack's loads cost ~20%) and the activation's rows start on
+// cache lines (a row's 64 bytes across two lines took the down GEMM from 5.5 to 9.8 ms).
 //
 // Rounding: each value is rounded to bfloat16 where the unfused layers round it (each GEMM's
 // output, silu's output, the product; layer_ops_cpu.h's silu16 is SiLU-and-mul's own code), and
 // the sums run in K order through the same AMX instruction as oneDNN's, so the output has the
-// unfused path's bits (tests/kernels/test_gated_mlp_amx.py).
+// unfused path's bits where oneDNN's kernel adds in that order (8,192 rows: every bit; a few
+// hundred rows: ~0.2% of outputs one ulp apart) (tests/kernels/test_amx_gemm.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -212,11 +219,77 @@ void mlp_rows(const c10::BFloat16* x, int64_t M, int64_t H, int64_t I, const uin
   _tile_release();
   at::native::cpublas::brgemm_release(true);  // torch's brgemm reloads its own tile config
 }
+
+// out[M, N] = x W^T, W in blocks (vnni_blocks_bf16): the same tile loop, the sums stored to out
+// with non-temporal stores (the output outgrows L2 at prefill sizes; read-for-ownership of its
+// lines cost ~15% of the call).
+void linear_rows(const c10::BFloat16* x, int64_t M, int64_t K, int64_t N, const uint16_t* w,
+                 c10::BFloat16* out, int64_t b0, int64_t b1) {
+  const TileConfig cfg;
+  _tile_loadconfig(&cfg);
+  alignas(64) static thread_local float cbuf[2][32 * 32];
+  std::vector<c10::BFloat16> x_tail, out_tail;
+  auto x_rows = [&](int64_t m0) -> const c10::BFloat16* {
+    if (m0 + 32 <= M) return x + m0 * K;
+    if (x_tail.empty()) {
+      x_tail.assign(32 * K, c10::BFloat16(0.f));
+      std::memcpy(x_tail.data(), x + m0 * K, (M - m0) * K * sizeof(c10::BFloat16));
+    }
+    return x_tail.data();
+  };
+  int cur = 0;
+  bool pending = false, stream = false;
+  c10::BFloat16* dst = nullptr;
+  const int per = int((32 * 32 + K - 1) / K);
+  auto epi = [&](int r) {
+    if (!pending) return;
+    const float* c = cbuf[cur ^ 1] + r * 32;
+    const __m512i v = reinterpret_cast<__m512i>(
+        _mm512_cvtne2ps_pbh(_mm512_load_ps(c + 16), _mm512_load_ps(c)));
+    if (stream) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + r * N), v);
+    } else {
+      _mm512_storeu_si512(dst + r * N, v);
+    }
+  };
+  for (int64_t p0 = b0 * 32; p0 < b1 * 32; p0 += kPanelRows) {
+    const int64_t p1 = std::min(b1 * 32, p0 + kPanelRows), blocks = (p1 - p0) / 32;
+    const int64_t nb = N / 32, lines = 32 * K * 2 / 64;
+    for (int64_t n = 0; n < nb; ++n) {
+      const uint16_t* B = w + n * 32 * K;
+      const char* next = n + 1 < nb ? reinterpret_cast<const char*>(B + 32 * K) : nullptr;
+      const int64_t chunk = (lines + blocks - 1) / blocks;
+      for (int64_t i = 0; i < blocks; ++i) {
+        const int64_t m0 = p0 + i * 32;
+        const int64_t l0 = std::min(lines, i * chunk), l1 = std::min(lines, l0 + chunk);
+        tile_block(x_rows(m0), K, B, K, per, epi, next ? next + l0 * 64 : nullptr, l1 - l0);
+        store_tiles(cbuf[cur]);
+        cur ^= 1;
+        pending = true;
+        stream = m0 + 32 <= M && (reinterpret_cast<uintptr_t>(out) % 64) == 0 && N % 32 == 0;
+        if (m0 + 32 <= M) {
+          dst = out + m0 * N + n * 32;
+        } else {
+          if (out_tail.empty()) out_tail.resize(32 * N);
+          dst = out_tail.data() + n * 32;
+        }
+      }
+    }
+  }
+  for (int r = 0; r < 32; ++r) epi(r);
+  _mm_sfence();  // the non-temporal stores, visible before the caller reads out
+  if (!out_tail.empty()) {
+    const int64_t m0 = (M / 32) * 32;
+    std::memcpy(out + m0 * N, out_tail.data(), (M - m0) * N * sizeof(c10::BFloat16));
+  }
+  _tile_release();
+  at::native::cpublas::brgemm_release(true);
+}
 #endif
 
 }  // namespace
 
-bool amx_gated_mlp_built() {
+bool amx_built() {
 #if defined(LLMCTL_AMX)
   return true;
 #else
@@ -225,7 +298,7 @@ bool amx_gated_mlp_built() {
 }
 
 at::Tensor amx_gated_mlp(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down) {
-  TORCH_CHECK(amx_gated_mlp_built(),
+  TORCH_CHECK(amx_built(),
               "amx_gated_mlp: this build has no AMX (the CPU lacks it, or LLMCTL_CPU_MARCH "
               "names a target without it)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
@@ -254,6 +327,31 @@ at::Tensor amx_gated_mlp(const at::Tensor& x, const at::Tensor& gate_up, const a
   auto* op = out.data_ptr<c10::BFloat16>();
   at::parallel_for(0, (M + 31) / 32, 1, [&](int64_t b0, int64_t b1) {
     mlp_rows(xp, M, H, I, gp, dp, op, b0, b1);
+  });
+#endif
+  return out;
+}
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(amx_built(), "amx_linear: this build has no AMX (the CPU lacks it, or "
+              "LLMCTL_CPU_MARCH names a target without it)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "amx_linear: x must be a contiguous bfloat16 [M, K] tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
+                  w.size(1) * 2 == K && w.size(2) == 32 && w.size(3) == 2,
+              "amx_linear: w must be vnni_blocks_bf16's [N / 32, K / 2, 32, 2] for x's K = ", K);
+  TORCH_CHECK(K % 32 == 0, "amx_linear: K must be a multiple of 32, got ", K);
+  const int64_t N = w.size(0) * 32;
+  at::Tensor out = at::empty({M, N}, x.options());
+#if defined(LLMCTL_AMX)
+  if (M == 0) return out;
+  request_tile_data();
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  auto* op = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, (M + 31) / 32, 1, [&](int64_t b0, int64_t b1) {
+    linear_rows(xp, M, K, N, wp, op, b0, b1);
   });
 #endif
   return out;
