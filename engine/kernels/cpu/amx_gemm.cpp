@@ -12,7 +12,7 @@
 // 576 -> 1,536 -> 576, bfloat16 weights as given): 16.5-17 ms against 24-26 for oneDNN's two
 // GEMMs with SiLU-and-mul between (same bits at that size); inside the engine the MLP went from
 // 24.5 to 18 ms a layer. The linear stores its output with non-temporal stores (it outgrows L2;
-// read-for-ownership of its lines had cost it ~15%): QKV 3.0-3.3 ms against oneDNN's 3.3-3.6.
+// read-for-ownership of its lines had cost it ~15%): QKV 2.9-3.6 ms against oneDNN's 3.6-4.4.
 //
 // The tile loop: C = 2 x 2 tiles (32 rows x 32 columns, float32 sums), A = two tiles of 16 rows
 // (x or the activation, row-major: a row's neighbours along K are AMX's pairs), B = two tiles of
@@ -22,8 +22,8 @@
 // epilogue (rounding, SiLU-and-mul, the store) runs spread over the next block's k steps, which
 // took the MLP's gate/up half from ~16 to ~13.5 ms: run after the tile stores it waited for the
 // whole block's products, and the tiles idled through it. Lessons paid for: the buffer lives off
-// the stack (4K aliasing with the stack's loads cost ~20%) and the activation's rows start on
-// cache lines (a row's 64 bytes across two lines took the down GEMM from 5.5 to 9.8 ms).
+// the stack (4K aliasing with the stack's loads cost a few percent) and the activation's rows
+// start on cache lines (a row's 64 bytes across two lines took the down GEMM from 5.5 to 9.8 ms).
 //
 // Rounding: each value is rounded to bfloat16 where the unfused layers round it (each GEMM's
 // output, silu's output, the product; layer_ops_cpu.h's silu16 is SiLU-and-mul's own code), and
@@ -125,7 +125,7 @@ void mlp_rows(const c10::BFloat16* x, int64_t M, int64_t H, int64_t I, const uin
   const TileConfig cfg;
   _tile_loadconfig(&cfg);
   // The sums' way out of the tiles, off the stack: the stack's loads (the epilogue's captured
-  // variables) that shared its page offsets waited for the tile stores (4K aliasing), ~20% slower.
+  // variables) that shared its page offsets waited for the tile stores (4K aliasing).
   alignas(64) static thread_local float cbuf[2][32 * 32];
   // The panel's activation, its rows on cache lines (unaligned, each row's 64 bytes of a tile
   // load spanned two lines: the down half took 9.8 ms instead of 5.5).
