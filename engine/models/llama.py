@@ -18,10 +18,10 @@ from llmctl.engine.attention.layer import Attention
 from llmctl.engine.config.model_shape import ModelShape
 from llmctl.engine.distributed.parallel_state import get_tp_group
 from llmctl.engine.distributed.partition import PipelineShard, head_shards
-from llmctl.engine.kernels.cpu.gated_mlp import amx_gated_mlp
 from llmctl.engine.layers.activation import SiluAndMul, gated_act_fn
 from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
 from llmctl.engine.layers.fused_moe import expert_param
+from llmctl.engine.layers.gated_mlp import amx_gated_mlp
 from llmctl.engine.layers.layernorm import RMSNorm
 from llmctl.engine.layers.linear import (
     MergedColumnParallelLinear,

@@ -1,4 +1,4 @@
-"""GEMMs on AMX tiles (amx_gemm.cpp): the quantized gated MLP (kernels/cpu/gated_mlp.py) and the
+"""GEMMs on AMX tiles (amx_gemm.cpp): the quantized gated MLP (layers/gated_mlp.py) and the
 quantized linear's prefill path (amx_linear).
 
 vnni_blocks_bf16 must hold the float path's bfloat16 weights (dequantize_rows_bf16's) in AMX's
@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmctl.engine.kernels.cpu import gated_mlp
 from llmctl.engine.kernels.cpu import quantized_matmul as kernels
+from llmctl.engine.layers import gated_mlp
 from llmctl.engine.layers.activation import SiluAndMul
 from llmctl.engine.layers.quantization.linear_method import set_quant_config
 from llmctl.engine.layers.quantization.quant_config import QuantizationConfig

@@ -58,7 +58,7 @@ namespace {
 #if defined(LLMCTL_AMX)
 using llmctl_layers::silu16;
 
-constexpr int64_t kPanelRows = 256;  // x rows per panel (ran 10-15% faster than 128 or 512)
+constexpr int64_t kPanelRows = 256;  // x rows per panel (128 ran ~10% slower, 192-512 alike)
 constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // <asm/prctl.h>
 
 struct TileConfig {  // palette 1: 8 tiles of 16 rows x 64 bytes
@@ -72,12 +72,13 @@ struct TileConfig {  // palette 1: 8 tiles of 16 rows x 64 bytes
 
 void request_tile_data() {  // once a process: Linux hands AMX state to processes that ask
   static const long rc = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata);
-  TORCH_CHECK(rc == 0, "amx_gated_mlp: the kernel refused AMX tile state (arch_prctl "
+  TORCH_CHECK(rc == 0, "AMX GEMM: the kernel refused AMX tile state (arch_prctl "
               "ARCH_REQ_XCOMP_PERM); set LLMCTL_CPU_FLAGS_OFF='amx*' to run without AMX");
 }
 
 // C tiles 0-3 = A[32 rows, K] x B block ([K / 2][32] words); after each k step `epi(r)` runs for
-// up to `per` rows of the previous block, and `pf_lines` lines from `pf` are fetched into L2.
+// up to `per` rows of the previous block (whose sums the other half of the caller's double
+// buffer holds), and `pf_lines` lines from `pf` are fetched into L2.
 template <typename Epi>
 inline void tile_block(const c10::BFloat16* A, int64_t lda, const uint16_t* B, int64_t K, int per,
                        Epi&& epi, const char* pf, int64_t pf_lines) {

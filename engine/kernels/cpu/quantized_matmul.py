@@ -20,11 +20,11 @@ for the CPU that builds it):
   AVX512-BF16 dot products) into float32 sums; from BF16_LARGE_BATCH rows, W in bfloat16 chunks
   for torch's bfloat16 GEMM, or on the AMX path W expanded once into AMX's B layout
   (vnni_blocks_bf16) for our own tile loop (amx_linear, amx_gemm.cpp: N and K multiples of 32;
-  a Llama MLP there is one call, gated_mlp.py). The tiles hold exactly the float path's weights
-  in bfloat16 (W dequantized, rounded to nearest). On the Intel AMX kind, 2 threads, SmolLM2's
-  layer shapes at M = 64 (best of 3 medians, 2026-11-27): QKV 73 us, O 55, gate/up 187, down
-  117, LM head (Q8_0) 3.6 ms, against F.linear on the bfloat16 weights 73 / 51 / 215 / 115 us
-  and 4.8 ms (runs on that VM vary by up to 1.5x). The decode kernels stay up to 4 rows: at
+  a Llama MLP there is one call, layers/gated_mlp.py). The tiles hold exactly the float path's
+  weights in bfloat16 (W dequantized, rounded to nearest). On the Intel AMX kind, 2 threads,
+  SmolLM2's layer shapes at M = 64 (best of 3 medians, 2026-11-27): QKV 73 us, O 55, gate/up
+  187, down 117, LM head (Q8_0) 3.6 ms, against F.linear on the bfloat16 weights 73 / 51 / 215 /
+  115 us and 4.8 ms (runs on that VM vary by up to 1.5x). The decode kernels stay up to 4 rows: at
   M = 1 they read each weight byte once, where the tiles expand every weight.
 The float32 paths (AVX2 CPUs, or float32 activations anywhere):
 - larger M (prefill): tiled_group_mm expands tiles of W to float32 (about 1 MiB each) and runs

@@ -1,4 +1,5 @@
-"""A quantized gated MLP (gate_up -> SiLU-and-mul -> down) in one pass on AMX tiles.
+"""A quantized gated MLP (gate_up -> SiLU-and-mul -> down) in one pass on AMX tiles: the layer
+side of the quantized matmul extension's amx_gated_mlp (kernels/cpu/amx_gemm.cpp).
 
 On the CPU's AMX path, from BF16_LARGE_BATCH rows of bfloat16 activations (prefill), a Llama-style
 MLP whose gate_up and down projections each hold one packed weight (GGUF or RTN int4/int8, no
