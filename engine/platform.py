@@ -60,17 +60,21 @@ def cpu_flags() -> set[str]:
     LLMCTL_CPU_FLAGS_OFF: a comma list of flags or shell patterns (`amx*,avx512*`) treated as
     absent, so one machine can run the code paths of an older CPU (with LLMCTL_CPU_MARCH for
     what the compiler emits). This is the one place that reads it."""
-    flags: set[str] = set()
+    off = envs.LLMCTL_CPU_FLAGS_OFF or ()
+    return {f for f in machine_cpu_flags() if not any(fnmatch.fnmatchcase(f, p) for p in off)}
+
+
+def machine_cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo gives them (none hidden): what a build for
+    -march=native depends on."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    off = envs.LLMCTL_CPU_FLAGS_OFF or ()
-    return {f for f in flags if not any(fnmatch.fnmatchcase(f, p) for p in off)}
+    return set()
 
 
 @dataclass(frozen=True)

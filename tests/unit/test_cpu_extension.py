@@ -30,3 +30,13 @@ def test_a_value_that_is_not_one_target_is_refused(monkeypatch, value):
     monkeypatch.setenv("LLMCTL_CPU_MARCH", value)
     with pytest.raises(ValueError, match="LLMCTL_CPU_MARCH=.* is not a -march value"):
         build_spec(SOURCE, "k", "native", ())
+
+
+def test_hidden_cpu_flags_share_the_native_build(monkeypatch):
+    """LLMCTL_CPU_FLAGS_OFF picks the Python side's paths; the compiler still emits code for
+    -march, so the build (and its name) stays the native one: no rebuild per emulated path."""
+    monkeypatch.delenv("LLMCTL_CPU_MARCH", raising=False)
+    monkeypatch.delenv("LLMCTL_CPU_FLAGS_OFF", raising=False)
+    native = build_spec(SOURCE, "k", "native", ())
+    monkeypatch.setenv("LLMCTL_CPU_FLAGS_OFF", "avx512*,amx*")
+    assert build_spec(SOURCE, "k", "native", ()) == native

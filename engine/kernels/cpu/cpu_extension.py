@@ -2,7 +2,8 @@
 machine with torch.utils.cpp_extension into a cache directory, then loaded as torch ops.
 
 Each build's name hashes everything the binary depends on (source, flags, torch, Python, the CPU's
-features), so several builds load side by side in one process and a changed machine rebuilds.
+features: the machine's, LLMCTL_CPU_FLAGS_OFF hides none from it), so several builds load side
+by side in one process and a changed machine rebuilds.
 Builders of one directory serialise on an flock, which the kernel releases if a builder dies.
 A LLMCTL_CACHE_DIR with no build of a name yet loads the one `make setup` left in torch's
 extensions directory, if any, instead of compiling again (a fresh cache is a first start).
@@ -39,7 +40,9 @@ def build_spec(
 ) -> tuple[str, list[str], list[str]]:
     """(extension name, cflags, ldflags); the name hashes everything the binary depends on.
     `source`: one C++ file, or the files of one extension (.cpp compiled, headers hashed)."""
-    from llmctl.engine.platform import cpu_flags
+    # The machine's flags, not cpu_flags(): hiding flags (LLMCTL_CPU_FLAGS_OFF) changes which
+    # paths the Python side takes, not what the compiler emits, so those runs share the build.
+    from llmctl.engine.platform import machine_cpu_flags
 
     if march == "native":
         march = envs.LLMCTL_CPU_MARCH
@@ -58,7 +61,7 @@ def build_spec(
         " ".join(ldflags),
         torch.__version__,
         sys.version,
-        " ".join(sorted(cpu_flags())),
+        " ".join(sorted(machine_cpu_flags())),
     ):
         key.update(b"\0" + part.encode())
     return f"{prefix}_{key.hexdigest()[:16]}", cflags, ldflags
