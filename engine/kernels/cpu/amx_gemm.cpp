@@ -120,55 +120,119 @@ inline void store_tiles(float* c) {  // [32][32] float32
   _tile_stored(3, c + 16 * 32 + 16, 128);
 }
 
-// One thread's row blocks [b0, b1) of 32 rows.
-void mlp_rows(const c10::BFloat16* x, int64_t M, int64_t H, int64_t I, const uint16_t* gu,
-              const uint16_t* dn, c10::BFloat16* out, int64_t b0, int64_t b1) {
-  const TileConfig cfg;
-  _tile_loadconfig(&cfg);
-  // The sums' way out of the tiles, off the stack: the stack's loads (the epilogue's captured
-  // variables) that shared its page offsets waited for the tile stores (4K aliasing).
-  alignas(64) static thread_local float cbuf[2][32 * 32];
-  // The panel's activation, its rows on cache lines (unaligned, each row's 64 bytes of a tile
-  // load spanned two lines: the down half took 9.8 ms instead of 5.5).
-  thread_local std::vector<c10::BFloat16> act_store;
-  act_store.resize(kPanelRows * I + 32);
-  auto* act = reinterpret_cast<c10::BFloat16*>(
-      (reinterpret_cast<uintptr_t>(act_store.data()) + 63) & ~uintptr_t(63));
-  std::vector<c10::BFloat16> x_tail, out_tail;  // the last block's rows, zero-padded to 32
-  auto x_rows = [&](int64_t m0) -> const c10::BFloat16* {
-    if (m0 + 32 <= M) return x + m0 * H;
+using Bf16 = c10::BFloat16;
+
+// The sums' way out of the tiles (two blocks: one stored while the other's epilogue runs), off
+// the stack: the stack's loads (the epilogue's captured variables) that shared its page offsets
+// waited for the tile stores (4K aliasing).
+alignas(64) thread_local float cbuf[2][32 * 32];
+
+// A thread's rows of x (read 32 at a time) and of out: the last block, if partial, read from a
+// zero-padded copy and written to a buffer whose valid rows finish() copies out.
+struct BlockRows {
+  const Bf16* x;
+  int64_t M, K;
+  Bf16* out;
+  int64_t N;
+  std::vector<Bf16> x_tail, out_tail;
+
+  const Bf16* in(int64_t m0) {
+    if (m0 + 32 <= M) return x + m0 * K;
     if (x_tail.empty()) {
-      x_tail.assign(32 * H, c10::BFloat16(0.f));
-      std::memcpy(x_tail.data(), x + m0 * H, (M - m0) * H * sizeof(c10::BFloat16));
+      x_tail.assign(32 * K, Bf16(0.f));
+      std::memcpy(x_tail.data(), x + m0 * K, (M - m0) * K * sizeof(Bf16));
     }
     return x_tail.data();
+  }
+  Bf16* dst(int64_t m0, int64_t n0) {  // row m0, column n0 of out
+    if (m0 + 32 <= M) return out + m0 * N + n0;
+    if (out_tail.empty()) out_tail.resize(32 * N);
+    return out_tail.data() + n0;
+  }
+  void finish() {
+    if (out_tail.empty()) return;
+    const int64_t m0 = (M / 32) * 32;
+    std::memcpy(out + m0 * N, out_tail.data(), (M - m0) * N * sizeof(Bf16));
+  }
+};
+
+// out's rows [p0, p0 + 32 blocks) = A W^T: A's row block i at a_rows(i) (K a row), W in blocks
+// (vnni_blocks_bf16, N / 32 of them); each block's store overlaps the next block's k steps, the
+// last flushed here. stream: non-temporal stores (the rows of a partial block excepted).
+template <typename ARows>
+void panel_linear(ARows&& a_rows, int64_t K, int64_t N, const uint16_t* w, int64_t p0,
+                  int64_t blocks, BlockRows& rows, bool stream) {
+  int cur = 0;
+  bool pending = false, nt = false;
+  Bf16* dst = nullptr;
+  const int per = int((32 * 32 + K - 1) / K);
+  auto epi = [&](int r) {
+    if (!pending) return;
+    const float* c = cbuf[cur ^ 1] + r * 32;
+    const __m512i v = reinterpret_cast<__m512i>(
+        _mm512_cvtne2ps_pbh(_mm512_load_ps(c + 16), _mm512_load_ps(c)));
+    if (nt) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + r * rows.N), v);
+    } else {
+      _mm512_storeu_si512(dst + r * rows.N, v);
+    }
   };
+  const int64_t nb = N / 32, lines = 32 * K * 2 / 64, chunk = (lines + blocks - 1) / blocks;
+  for (int64_t n = 0; n < nb; ++n) {
+    const uint16_t* B = w + n * 32 * K;
+    const char* next = n + 1 < nb ? reinterpret_cast<const char*>(B + 32 * K) : nullptr;
+    for (int64_t i = 0; i < blocks; ++i) {
+      const int64_t m0 = p0 + i * 32;
+      const int64_t l0 = std::min(lines, i * chunk), l1 = std::min(lines, l0 + chunk);
+      tile_block(a_rows(i), K, B, K, per, epi, next ? next + l0 * 64 : nullptr, l1 - l0);
+      store_tiles(cbuf[cur]);
+      cur ^= 1;
+      pending = true;
+      nt = stream && m0 + 32 <= rows.M;
+      dst = rows.dst(m0, n * 32);
+    }
+  }
+  for (int r = 0; r < 32; ++r) epi(r);
+  if (stream) _mm_sfence();  // the non-temporal stores, visible before the caller reads out
+}
+
+// One thread's row blocks [b0, b1) of 32 rows.
+void mlp_rows(const Bf16* x, int64_t M, int64_t H, int64_t I, const uint16_t* gu,
+              const uint16_t* dn, Bf16* out, int64_t b0, int64_t b1) {
+  const TileConfig cfg;
+  _tile_loadconfig(&cfg);
+  // The panel's activation, its rows on cache lines (unaligned, each row's 64 bytes of a tile
+  // load spanned two lines: the down half took 9.8 ms instead of 5.5).
+  thread_local std::vector<Bf16> act_store;
+  act_store.resize(kPanelRows * I + 32);
+  auto* act = reinterpret_cast<Bf16*>(
+      (reinterpret_cast<uintptr_t>(act_store.data()) + 63) & ~uintptr_t(63));
+  BlockRows rows{x, M, H, out, H, {}, {}};
   for (int64_t p0 = b0 * 32; p0 < b1 * 32; p0 += kPanelRows) {
     const int64_t p1 = std::min(b1 * 32, p0 + kPanelRows), blocks = (p1 - p0) / 32;
     // Phase 1: act[panel rows, I] = silu(gate) * up, 16 columns of each per weight block.
     {
       int cur = 0;
       bool pending = false;
-      c10::BFloat16* dst = nullptr;
+      Bf16* dst = nullptr;
       const int per = int((32 * 32 + H - 1) / H);  // epilogue rows per k step: done in time
       auto epi = [&](int r) {
         if (!pending) return;
         const float* c = cbuf[cur ^ 1] + r * 32;
         const __m512 g = to_bf16_and_back(_mm512_load_ps(c));
         const __m512 u = to_bf16_and_back(_mm512_load_ps(c + 16));
-        const __m512 v = _mm512_mul_ps(silu16<c10::BFloat16>(g), u);
+        const __m512 v = _mm512_mul_ps(silu16<Bf16>(g), u);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * I),
                             reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
       };
-      const int64_t nb = I / 16, lines = 32 * H * 2 / 64;
+      const int64_t nb = I / 16, lines = 32 * H * 2 / 64, chunk = (lines + blocks - 1) / blocks;
       for (int64_t j = 0; j < nb; ++j) {
         const uint16_t* B = gu + j * 32 * H;
         const char* next = j + 1 < nb ? reinterpret_cast<const char*>(B + 32 * H) : nullptr;
-        const int64_t chunk = (lines + blocks - 1) / blocks;
         for (int64_t i = 0; i < blocks; ++i) {
-          const int64_t m0 = p0 + i * 32;
           const int64_t l0 = std::min(lines, i * chunk), l1 = std::min(lines, l0 + chunk);
-          tile_block(x_rows(m0), H, B, H, per, epi, next ? next + l0 * 64 : nullptr, l1 - l0);
+          tile_block(rows.in(p0 + i * 32), H, B, H, per, epi, next ? next + l0 * 64 : nullptr,
+                     l1 - l0);
           store_tiles(cbuf[cur]);
           cur ^= 1;
           pending = true;
@@ -177,112 +241,29 @@ void mlp_rows(const c10::BFloat16* x, int64_t M, int64_t H, int64_t I, const uin
       }
       for (int r = 0; r < 32; ++r) epi(r);
     }
-    // Phase 2: out[panel rows, H] = act Wd^T, 32 columns per weight block.
-    {
-      int cur = 0;
-      bool pending = false;
-      c10::BFloat16* dst = nullptr;
-      const int per = int((32 * 32 + I - 1) / I);
-      auto epi = [&](int r) {
-        if (!pending) return;
-        const float* c = cbuf[cur ^ 1] + r * 32;
-        _mm512_storeu_si512(dst + r * H, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
-                                             _mm512_load_ps(c + 16), _mm512_load_ps(c))));
-      };
-      const int64_t nb = H / 32, lines = 32 * I * 2 / 64;
-      for (int64_t n = 0; n < nb; ++n) {
-        const uint16_t* B = dn + n * 32 * I;
-        const char* next = n + 1 < nb ? reinterpret_cast<const char*>(B + 32 * I) : nullptr;
-        const int64_t chunk = (lines + blocks - 1) / blocks;
-        for (int64_t i = 0; i < blocks; ++i) {
-          const int64_t m0 = p0 + i * 32;
-          const int64_t l0 = std::min(lines, i * chunk), l1 = std::min(lines, l0 + chunk);
-          tile_block(act + i * 32 * I, I, B, I, per, epi, next ? next + l0 * 64 : nullptr,
-                     l1 - l0);
-          store_tiles(cbuf[cur]);
-          cur ^= 1;
-          pending = true;
-          if (m0 + 32 <= M) {
-            dst = out + m0 * H + n * 32;
-          } else {
-            if (out_tail.empty()) out_tail.resize(32 * H);
-            dst = out_tail.data() + n * 32;
-          }
-        }
-      }
-      for (int r = 0; r < 32; ++r) epi(r);
-    }
+    // Phase 2: out[panel rows, H] = act Wd^T (the output is read next: plain stores).
+    panel_linear([&](int64_t i) { return act + i * 32 * I; }, I, H, dn, p0, blocks, rows, false);
   }
-  if (!out_tail.empty()) {
-    const int64_t m0 = (M / 32) * 32;
-    std::memcpy(out + m0 * H, out_tail.data(), (M - m0) * H * sizeof(c10::BFloat16));
-  }
+  rows.finish();
   _tile_release();
   at::native::cpublas::brgemm_release(true);  // torch's brgemm reloads its own tile config
 }
 
 // out[M, N] = x W^T, W in blocks (vnni_blocks_bf16): the same tile loop, the sums stored to out
-// with non-temporal stores (the output outgrows L2 at prefill sizes; read-for-ownership of its
-// lines cost ~15% of the call).
-void linear_rows(const c10::BFloat16* x, int64_t M, int64_t K, int64_t N, const uint16_t* w,
-                 c10::BFloat16* out, int64_t b0, int64_t b1) {
+// with non-temporal stores where out's rows start on cache lines (the output outgrows L2 at
+// prefill sizes; read-for-ownership of its lines cost ~15% of the call).
+void linear_rows(const Bf16* x, int64_t M, int64_t K, int64_t N, const uint16_t* w, Bf16* out,
+                 int64_t b0, int64_t b1) {
   const TileConfig cfg;
   _tile_loadconfig(&cfg);
-  alignas(64) static thread_local float cbuf[2][32 * 32];
-  std::vector<c10::BFloat16> x_tail, out_tail;
-  auto x_rows = [&](int64_t m0) -> const c10::BFloat16* {
-    if (m0 + 32 <= M) return x + m0 * K;
-    if (x_tail.empty()) {
-      x_tail.assign(32 * K, c10::BFloat16(0.f));
-      std::memcpy(x_tail.data(), x + m0 * K, (M - m0) * K * sizeof(c10::BFloat16));
-    }
-    return x_tail.data();
-  };
-  int cur = 0;
-  bool pending = false, stream = false;
-  c10::BFloat16* dst = nullptr;
-  const int per = int((32 * 32 + K - 1) / K);
-  auto epi = [&](int r) {
-    if (!pending) return;
-    const float* c = cbuf[cur ^ 1] + r * 32;
-    const __m512i v = reinterpret_cast<__m512i>(
-        _mm512_cvtne2ps_pbh(_mm512_load_ps(c + 16), _mm512_load_ps(c)));
-    if (stream) {
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + r * N), v);
-    } else {
-      _mm512_storeu_si512(dst + r * N, v);
-    }
-  };
+  BlockRows rows{x, M, K, out, N, {}, {}};
+  const bool stream = reinterpret_cast<uintptr_t>(out) % 64 == 0;  // N: a multiple of 32
   for (int64_t p0 = b0 * 32; p0 < b1 * 32; p0 += kPanelRows) {
-    const int64_t p1 = std::min(b1 * 32, p0 + kPanelRows), blocks = (p1 - p0) / 32;
-    const int64_t nb = N / 32, lines = 32 * K * 2 / 64;
-    for (int64_t n = 0; n < nb; ++n) {
-      const uint16_t* B = w + n * 32 * K;
-      const char* next = n + 1 < nb ? reinterpret_cast<const char*>(B + 32 * K) : nullptr;
-      const int64_t chunk = (lines + blocks - 1) / blocks;
-      for (int64_t i = 0; i < blocks; ++i) {
-        const int64_t m0 = p0 + i * 32;
-        const int64_t l0 = std::min(lines, i * chunk), l1 = std::min(lines, l0 + chunk);
-        tile_block(x_rows(m0), K, B, K, per, epi, next ? next + l0 * 64 : nullptr, l1 - l0);
-        store_tiles(cbuf[cur]);
-        cur ^= 1;
-        pending = true;
-        stream = m0 + 32 <= M && (reinterpret_cast<uintptr_t>(out) % 64) == 0 && N % 32 == 0;
-        if (m0 + 32 <= M) {
-          dst = out + m0 * N + n * 32;
-        } else {
-          if (out_tail.empty()) out_tail.resize(32 * N);
-          dst = out_tail.data() + n * 32;
-        }
-      }
-    }
+    const int64_t blocks = (std::min(b1 * 32, p0 + kPanelRows) - p0) / 32;
+    panel_linear([&](int64_t i) { return rows.in(p0 + i * 32); }, K, N, w, p0, blocks, rows,
+                 stream);
   }
-  for (int r = 0; r < 32; ++r) epi(r);
-  _mm_sfence();  // the non-temporal stores, visible before the caller reads out
-  if (!out_tail.empty()) {
-    const int64_t m0 = (M / 32) * 32;
-    std::memcpy(out + m0 * N, out_tail.data(), (M - m0) * N * sizeof(c10::BFloat16));
-  }
+  rows.finish();
   _tile_release();
   at::native::cpublas::brgemm_release(true);
 }
