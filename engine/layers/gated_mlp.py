@@ -30,13 +30,13 @@ def amx_gated_mlp(gate_up: torch.nn.Module, down: torch.nn.Module, x: torch.Tens
         return None
     if x.shape[0] < qm.BF16_LARGE_BATCH:
         return None
-    gu, dn = _packed(gate_up), _packed(down)
+    gu, dn = packed_weight(gate_up), packed_weight(down)
     if gu is None or dn is None:
         return None
     hidden, inter = gu.in_features, gu.out_features // 2
     if (dn.in_features, dn.out_features) != (inter, hidden) or hidden % 32 or inter % 32:
         return None
-    op = _op()
+    op = amx_op()
     if op is None:
         return None
     out = op.amx_gated_mlp(
@@ -51,7 +51,7 @@ def amx_gated_mlp(gate_up: torch.nn.Module, down: torch.nn.Module, x: torch.Tens
     return out
 
 
-def _packed(layer: torch.nn.Module) -> qm.PackedLinearWeight | None:
+def packed_weight(layer: torch.nn.Module) -> qm.PackedLinearWeight | None:
     """The layer's one packed weight, if that is all it holds (no bias, no float rows)."""
     method = getattr(layer, "quant_method", None)
     if method is None or layer.bias is not None or len(method.parts) != 1:
@@ -60,7 +60,7 @@ def _packed(layer: torch.nn.Module) -> qm.PackedLinearWeight | None:
     return part if type(part) is qm.PackedLinearWeight and part.qweight.is_cpu else None
 
 
-def _op() -> Any | None:
+def amx_op() -> Any | None:
     """The extension's ops where prefill GEMMs run on AMX tiles (quantized_matmul.amx_tiles)."""
     op = qm._kernel()
     return op if op is not None and qm.amx_tiles(op) else None

@@ -28,6 +28,7 @@ from llmctl.engine.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from llmctl.engine.layers.linear_epilogue import linear_add_rms_norm, linear_rope
 from llmctl.engine.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters
 from llmctl.engine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from llmctl.engine.models.utils import IntermediateTensors, load_weights, make_layers
@@ -114,17 +115,26 @@ class LlamaAttention(nn.Module):
         param.data.copy_(rows if isinstance(rows, torch.Tensor) else rows.load())
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attend(positions, hidden_states))
+
+    def attend(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The attention's output before O."""
         num_tokens = hidden_states.shape[0]
+        rotated = None
+        if not self.qk_norm:  # quantized QKV at prefill on AMX: RoPE in the GEMM's pass
+            rotated = linear_rope(
+                self.qkv_proj, self.rotary_emb, positions, hidden_states, self.q_size + self.kv_size
+            )
+        qkv = self.qkv_proj(hidden_states) if rotated is None else rotated
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, -1, self.head_dim)
         k = k.reshape(num_tokens, -1, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if rotated is None:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
         # q, k, v stay views into qkv: the attention backends read any row stride
-        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
-        return self.o_proj(out)
+        return self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -150,8 +160,13 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        attn = self.self_attn
+        out = attn.attend(positions, hidden_states)
+        # quantized O at prefill on AMX: the residual add and the norm in the GEMM's pass
+        normed = linear_add_rms_norm(attn.o_proj, self.post_attention_layernorm, out, residual)
+        if normed is None:
+            normed = self.post_attention_layernorm(attn.o_proj(out), residual)
+        hidden_states, residual = normed
         return self.mlp(hidden_states), residual
 
 

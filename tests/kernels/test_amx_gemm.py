@@ -203,3 +203,122 @@ def test_a_packed_weight_at_prefill_runs_amx_linear(amx, bits, group):
         y, amx.amx_linear(x, amx.vnni_blocks_bf16(w.qweight, w.scales, w.zeros, bits, group, 0))
     )
     assert_bf16_product(y, x, w.dequantize(dtype=torch.bfloat16))
+
+
+# QKV with RoPE and O with the residual add and RMSNorm, each in the GEMM's pass over a panel of
+# rows (amx_linear_rope, amx_linear_add_rms_norm; layers/linear_epilogue.py): the separate
+# ops' bits, from the same GEMM (amx_linear) and the same row code (layer_ops' RoPE and norm).
+
+
+def epilogue_case(m: int, n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / 16).bfloat16()
+    return x, w, g
+
+
+@pytest.mark.parametrize("m", [1, 33, 300, 600])
+def test_linear_rope_rotates_the_query_and_key_columns_only(amx, m):
+    from llmctl.engine.kernels.cpu import layer_ops
+
+    x, w, g = epilogue_case(m, 320, 96, seed=m)  # 5 heads of 64: 3 q, 1 k, 1 v
+    cos, sin = torch.randn(1024, 64, generator=g), torch.randn(1024, 64, generator=g)
+    positions = torch.randint(0, 1024, (m,), generator=g)
+    expected = amx.amx_linear(x, vnni_layout(w))
+    plain = expected.clone()
+    q, k = expected[:, :192].view(m, 3, 64), expected[:, 192:256].view(m, 1, 64)
+    layer_ops.ops_for(x).rotary_embedding_(positions, q, k, cos, sin)
+    got = amx.amx_linear_rope(x, vnni_layout(w), positions, cos, sin, 256)
+    assert torch.equal(got, expected)
+    assert torch.equal(got[:, 256:], plain[:, 256:]) and not torch.equal(
+        got[:, :256], plain[:, :256]
+    )
+
+
+@pytest.mark.parametrize("m", [1, 33, 300, 600])
+def test_linear_add_rms_norm_gives_the_norm_of_the_sum(amx, m):
+    from llmctl.engine.kernels.cpu import layer_ops
+
+    x, w, g = epilogue_case(m, 96, 160, seed=m + 1)
+    residual = torch.randn(m, 96, generator=g).bfloat16()
+    weight = torch.randn(96, generator=g).bfloat16()
+    y = amx.amx_linear(x, vnni_layout(w))
+    expected = layer_ops.ops_for(x).fused_add_rms_norm(y, residual, weight, 1e-5)
+    got = amx.amx_linear_add_rms_norm(x, vnni_layout(w), residual, weight, 1e-5)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert torch.equal(got[1], (y.float() + residual.float()).bfloat16())
+
+
+def test_the_epilogue_ops_refuse_what_they_cannot_take(amx):
+    x, w, g = epilogue_case(8, 128, 64, seed=2)
+    cos = sin = torch.zeros(16, 64)
+    with pytest.raises(RuntimeError, match="whole heads of 64"):
+        amx.amx_linear_rope(x, vnni_layout(w), torch.zeros(8, dtype=torch.long), cos, sin, 96)
+    with pytest.raises(RuntimeError, match="position 16 is outside the rotary table"):
+        amx.amx_linear_rope(x, vnni_layout(w), torch.full((8,), 16), cos, sin, 64)
+    with pytest.raises(RuntimeError, match="one int64 position per row"):
+        amx.amx_linear_rope(x, vnni_layout(w), torch.zeros(7, dtype=torch.long), cos, sin, 64)
+    with pytest.raises(RuntimeError, match="residual must be a contiguous bfloat16"):
+        amx.amx_linear_add_rms_norm(
+            x, vnni_layout(w), torch.zeros(8, 96).bfloat16(), torch.ones(128).bfloat16(), 1e-5
+        )
+    with pytest.raises(RuntimeError, match="weight must be a contiguous bfloat16"):
+        amx.amx_linear_add_rms_norm(
+            x, vnni_layout(w), torch.zeros(8, 128).bfloat16(), torch.ones(128), 1e-5
+        )
+
+
+def quantized_attention_layers(hidden: int, heads: int, kv_heads: int, head_dim: int):
+    from llmctl.engine.layers.layernorm import RMSNorm
+    from llmctl.engine.layers.linear import QKVParallelLinear, RowParallelLinear
+    from llmctl.engine.layers.rotary_embedding import get_rope
+
+    with set_quant_config(QuantizationConfig(method="int4", group_size=32)):
+        qkv = QKVParallelLinear(hidden, head_dim, heads, kv_heads)
+        o = RowParallelLinear(heads * head_dim, hidden, bias=False)
+    g = torch.Generator().manual_seed(9)
+    for shard, rows in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+        qkv.weight_loader(qkv.weight, torch.randn(rows * head_dim, hidden, generator=g), shard)
+    o.weight_loader(o.weight, torch.randn(hidden, heads * head_dim, generator=g) / 8)
+    rope = get_rope(head_dim, 2048, {"rope_type": "default", "rope_theta": 10000.0})
+    norm = RMSNorm(hidden, 1e-5)
+    norm.weight.data = (torch.randn(hidden, generator=g) / 4 + 1).bfloat16()
+    return qkv, o, rope, norm
+
+
+def test_quantized_qkv_and_o_layers_take_the_epilogues_at_prefill(amx):
+    from llmctl.engine.layers import linear_epilogue
+
+    qkv, o, rope, norm = quantized_attention_layers(128, 4, 2, 32)
+    rows = kernels.BF16_LARGE_BATCH + 5
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(rows, 128, generator=g).bfloat16()
+    positions = torch.randint(0, 2048, (rows,), generator=g)
+    fused = linear_epilogue.linear_rope(qkv, rope, positions, x, 128 + 64)
+    assert fused is not None
+    expected = qkv(x)
+    q, k = expected[:, :128].view(rows, 4, 32), expected[:, 128:192].view(rows, 2, 32)
+    rope(positions, q, k)
+    assert torch.equal(fused, expected)
+
+    attn_out = torch.randn(rows, 128, generator=g).bfloat16()
+    residual = torch.randn(rows, 128, generator=g).bfloat16()
+    fused = linear_epilogue.linear_add_rms_norm(o, norm, attn_out, residual)
+    assert fused is not None
+    expected = norm(o(attn_out), residual)
+    assert torch.equal(fused[0], expected[0]) and torch.equal(fused[1], expected[1])
+
+
+def test_decode_batches_float32_and_other_norms_keep_the_layers(kernel):
+    from llmctl.engine.layers import linear_epilogue
+    from llmctl.engine.models.gemma3 import GemmaRMSNorm
+
+    qkv, o, rope, norm = quantized_attention_layers(128, 4, 2, 32)
+    small = torch.randn(kernels.BF16_LARGE_BATCH - 1, 128).bfloat16()
+    positions = torch.zeros(small.shape[0], dtype=torch.long)
+    assert linear_epilogue.linear_rope(qkv, rope, positions, small, 192) is None
+    assert linear_epilogue.linear_add_rms_norm(o, norm, small, small) is None
+    wide = torch.randn(kernels.BF16_LARGE_BATCH, 128)
+    assert linear_epilogue.linear_add_rms_norm(o, norm, wide, wide) is None
+    big = wide.bfloat16()
+    assert linear_epilogue.linear_add_rms_norm(o, GemmaRMSNorm(128, 1e-5), big, big) is None

@@ -39,6 +39,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "layer_ops_cpu.h"
@@ -157,14 +159,15 @@ struct BlockRows {
 };
 
 // out's rows [p0, p0 + 32 blocks) = A W^T: A's row block i at a_rows(i) (K a row), W in blocks
-// (vnni_blocks_bf16, N / 32 of them); each block's store overlaps the next block's k steps, the
-// last flushed here. stream: non-temporal stores (the rows of a partial block excepted).
-template <typename ARows>
+// (vnni_blocks_bf16, N / 32 of them); dst(m0, n0) = {where row m0's columns n0 .. n0 + 31 go (rows
+// ldo apart), whether with non-temporal stores}. Each block's store overlaps the next block's k
+// steps, the last flushed here.
+template <typename ARows, typename Dst>
 void panel_linear(ARows&& a_rows, int64_t K, int64_t N, const uint16_t* w, int64_t p0,
-                  int64_t blocks, BlockRows& rows, bool stream) {
+                  int64_t blocks, Dst&& dst, int64_t ldo) {
   int cur = 0;
-  bool pending = false, nt = false;
-  Bf16* dst = nullptr;
+  bool pending = false, nt = false, any_nt = false;
+  Bf16* out = nullptr;
   const int per = int((32 * 32 + K - 1) / K);
   auto epi = [&](int r) {
     if (!pending) return;
@@ -172,9 +175,9 @@ void panel_linear(ARows&& a_rows, int64_t K, int64_t N, const uint16_t* w, int64
     const __m512i v = reinterpret_cast<__m512i>(
         _mm512_cvtne2ps_pbh(_mm512_load_ps(c + 16), _mm512_load_ps(c)));
     if (nt) {
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + r * rows.N), v);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(out + r * ldo), v);
     } else {
-      _mm512_storeu_si512(dst + r * rows.N, v);
+      _mm512_storeu_si512(out + r * ldo, v);
     }
   };
   const int64_t nb = N / 32, lines = 32 * K * 2 / 64, chunk = (lines + blocks - 1) / blocks;
@@ -188,12 +191,21 @@ void panel_linear(ARows&& a_rows, int64_t K, int64_t N, const uint16_t* w, int64
       store_tiles(cbuf[cur]);
       cur ^= 1;
       pending = true;
-      nt = stream && m0 + 32 <= rows.M;
-      dst = rows.dst(m0, n * 32);
+      std::tie(out, nt) = dst(m0, n * 32);
+      any_nt |= nt;
     }
   }
   for (int r = 0; r < 32; ++r) epi(r);
-  if (stream) _mm_sfence();  // the non-temporal stores, visible before the caller reads out
+  if (any_nt) _mm_sfence();  // the non-temporal stores, visible before the caller reads out
+}
+
+// `values` bfloat16 values of `store` from a cache line on: rows of a multiple of 32 values each
+// start on one (unaligned, each row's 64 bytes of a tile load spanned two lines: the MLP's down
+// half took 9.8 ms instead of 5.5).
+inline Bf16* aligned_values(std::vector<Bf16>& store, int64_t values) {
+  store.resize(values + 32);
+  return reinterpret_cast<Bf16*>((reinterpret_cast<uintptr_t>(store.data()) + 63) &
+                                 ~uintptr_t(63));
 }
 
 // One thread's row blocks [b0, b1) of 32 rows.
@@ -201,12 +213,8 @@ void mlp_rows(const Bf16* x, int64_t M, int64_t H, int64_t I, const uint16_t* gu
               const uint16_t* dn, Bf16* out, int64_t b0, int64_t b1) {
   const TileConfig cfg;
   _tile_loadconfig(&cfg);
-  // The panel's activation, its rows on cache lines (unaligned, each row's 64 bytes of a tile
-  // load spanned two lines: the down half took 9.8 ms instead of 5.5).
-  thread_local std::vector<Bf16> act_store;
-  act_store.resize(kPanelRows * I + 32);
-  auto* act = reinterpret_cast<Bf16*>(
-      (reinterpret_cast<uintptr_t>(act_store.data()) + 63) & ~uintptr_t(63));
+  thread_local std::vector<Bf16> act_store;  // the panel's activation
+  Bf16* act = aligned_values(act_store, kPanelRows * I);
   BlockRows rows{x, M, H, out, H, {}, {}};
   for (int64_t p0 = b0 * 32; p0 < b1 * 32; p0 += kPanelRows) {
     const int64_t p1 = std::min(b1 * 32, p0 + kPanelRows), blocks = (p1 - p0) / 32;
@@ -242,7 +250,8 @@ void mlp_rows(const Bf16* x, int64_t M, int64_t H, int64_t I, const uint16_t* gu
       for (int r = 0; r < 32; ++r) epi(r);
     }
     // Phase 2: out[panel rows, H] = act Wd^T (the output is read next: plain stores).
-    panel_linear([&](int64_t i) { return act + i * 32 * I; }, I, H, dn, p0, blocks, rows, false);
+    panel_linear([&](int64_t i) { return act + i * 32 * I; }, I, H, dn, p0, blocks,
+                 [&](int64_t m0, int64_t n0) { return std::pair(rows.dst(m0, n0), false); }, H);
   }
   rows.finish();
   _tile_release();
@@ -260,12 +269,52 @@ void linear_rows(const Bf16* x, int64_t M, int64_t K, int64_t N, const uint16_t*
   const bool stream = reinterpret_cast<uintptr_t>(out) % 64 == 0;  // N: a multiple of 32
   for (int64_t p0 = b0 * 32; p0 < b1 * 32; p0 += kPanelRows) {
     const int64_t blocks = (std::min(b1 * 32, p0 + kPanelRows) - p0) / 32;
-    panel_linear([&](int64_t i) { return rows.in(p0 + i * 32); }, K, N, w, p0, blocks, rows,
-                 stream);
+    panel_linear([&](int64_t i) { return rows.in(p0 + i * 32); }, K, N, w, p0, blocks,
+                 [&](int64_t m0, int64_t n0) {
+                   return std::pair(rows.dst(m0, n0), stream && m0 + 32 <= M);
+                 },
+                 N);
   }
   rows.finish();
   _tile_release();
   at::native::cpublas::brgemm_release(true);
+}
+
+// linear_rows with each panel's output kept in the core's L2 for a row pass, pass(panel, p0, p1):
+// panel row r - p0 holds row r of x W^T, for rows [p0, p1). The pass writes the rows out (a
+// rotation, a norm), so the linear's output crosses memory once, already finished.
+template <typename Pass>
+void linear_panel_rows(const Bf16* x, int64_t M, int64_t K, int64_t N, const uint16_t* w,
+                       int64_t b0, int64_t b1, Pass&& pass) {
+  const TileConfig cfg;
+  _tile_loadconfig(&cfg);
+  thread_local std::vector<Bf16> panel_store;
+  Bf16* panel = aligned_values(panel_store, kPanelRows * N);
+  BlockRows rows{x, M, K, nullptr, N, {}, {}};
+  for (int64_t p0 = b0 * 32; p0 < b1 * 32; p0 += kPanelRows) {
+    const int64_t blocks = (std::min(b1 * 32, p0 + kPanelRows) - p0) / 32;
+    panel_linear([&](int64_t i) { return rows.in(p0 + i * 32); }, K, N, w, p0, blocks,
+                 [&](int64_t m0, int64_t n0) {
+                   return std::pair(panel + (m0 - p0) * N + n0, false);
+                 },
+                 N);
+    pass(panel, p0, std::min(M, p0 + blocks * 32));
+  }
+  _tile_release();
+  at::native::cpublas::brgemm_release(true);
+}
+
+// n (a multiple of 32) values from src (on a cache line) to dst: non-temporal where dst is on
+// one too (rows of a fresh tensor are: 64-byte aligned, a multiple of 32 values long)
+inline void copy_row(Bf16* dst, const Bf16* src, int64_t n, bool stream) {
+  for (int64_t j = 0; j < n; j += 32) {
+    const __m512i v = _mm512_load_si512(src + j);
+    if (stream) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + j), v);
+    } else {
+      _mm512_storeu_si512(dst + j, v);
+    }
+  }
 }
 #endif
 
@@ -337,6 +386,113 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w) {
   });
 #endif
   return out;
+}
+
+namespace {
+
+const uint16_t* linear_weight(const at::Tensor& x, const at::Tensor& w, const char* op) {
+  TORCH_CHECK(amx_built(), op, ": this build has no AMX (the CPU lacks it, or LLMCTL_CPU_MARCH "
+              "names a target without it)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), op,
+              ": x must be a contiguous bfloat16 [M, K] tensor");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
+                  w.size(1) * 2 == K && w.size(2) == 32 && w.size(3) == 2,
+              op, ": w must be vnni_blocks_bf16's [N / 32, K / 2, 32, 2] for x's K = ", K);
+  TORCH_CHECK(K % 32 == 0, op, ": K must be a multiple of 32, got ", K);
+  return reinterpret_cast<const uint16_t*>(w.data_ptr());
+}
+
+bool on_lines(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 64 == 0; }
+
+}  // namespace
+
+at::Tensor amx_linear_rope(const at::Tensor& x, const at::Tensor& w, const at::Tensor& positions,
+                           const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                           int64_t rotary_columns) {
+  const uint16_t* wp = linear_weight(x, w, "amx_linear_rope");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 32;
+  TORCH_CHECK(cos_cache.dim() == 2 && cos_cache.scalar_type() == at::kFloat &&
+                  cos_cache.is_contiguous() && sin_cache.sizes() == cos_cache.sizes() &&
+                  sin_cache.scalar_type() == at::kFloat && sin_cache.is_contiguous(),
+              "amx_linear_rope: cos_cache and sin_cache must be contiguous float32 "
+              "[max_position, head_dim]");
+  const int64_t D = cos_cache.size(1);
+  TORCH_CHECK(D > 0 && D % 2 == 0 && D <= llmctl_layers::kMaxHeadDim && rotary_columns >= 0 &&
+                  rotary_columns % D == 0 && rotary_columns <= N,
+              "amx_linear_rope: rotary_columns (", rotary_columns, ") must be whole heads of ",
+              D, " values within the output's ", N);
+  const at::Tensor pos = positions.contiguous();
+  TORCH_CHECK(pos.dim() == 1 && pos.scalar_type() == at::kLong && pos.numel() == M,
+              "amx_linear_rope: one int64 position per row of x");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r)
+    TORCH_CHECK(pp[r] >= 0 && pp[r] < cos_cache.size(0), "amx_linear_rope: position ", pp[r],
+                " is outside the rotary table (", cos_cache.size(0), " positions)");
+  at::Tensor out = at::empty({M, N}, x.options());
+#if defined(LLMCTL_AMX)
+  if (M == 0) return out;
+  request_tile_data();
+  const auto* xp = x.data_ptr<Bf16>();
+  const float* cp = cos_cache.data_ptr<float>();
+  const float* sp = sin_cache.data_ptr<float>();
+  auto* op = out.data_ptr<Bf16>();
+  const bool stream = on_lines(out);
+  at::parallel_for(0, (M + 31) / 32, 1, [&](int64_t b0, int64_t b1) {
+    linear_panel_rows(xp, M, K, N, wp, b0, b1, [&](Bf16* panel, int64_t p0, int64_t p1) {
+      for (int64_t r = p0; r < p1; ++r) {
+        Bf16* row = panel + (r - p0) * N;
+        llmctl_layers::rope_row<Bf16>(row, rotary_columns / D, D, cp + pp[r] * D, sp + pp[r] * D);
+        copy_row(op + r * N, row, N, stream);
+      }
+    });
+    _mm_sfence();
+  });
+#endif
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> amx_linear_add_rms_norm(const at::Tensor& x,
+                                                           const at::Tensor& w,
+                                                           const at::Tensor& residual,
+                                                           const at::Tensor& weight, double eps) {
+  const uint16_t* wp = linear_weight(x, w, "amx_linear_add_rms_norm");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 32;
+  TORCH_CHECK(residual.dim() == 2 && residual.size(0) == M && residual.size(1) == N &&
+                  residual.scalar_type() == at::kBFloat16 && residual.is_contiguous(),
+              "amx_linear_add_rms_norm: residual must be a contiguous bfloat16 [M, N] tensor, "
+              "N = ", N);
+  TORCH_CHECK(weight.dim() == 1 && weight.numel() == N && weight.scalar_type() == at::kBFloat16 &&
+                  weight.is_contiguous(),
+              "amx_linear_add_rms_norm: weight must be a contiguous bfloat16 [", N, "] tensor");
+  at::Tensor out = at::empty({M, N}, x.options()), res = at::empty({M, N}, x.options());
+#if defined(LLMCTL_AMX)
+  if (M == 0) return {out, res};
+  request_tile_data();
+  const auto* xp = x.data_ptr<Bf16>();
+  const auto* rp = residual.data_ptr<Bf16>();
+  const auto* np = weight.data_ptr<Bf16>();
+  auto* op = out.data_ptr<Bf16>();
+  auto* sp = res.data_ptr<Bf16>();
+  const bool stream = on_lines(out) && on_lines(res);
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, (M + 31) / 32, 1, [&](int64_t b0, int64_t b1) {
+    thread_local std::vector<Bf16> row_store;  // a row of the sum and of the norm, in L1
+    Bf16* sum = aligned_values(row_store, 2 * N);
+    Bf16* normed = sum + N;
+    linear_panel_rows(xp, M, K, N, wp, b0, b1, [&](Bf16* panel, int64_t p0, int64_t p1) {
+      for (int64_t r = p0; r < p1; ++r) {
+        std::memcpy(sum, rp + r * N, N * sizeof(Bf16));
+        llmctl_layers::add_rms_norm_row<Bf16>(panel + (r - p0) * N, sum, true, np, normed, N,
+                                              feps);
+        copy_row(sp + r * N, sum, N, stream);
+        copy_row(op + r * N, normed, N, stream);
+      }
+    });
+    _mm_sfence();
+  });
+#endif
+  return {out, res};
 }
 
 }  // namespace llmctl_quantized

@@ -637,6 +637,12 @@ LLMCTL_LIBRARY(LLMCTL_OP_NAMESPACE, m) {
       "int gate_up_half) -> Tensor");
   m.def("amx_gated_mlp(Tensor x, Tensor gate_up, Tensor down) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor w) -> Tensor");
+  m.def(
+      "amx_linear_rope(Tensor x, Tensor w, Tensor positions, Tensor cos_cache, "
+      "Tensor sin_cache, int rotary_columns) -> Tensor");
+  m.def(
+      "amx_linear_add_rms_norm(Tensor x, Tensor w, Tensor residual, Tensor weight, float eps) "
+      "-> (Tensor, Tensor)");
   m.def("amx_built() -> bool", &llmctl_quantized::amx_built);
 }
 
@@ -649,4 +655,6 @@ LLMCTL_LIBRARY_IMPL(LLMCTL_OP_NAMESPACE, CPU, m) {
   m.impl("vnni_blocks_bf16", &llmctl_quantized::vnni_blocks_bf16);
   m.impl("amx_gated_mlp", &llmctl_quantized::amx_gated_mlp);
   m.impl("amx_linear", &llmctl_quantized::amx_linear);
+  m.impl("amx_linear_rope", &llmctl_quantized::amx_linear_rope);
+  m.impl("amx_linear_add_rms_norm", &llmctl_quantized::amx_linear_add_rms_norm);
 }

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <tuple>
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -69,5 +70,16 @@ bool amx_built();
 
 // out[M, N] = x W^T on AMX tiles, W as vnni_blocks_bf16 lays it out (gate_up_half 0).
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w);
+// amx_linear with RoPE ("rotate half", layer_ops_cpu.h's rope_row) on each row's first
+// rotary_columns (whole heads of cos_cache's width) while the rows are in cache: QKV's q and k.
+at::Tensor amx_linear_rope(const at::Tensor& x, const at::Tensor& w, const at::Tensor& positions,
+                           const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                           int64_t rotary_columns);
+// (norm(x W^T + residual), x W^T + residual): amx_linear with RMSNorm's residual add
+// (add_rms_norm_row) on its rows while they are in cache: O and the post-attention norm.
+std::tuple<at::Tensor, at::Tensor> amx_linear_add_rms_norm(const at::Tensor& x,
+                                                           const at::Tensor& w,
+                                                           const at::Tensor& residual,
+                                                           const at::Tensor& weight, double eps);
 
 }  // namespace llmctl_quantized
