@@ -151,6 +151,25 @@ inline __mmask16 lanes(int64_t from, int64_t to, int64_t j) {  // lanes j + i in
   return static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
 }
 
+// f(j, mask) for the 16-lane vectors from a's down to b's, mask the lanes j + i in [a, b): the
+// whole vectors between without computing one (with lanes() for every vector the kernel took ~5%
+// longer on SmolLM2's 16 x 512-token prefill: 0.75 against 0.70 ms a sequence and layer, Intel AMX
+// kind, 4 rounds taking turns). Returns the end of the last vector.
+template <typename F>
+inline int64_t for_lanes(int64_t a, int64_t b, F&& f) {
+  int64_t j = a & ~int64_t(15);
+  if (j < a) {  // the vector holding a, partial
+    f(j, lanes(a, b, j));
+    j += 16;
+  }
+  for (; j + 16 <= b; j += 16) f(j, static_cast<__mmask16>(0xFFFF));
+  if (j < b) {
+    f(j, lanes(a, b, j));
+    j += 16;
+  }
+  return j;
+}
+
 // Rows r = g * nq + i: query token q0 + i of the chunk (position context + q0 + i) of query
 // head head * G + g. Key indices below are relative to the chunk's first_key.
 void run_task(const Task& t, const Chunk& c, const Bf16* q, int64_t q_stride, Bf16* out,
@@ -190,20 +209,20 @@ void run_task(const Task& t, const Chunk& c, const Bf16* q, int64_t q_stride, Bf
       }
       const int64_t j0 = a & ~int64_t(15);
       __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      for (int64_t j = j0; j < b; j += 16)
-        mx = _mm512_mask_max_ps(mx, lanes(a, b, j), mx, _mm512_loadu_ps(s + j));
+      for_lanes(a, b, [&](int64_t j, __mmask16 m) {
+        mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(s + j));
+      });
       const float m_new = std::max(w.m[r], _mm512_reduce_max_ps(mx) * scale);
       const float alpha = std::exp(w.m[r] - m_new);  // 0 at the row's first block
       const __m512 vm = _mm512_set1_ps(m_new);
       __m512 sum = _mm512_setzero_ps();
       std::memset(p, 0, j0 * sizeof(Bf16));
-      int64_t j = j0;
-      for (; j < b; j += 16) {
+      const int64_t j = for_lanes(a, b, [&](int64_t j, __mmask16 m) {
         const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), vscale, vm);
-        const __m512 e = _mm512_maskz_mov_ps(lanes(a, b, j), llmctl_attention::exp_nonpositive(x));
+        const __m512 e = _mm512_maskz_mov_ps(m, llmctl_attention::exp_nonpositive(x));
         sum = _mm512_add_ps(sum, e);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), to_bf16(e));
-      }
+      });
       std::memset(p + j, 0, (nkp - j) * sizeof(Bf16));  // the keys past this row's position
       w.l[r] = w.l[r] * alpha + _mm512_reduce_add_ps(sum);
       w.m[r] = m_new;
