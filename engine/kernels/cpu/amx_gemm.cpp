@@ -1,8 +1,11 @@
 // GEMMs of our own on AMX tiles for prefill-sized batches of bfloat16 rows, with the weights laid
 // out by vnni_blocks_bf16 (expanded from the packed 4/8-bit weights once a call, ~0.3 ms a
 // SmolLM2 layer): a Llama-style MLP in one pass, out = (silu(x Wg^T) * (x Wu^T)) Wd^T
-// (amx_gated_mlp), and a plain linear, out = x W^T (amx_linear; QKV and O). The quantized
-// layers take them from BF16_LARGE_BATCH rows on the AMX path.
+// (amx_gated_mlp), a plain linear, out = x W^T (amx_linear), and a linear whose panel of output
+// rows is finished in L2 by the row op after it before it leaves: RoPE after QKV
+// (amx_linear_rope), the residual add and RMSNorm after O (amx_linear_add_rms_norm; RoPE had read
+// QKV's output back from memory at 2.9 ms a SmolLM2 layer). The quantized layers take them from
+// BF16_LARGE_BATCH rows on the AMX path (layers/gated_mlp.py, layers/linear_epilogue.py).
 //
 // Why the MLP is one kernel: unfused, the [M, 2 I] gate/up output (50 MB for SmolLM2's
 // 8,192-token step) goes to memory, SiLU-and-mul reads it back and writes [M, I], and the down
