@@ -3,10 +3,11 @@ limit for its decode and its prefill apart.
 
 Each iteration generates `output_len` tokens for a batch of `batch_size` prompts of `input_len`
 random token ids (new ones each iteration, so no prefix is cached). The result has vLLM's keys
-(avg_latency, latencies, percentiles) plus a prefill-only pass (max_tokens 1) timed the same way,
-which splits the latency: the decode steps' time is the rest. Decode: bytes a step reads (weights
-and KV cache, ModelCost) per second, against the bandwidth; prefill: FLOPs per second, against
-the peak.
+(avg_latency, latencies, percentiles) plus a prefill-only pass (max_tokens 1) timed the same way
+for the prefill's figures. The decode steps' time is measured inside each iteration, from the
+batch's last first token to its end (the requests' first_token_time). Decode: bytes a step reads
+(weights and KV cache, ModelCost) per second, against the bandwidth; prefill: FLOPs per second,
+against the peak.
 """
 
 from __future__ import annotations
@@ -75,16 +76,23 @@ def measure_latency(llm, args: LatencyArgs, progress=None) -> dict[str, Any]:
         )
         return [r.prompt_token_ids for r in requests]
 
+    decoding: list[float] = []  # per timed iteration: its last first token to its end
+
     def timed(max_tokens: int, iterations: range, what: str) -> list[float]:
         params = SamplingParams(
             n=args.n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=max_tokens
         )
         seconds = []
+        decoding.clear()
         for done, i in enumerate(iterations, 1):
             prompts = batch(i)
             start = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            end = time.monotonic()  # the clock of the outputs' metrics
             seconds.append(time.perf_counter() - start)
+            firsts = [o.metrics.get("first_token_time") for o in outputs]
+            if firsts and None not in firsts:
+                decoding.append(end - max(firsts))
             report(done, len(iterations), what)
         return seconds
 
@@ -93,6 +101,9 @@ def measure_latency(llm, args: LatencyArgs, progress=None) -> dict[str, Any]:
     timed(args.output_len, range(args.num_iters_warmup), "Warm-up iterations")
     offset = args.num_iters_warmup
     latencies = timed(args.output_len, range(offset, offset + args.num_iters), "Iterations")
+    # The decode steps' time, measured inside each iteration (not the difference of two runs'
+    # averages, which a busy machine's noise could make negative for a small model)
+    decode_s = float(np.mean(decoding)) if len(decoding) == len(latencies) else None
     prefill_iters = max(3, args.num_iters // 3)
     offset += args.num_iters
     prefills = timed(1, range(offset, offset + prefill_iters), "Prefill-only iterations")
@@ -116,7 +127,8 @@ def measure_latency(llm, args: LatencyArgs, progress=None) -> dict[str, Any]:
         "fraction_of_peak": flops / avg_prefill / limit.peak_flops,
     }
     steps = args.output_len - 1
-    decode_s = avg - avg_prefill
+    if decode_s is None:  # outputs without first-token times
+        decode_s = avg - avg_prefill
     if steps > 0 and decode_s > 0:
         decode_bytes = cost.decode_bytes(prompt_lens, args.output_len)
         result["decode"] = {

@@ -45,8 +45,9 @@ def test_latency_reports_percentiles_and_decode_against_bandwidth(invoke, tiny_l
     assert len(data["latencies"]) == 3
     assert data["avg_latency"] == sum(data["latencies"]) / 3
     assert set(data["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
-    decode = data["decode"]
+    decode = data["decode"]  # measured inside each iteration: there on a busy machine too
     assert decode["steps"] == 5
+    assert 0 < decode["ms_per_step"] * 5 < data["avg_latency"] * 1000
     assert (
         decode["fraction_of_bandwidth"]
         == decode["achieved_bandwidth"] / (data["device_limit"]["bandwidth"])
