@@ -26,24 +26,14 @@ from llmctl.engine.kernels.cpu import quantized_matmul as qm
 def amx_gated_mlp(gate_up: torch.nn.Module, down: torch.nn.Module, x: torch.Tensor):
     """down(silu_and_mul(gate_up(x))) for x [tokens, H] in one kernel call, all-reduced like
     down's output where down is row-parallel; None where this path does not apply."""
-    if not (x.is_cpu and x.dtype == torch.bfloat16 and x.dim() == 2):
-        return None
-    if x.shape[0] < qm.BF16_LARGE_BATCH:
-        return None
-    gu, dn = packed_weight(gate_up), packed_weight(down)
+    gu, dn = amx_packed_weight(gate_up, x), amx_packed_weight(down, x)
     if gu is None or dn is None:
         return None
     hidden, inter = gu.in_features, gu.out_features // 2
-    if (dn.in_features, dn.out_features) != (inter, hidden) or hidden % 32 or inter % 32:
+    if (dn.in_features, dn.out_features) != (inter, hidden):  # inter: a multiple of 32 (down's K)
         return None
     op = amx_op()
-    if op is None:
-        return None
-    out = op.amx_gated_mlp(
-        x.contiguous(),
-        op.vnni_blocks_bf16(gu.qweight, gu.scales, gu.zeros, gu.bits, gu.group_size, inter),
-        op.vnni_blocks_bf16(dn.qweight, dn.scales, dn.zeros, dn.bits, dn.group_size, 0),
-    )
+    out = op.amx_gated_mlp(x.contiguous(), gu.vnni_blocks(op, inter), dn.vnni_blocks(op))
     if down.tp_size > 1 and down.reduce_results:
         from llmctl.engine.distributed.parallel_state import get_tp_group
 
@@ -51,7 +41,20 @@ def amx_gated_mlp(gate_up: torch.nn.Module, down: torch.nn.Module, x: torch.Tens
     return out
 
 
-def packed_weight(layer: torch.nn.Module) -> qm.PackedLinearWeight | None:
+def amx_packed_weight(layer: torch.nn.Module, x: torch.Tensor) -> qm.PackedLinearWeight | None:
+    """The layer's one packed weight where its GEMM on x runs on our AMX tile loop: bfloat16 rows
+    of x from BF16_LARGE_BATCH on the AMX path, N and K multiples of 32; else None."""
+    if not (x.is_cpu and x.dtype == torch.bfloat16 and x.dim() == 2):
+        return None
+    if x.shape[0] < qm.BF16_LARGE_BATCH:
+        return None
+    w = _packed(layer)
+    if w is None or w.out_features % 32 or w.in_features % 32 or amx_op() is None:
+        return None
+    return w
+
+
+def _packed(layer: torch.nn.Module) -> qm.PackedLinearWeight | None:
     """The layer's one packed weight, if that is all it holds (no bias, no float rows)."""
     method = getattr(layer, "quant_method", None)
     if method is None or layer.bias is not None or len(method.parts) != 1:

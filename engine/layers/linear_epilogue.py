@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from llmctl.engine.kernels.cpu import quantized_matmul as qm
-from llmctl.engine.layers.gated_mlp import amx_op, packed_weight
+from llmctl.engine.layers.gated_mlp import amx_op, amx_packed_weight
 from llmctl.engine.layers.layernorm import RMSNorm
 from llmctl.engine.layers.rotary_embedding import RotaryEmbedding
 
@@ -34,15 +33,16 @@ def linear_rope(
 ) -> torch.Tensor | None:
     """qkv_proj(x) with RoPE at `positions` applied to each row's first `rotary_columns` (the
     query and key heads); None where this path does not apply."""
-    w = _weight(qkv_proj, x)
+    w = amx_packed_weight(qkv_proj, x)
     if w is None or not rotary_emb.plain or type(rotary_emb) is not RotaryEmbedding:
         return None
     cos, sin = rotary_emb.cos_cache, rotary_emb.sin_cache
     if cos.dtype != torch.float32 or rotary_columns % cos.shape[1]:
         return None
     op = amx_op()
-    blocks = op.vnni_blocks_bf16(w.qweight, w.scales, w.zeros, w.bits, w.group_size, 0)
-    return op.amx_linear_rope(x.contiguous(), blocks, positions, cos, sin, rotary_columns)
+    return op.amx_linear_rope(
+        x.contiguous(), w.vnni_blocks(op), positions, cos, sin, rotary_columns
+    )
 
 
 def linear_add_rms_norm(
@@ -50,28 +50,15 @@ def linear_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """norm(o_proj(x), residual): (the normalized sum, the sum); None where this path does not
     apply."""
-    w = _weight(o_proj, x)
+    w = amx_packed_weight(o_proj, x)
     if w is None or o_proj.tp_size > 1 or type(norm) is not RMSNorm:
         return None
     if norm.weight.dtype != x.dtype or residual.dtype != x.dtype:
         return None
     op = amx_op()
-    blocks = op.vnni_blocks_bf16(w.qweight, w.scales, w.zeros, w.bits, w.group_size, 0)
     shape = residual.shape
     res = residual.reshape(-1, shape[-1]).contiguous()
     out, res = op.amx_linear_add_rms_norm(
-        x.contiguous(), blocks, res, norm.weight, norm.variance_epsilon
+        x.contiguous(), w.vnni_blocks(op), res, norm.weight, norm.variance_epsilon
     )
     return out.view(shape), res.view(shape)
-
-
-def _weight(layer: torch.nn.Module, x: torch.Tensor) -> qm.PackedLinearWeight | None:
-    """The layer's packed weight where its prefill GEMM runs on the AMX tile loop."""
-    if not (x.is_cpu and x.dtype == torch.bfloat16 and x.dim() == 2):
-        return None
-    if x.shape[0] < qm.BF16_LARGE_BATCH:
-        return None
-    w = packed_weight(layer)
-    if w is None or w.out_features % 32 or w.in_features % 32 or amx_op() is None:
-        return None
-    return w

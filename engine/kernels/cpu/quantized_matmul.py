@@ -147,6 +147,13 @@ class PackedLinearWeight:
             return op.int8_group_mm(x, self.qweight, self.scales, self.group_size)
         return op.int4_group_mm(x, self.qweight, self.scales, self.zeros, self.group_size)
 
+    def vnni_blocks(self, op: Any, gate_up_half: int = 0) -> torch.Tensor:
+        """W expanded to bfloat16 in AMX's B layout for our tile loop (the extension's
+        vnni_blocks_bf16: [N / 32, K / 2, 32, 2]; gate_up_half: gate and up rows side by side)."""
+        return op.vnni_blocks_bf16(
+            self.qweight, self.scales, self.zeros, self.bits, self.group_size, gate_up_half
+        )
+
     def _bf16_matmul(self, op: Any, x: torch.Tensor) -> torch.Tensor:
         """bfloat16 x of more than BF16_SMALL_BATCH rows: W expanded to bfloat16 tiles for
         oneDNN's brgemm (AMX or AVX512-BF16); from BF16_LARGE_BATCH rows in large chunks for
@@ -154,8 +161,7 @@ class PackedLinearWeight:
         n, k = self.out_features, self.in_features
         if x.shape[0] >= BF16_LARGE_BATCH:
             if _amx_linear(op, n, k):
-                q, s, z = self.qweight, self.scales, self.zeros
-                return op.amx_linear(x, op.vnni_blocks_bf16(q, s, z, self.bits, self.group_size, 0))
+                return op.amx_linear(x, self.vnni_blocks(op))
             return self._chunked_matmul(x, max(8, _CHUNK_BYTES // (2 * k)))
         rows = bf16_tile_rows(n, torch.get_num_threads())
         q, s, z = self.qweight, self.scales, self.zeros
