@@ -261,26 +261,38 @@ void mlp_rows(const Bf16* x, int64_t M, int64_t H, int64_t I, const uint16_t* gu
   at::native::cpublas::brgemm_release(true);  // torch's brgemm reloads its own tile config
 }
 
-// out[M, N] = x W^T, W in blocks (vnni_blocks_bf16): the same tile loop, the sums stored to out
-// with non-temporal stores where out's rows start on cache lines (the output outgrows L2 at
-// prefill sizes; read-for-ownership of its lines cost ~15% of the call).
-void linear_rows(const Bf16* x, int64_t M, int64_t K, int64_t N, const uint16_t* w, Bf16* out,
-                 int64_t b0, int64_t b1) {
+// One thread's row blocks [b0, b1) of rows.x W^T, W in blocks (vnni_blocks_bf16): panel_linear
+// over panels of kPanelRows rows, dst(p0, m0, n0) as panel_linear's dst for the panel from row
+// p0, then done(p0, p1) once rows [p0, p1) are stored.
+template <typename Dst, typename Done>
+void linear_panels(BlockRows& rows, int64_t N, const uint16_t* w, int64_t b0, int64_t b1,
+                   Dst&& dst, Done&& done) {
   const TileConfig cfg;
   _tile_loadconfig(&cfg);
-  BlockRows rows{x, M, K, out, N, {}, {}};
-  const bool stream = reinterpret_cast<uintptr_t>(out) % 64 == 0;  // N: a multiple of 32
   for (int64_t p0 = b0 * 32; p0 < b1 * 32; p0 += kPanelRows) {
     const int64_t blocks = (std::min(b1 * 32, p0 + kPanelRows) - p0) / 32;
-    panel_linear([&](int64_t i) { return rows.in(p0 + i * 32); }, K, N, w, p0, blocks,
-                 [&](int64_t m0, int64_t n0) {
-                   return std::pair(rows.dst(m0, n0), stream && m0 + 32 <= M);
-                 },
-                 N);
+    panel_linear([&](int64_t i) { return rows.in(p0 + i * 32); }, rows.K, N, w, p0, blocks,
+                 [&](int64_t m0, int64_t n0) { return dst(p0, m0, n0); }, N);
+    done(p0, std::min(rows.M, p0 + blocks * 32));
   }
-  rows.finish();
   _tile_release();
   at::native::cpublas::brgemm_release(true);
+}
+
+// out[M, N] = x W^T: the sums stored to out with non-temporal stores where out's rows start on
+// cache lines (the output outgrows L2 at prefill sizes; read-for-ownership of its lines cost ~15%
+// of the call).
+void linear_rows(const Bf16* x, int64_t M, int64_t K, int64_t N, const uint16_t* w, Bf16* out,
+                 int64_t b0, int64_t b1) {
+  BlockRows rows{x, M, K, out, N, {}, {}};
+  const bool stream = reinterpret_cast<uintptr_t>(out) % 64 == 0;  // N: a multiple of 32
+  linear_panels(
+      rows, N, w, b0, b1,
+      [&](int64_t, int64_t m0, int64_t n0) {
+        return std::pair(rows.dst(m0, n0), stream && m0 + 32 <= M);
+      },
+      [](int64_t, int64_t) {});
+  rows.finish();
 }
 
 // linear_rows with each panel's output kept in the core's L2 for a row pass, pass(panel, p0, p1):
@@ -289,22 +301,15 @@ void linear_rows(const Bf16* x, int64_t M, int64_t K, int64_t N, const uint16_t*
 template <typename Pass>
 void linear_panel_rows(const Bf16* x, int64_t M, int64_t K, int64_t N, const uint16_t* w,
                        int64_t b0, int64_t b1, Pass&& pass) {
-  const TileConfig cfg;
-  _tile_loadconfig(&cfg);
   thread_local std::vector<Bf16> panel_store;
   Bf16* panel = aligned_values(panel_store, kPanelRows * N);
   BlockRows rows{x, M, K, nullptr, N, {}, {}};
-  for (int64_t p0 = b0 * 32; p0 < b1 * 32; p0 += kPanelRows) {
-    const int64_t blocks = (std::min(b1 * 32, p0 + kPanelRows) - p0) / 32;
-    panel_linear([&](int64_t i) { return rows.in(p0 + i * 32); }, K, N, w, p0, blocks,
-                 [&](int64_t m0, int64_t n0) {
-                   return std::pair(panel + (m0 - p0) * N + n0, false);
-                 },
-                 N);
-    pass(panel, p0, std::min(M, p0 + blocks * 32));
-  }
-  _tile_release();
-  at::native::cpublas::brgemm_release(true);
+  linear_panels(
+      rows, N, w, b0, b1,
+      [&](int64_t p0, int64_t m0, int64_t n0) {
+        return std::pair(panel + (m0 - p0) * N + n0, false);
+      },
+      [&](int64_t p0, int64_t p1) { pass(panel, p0, p1); });
 }
 
 // n (a multiple of 32) values from src (on a cache line) to dst: non-temporal where dst is on
