@@ -76,14 +76,13 @@ def measure_latency(llm, args: LatencyArgs, progress=None) -> dict[str, Any]:
         )
         return [r.prompt_token_ids for r in requests]
 
-    decoding: list[float] = []  # per timed iteration: its last first token to its end
-
-    def timed(max_tokens: int, iterations: range, what: str) -> list[float]:
+    def timed(max_tokens: int, iterations: range, what: str) -> tuple[list[float], list[float]]:
+        """Each iteration's seconds, and its decode steps' (its last first token to its end;
+        none where the outputs carry no first-token time)."""
         params = SamplingParams(
             n=args.n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=max_tokens
         )
-        seconds = []
-        decoding.clear()
+        seconds, decoding = [], []
         for done, i in enumerate(iterations, 1):
             prompts = batch(i)
             start = time.perf_counter()
@@ -94,19 +93,20 @@ def measure_latency(llm, args: LatencyArgs, progress=None) -> dict[str, Any]:
             if firsts and None not in firsts:
                 decoding.append(end - max(firsts))
             report(done, len(iterations), what)
-        return seconds
+        return seconds, decoding
 
     cost = ModelCost.from_config(config, engine.executor.rank_info())
     limit = device_limit(config.device_config.device, config.model_config.dtype)
     timed(args.output_len, range(args.num_iters_warmup), "Warm-up iterations")
     offset = args.num_iters_warmup
-    latencies = timed(args.output_len, range(offset, offset + args.num_iters), "Iterations")
+    iterations = range(offset, offset + args.num_iters)
+    latencies, decoding = timed(args.output_len, iterations, "Iterations")
     # The decode steps' time, measured inside each iteration (not the difference of two runs'
     # averages, which a busy machine's noise could make negative for a small model)
     decode_s = float(np.mean(decoding)) if len(decoding) == len(latencies) else None
     prefill_iters = max(3, args.num_iters // 3)
     offset += args.num_iters
-    prefills = timed(1, range(offset, offset + prefill_iters), "Prefill-only iterations")
+    prefills, _ = timed(1, range(offset, offset + prefill_iters), "Prefill-only iterations")
 
     avg, avg_prefill = float(np.mean(latencies)), float(np.mean(prefills))
     prompt_lens = [args.input_len] * args.batch_size * args.n
