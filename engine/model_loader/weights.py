@@ -144,8 +144,9 @@ _OWN_MAPPING_BYTES = 1 << 20
 def _owned_copy(view):
     """The caller's own copy of `view`. From 1 MiB, in an anonymous mapping of its own, so
     freeing it gives the pages back at once: a weight loader copies each tensor into its parameter
-    and drops the read, and glibc's heap kept such freed reads resident (a freed 4 MiB chunk is a
-    few bytes short of the next 64-byte-aligned request), 0-45 MiB over the weights at the loading
+    and drops the read, and glibc's heap kept such freed reads resident and often unused (torch
+    allocates with posix_memalign, which asks glibc for the size plus the alignment: a freed
+    chunk of one read's size does not serve the next), 0-45 MiB over the weights at the loading
     peak depending on where the heap began."""
     import mmap
 
