@@ -4,17 +4,20 @@ The cache is `num_blocks` blocks. A block is held by requests (ref_cnt > 0) or f
 blocks written before keep their name (a key: the KV cache group and a hash of the tokens up to
 and including the block) and stay findable until they are evicted, least recently freed first.
 
-Blocks never written yet are kept apart (`fresh`). Where the cache's memory is committed on first
-write (the CPU's KV cache is an anonymous map the kernel fills as pages are touched),
-`reuse_written_first` takes a free block that was written before - evicting the least recently
-freed cached one - ahead of a fresh one, so the resident set follows the most KV in use at once,
-not every token the server has seen; the prefix cache then holds what fits in that set. Without
-it (a GPU's cache is all allocated up front) fresh blocks go first, keeping cached blocks longer.
+Blocks never written yet are kept apart (`fresh`: the ids from `next_fresh` up, handed out lowest
+first; their KVCacheBlock objects are made when first taken, so a pool of 262,144 blocks - a tiny
+model's default CPU cache - starts in microseconds, not the second a list of them took). Where
+the cache's memory is committed on first write (the CPU's KV cache is an anonymous map the kernel
+fills as pages are touched), `reuse_written_first` takes a free block that was written before -
+evicting the least recently freed cached one - ahead of a fresh one, so the resident set follows
+the most KV in use at once, not every token the server has seen; the prefix cache then holds
+what fits in that set. Without it (a GPU's cache is all allocated up front) fresh blocks go
+first, keeping cached blocks longer.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 # A block's name in the prefix cache: (KV cache group, block hash).
 BlockKey = tuple[int, int]
@@ -36,8 +39,8 @@ class BlockPool:
     def __init__(self, num_blocks: int, reuse_written_first: bool = False) -> None:
         self.num_blocks = num_blocks
         self.reuse_written_first = reuse_written_first
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.fresh: deque[int] = deque(range(num_blocks))  # never written, lowest id first
+        self.blocks: list[KVCacheBlock] = []  # the blocks taken at least once, by id
+        self.next_fresh = 0  # blocks next_fresh.. were never taken (never written)
         # Free blocks written before, least recently freed first (evicted first); cached
         # blocks are among them.
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict()
@@ -45,17 +48,23 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue) + len(self.fresh)
+        return len(self.free_queue) + self.num_fresh_blocks
+
+    @property
+    def num_fresh_blocks(self) -> int:
+        return self.num_blocks - self.next_fresh
 
     @property
     def num_written_blocks(self) -> int:
         """Blocks written at least once: on the CPU, the KV cache's resident share."""
-        return self.num_blocks - len(self.fresh)
+        return self.next_fresh
 
     def take(self) -> KVCacheBlock:
         """A free block for a request (ref_cnt 1), its old name dropped."""
-        if self.fresh and not (self.reuse_written_first and self.free_queue):
-            block = self.blocks[self.fresh.popleft()]
+        if self.next_fresh < self.num_blocks and not (self.reuse_written_first and self.free_queue):
+            block = KVCacheBlock(self.next_fresh)
+            self.blocks.append(block)
+            self.next_fresh += 1
             block.ref_cnt = 1
             return block
         _, block = self.free_queue.popitem(last=False)

@@ -200,3 +200,20 @@ def test_long_rope_requests_name_their_blocks_apart():
     # the same first 8 tokens, but 12 tokens long: its KV has the long factors, no hit
     assert bm.get_computed_blocks(request("l", list(range(12))))[1] == 0
     assert bm.get_computed_blocks(request("s2", list(range(9))))[1] == 8
+
+
+def test_a_large_pool_makes_a_block_only_when_it_is_first_taken():
+    """A tiny model's default CPU cache is 262,144 blocks: the pool starts without an object per
+    block (a list of them took a second of every engine start) and hands fresh ids out lowest
+    first, then reuses released ones."""
+    from llmctl.engine.core.block_pool import BlockPool
+
+    pool = BlockPool(1 << 18, reuse_written_first=True)
+    assert pool.num_free_blocks == 1 << 18 and pool.num_written_blocks == 0
+    assert pool.blocks == []
+    taken = [pool.take() for _ in range(3)]
+    assert [b.block_id for b in taken] == [0, 1, 2] and pool.blocks == taken
+    pool.release(taken[1])
+    assert pool.take() is taken[1]  # written before: reused ahead of a fresh block
+    assert pool.take().block_id == 3 and pool.num_written_blocks == 4
+    assert pool.num_free_blocks == (1 << 18) - 4
