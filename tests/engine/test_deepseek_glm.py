@@ -7,6 +7,7 @@ count is the KV budget over exactly that."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import re
@@ -132,8 +133,14 @@ def test_triton_attention_path_matches_transformers(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     llm = LLM(str(path), device=device, **COMMON)
     assert llm.llm_engine.executor.worker.model_runner.attn_backend.name == backend
-    tokens = token_ids(llm.generate(prompts(), GREEDY_24, use_tqdm=False))
+    # In a new thread: the interpreter's millions of short Python calls, at the depth pytest
+    # calls a test from, can cross the end of one of CPython's 16 KiB frame-stack chunks, and
+    # each then maps a fresh chunk and unmaps it on return (2-3x the time); a new thread's
+    # frames start at the bottom of its first chunk.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        outputs = pool.submit(llm.generate, prompts(), GREEDY_24, use_tqdm=False).result()
     llm.shutdown()
+    tokens = token_ids(outputs)
     assert tokens == expected(family)
 
 
