@@ -335,6 +335,10 @@ class MultiprocExecutor(Executor):
         self.is_dead = True
         error = self._worker_error(rank, what)
         self._stop_reason.append(error.message)
+        # The other ranks may be waiting for this one in a collective (the shared-memory
+        # all-reduce waits up to 300 s), where no graceful shutdown reaches them: stopped at once,
+        # as abort() does, instead of after _stop_workers' 5 s grace.
+        self._kill_workers()
         self.shutdown()
         raise error
 
