@@ -25,6 +25,7 @@ PROMPTS = [
 ]
 CHAT = [{"role": "user", "content": "Name three colors."}]
 IGNORE_EOS = {"ignore_eos": True}
+TP2_MP = ("-tp", "2", "--distributed-executor-backend", "mp")
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +39,26 @@ def offline(tiny) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def server(server_factory, tiny):
-    return server_factory(tiny, *TINY_ARGS)
+def shared(server_factory):
+    """`shared(*args)`: the server started with these arguments while it still runs, else a new
+    one. Tests share a server this way; one that stops it (to check how it stops) comes after
+    the others in this file, so that a run in file order starts each server once."""
+    running = {}
+
+    def get(*args: str, quiet: bool = True):
+        server = running.get((args, quiet))
+        if server is None or server.process.poll() is not None:
+            server = running[args, quiet] = server_factory(*args, quiet=quiet)
+        return server
+
+    return get
+
+
+@pytest.fixture
+def server(shared, tiny):
+    """The server most tests talk to; without -q, for test_startup_log_lines.
+    test_sigterm_lets_in_flight_requests_finish stops it."""
+    return shared(tiny, *TINY_ARGS, quiet=False)
 
 
 def offline_text(offline: LLM, prompt, max_tokens: int = 16, **kw) -> str:
@@ -250,7 +269,8 @@ def test_bad_requests_do_not_disturb_the_others(server, offline):
 def test_200_requests_at_concurrency_32(server, offline):
     prompts = [f"Request number {i} says" for i in range(200)]
     lengths = [4 + i % 13 for i in range(200)]
-    expected = [offline_text(offline, p, n) for p, n in zip(prompts, lengths, strict=True)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    expected = [o.outputs[0].text for o in offline.generate(prompts, params, use_tqdm=False)]
     client = server.async_client()
     gate = asyncio.Semaphore(32)
 
@@ -308,6 +328,17 @@ def test_metrics_and_version(server):
     assert server.metric("llmctl:generation_tokens_total") > 0
 
 
+def test_startup_log_lines(server):
+    """Without -q the server logs the KV-cache lines, then the address it listens on (how it
+    stops: test_sigterm_lets_in_flight_requests_finish, on this server)."""
+    lines = server.output().splitlines()
+    kv = [i for i, line in enumerate(lines) if "KV cache size:" in line]
+    listening = [i for i, line in enumerate(lines) if "Serving tiny on http://127.0.0.1:" in line]
+    assert kv and listening and kv[0] < listening[0]
+    assert any("# KV cache blocks:" in line for line in lines)
+    assert any("Maximum concurrency for 256 tokens per request:" in line for line in lines)
+
+
 def test_api_key(server_factory, tiny):
     server = server_factory(tiny, *TINY_ARGS, env={"LLMCTL_API_KEY": "s3cret"})
     assert httpx.get(f"{server.url}/health").status_code == 200  # open, for probes
@@ -322,8 +353,7 @@ def test_api_key(server_factory, tiny):
     assert server.stop() == 0
 
 
-def test_sigterm_lets_in_flight_requests_finish(server_factory, tiny, offline):
-    server = server_factory(tiny, *TINY_ARGS)
+def test_sigterm_lets_in_flight_requests_finish(server, offline):
     expected = offline_text(offline, PROMPTS[1], 120)
     request = dict(model="tiny", prompt=PROMPTS[1], max_tokens=120, temperature=0,
                    extra_body=IGNORE_EOS)  # fmt: skip
@@ -337,14 +367,14 @@ def test_sigterm_lets_in_flight_requests_finish(server_factory, tiny, offline):
 @pytest.mark.parametrize(
     "layout",
     [
-        ("-tp", "2", "--distributed-executor-backend", "mp"),
+        TP2_MP,
         ("-pp", "2", "--distributed-executor-backend", "mp"),
         ("-tp", "2", "--distributed-executor-backend", "ray"),
     ],
     ids=["tp2-mp", "pp2-mp", "tp2-ray"],
 )
-def test_parallel_layouts_answer_like_the_offline_engine(server_factory, tiny, offline, layout):
-    server = server_factory(tiny, *TINY_ARGS, *layout)
+def test_parallel_layouts_answer_like_the_offline_engine(shared, tiny, offline, layout):
+    server = shared(tiny, *TINY_ARGS, *layout)
     client = server.client()
     for prompt in PROMPTS:
         out = client.completions.create(
@@ -359,11 +389,12 @@ def test_parallel_layouts_answer_like_the_offline_engine(server_factory, tiny, o
         chat.choices[0].message.content
         == offline.chat(CHAT, params, use_tqdm=False)[0].outputs[0].text
     )
-    assert server.stop() == 0
+    if layout != TP2_MP:  # that server goes on to test_killed_worker_..., which stops it
+        assert server.stop() == 0
 
 
-def test_killed_worker_fails_requests_and_health(server_factory, tiny):
-    server = server_factory(tiny, *TINY_ARGS, "-tp", "2", "--distributed-executor-backend", "mp")
+def test_killed_worker_fails_requests_and_health(shared, tiny):
+    server = shared(tiny, *TINY_ARGS, *TP2_MP)
     workers = sorted(live_pids(parent=server.process.pid))
     assert len(workers) == 2
     request = dict(model="tiny", prompt=PROMPTS[0], max_tokens=240, extra_body=IGNORE_EOS)
@@ -394,16 +425,4 @@ def test_default_model_answers(server_factory):
     )
     assert "Paris" in out.choices[0].message.content
     assert "KV cache size:" not in server.output()  # -q: warnings only
-    assert server.stop() == 0
-
-
-def test_startup_log_lines(server_factory, tiny):
-    """Without -q the server logs the KV-cache lines, then the address it listens on."""
-    server = server_factory(tiny, *TINY_ARGS, quiet=False)
-    lines = server.output().splitlines()
-    kv = [i for i, line in enumerate(lines) if "KV cache size:" in line]
-    listening = [i for i, line in enumerate(lines) if "Serving tiny on http://127.0.0.1:" in line]
-    assert kv and listening and kv[0] < listening[0]
-    assert any("# KV cache blocks:" in line for line in lines)
-    assert any("Maximum concurrency for 256 tokens per request:" in line for line in lines)
     assert server.stop() == 0

@@ -205,11 +205,21 @@ def test_a_5_mb_prompt_is_refused_by_size_and_health_answers(server):
 
 
 @pytest.fixture(scope="module")
-def lenient(server_factory, tiny):
-    """Accepts 20 MB bodies (so that huge prompts get tokenized) and closes stalled clients
-    after 1 s."""
-    return server_factory(tiny, *TINY_ARGS, "--max-request-body-bytes", "20000000",
-                          "--http-timeout", "1")  # fmt: skip
+def lenient_servers(server_factory, tiny):
+    return []
+
+
+@pytest.fixture
+def lenient(lenient_servers, server_factory, tiny):
+    """Accepts 20 MB bodies (so that huge prompts get tokenized), closes stalled clients after
+    1 s and drains for up to 600 s on SIGTERM. One server while it runs:
+    test_a_second_sigterm_ends_the_drain_at_once stops it, after the others in this file."""
+    if not lenient_servers or lenient_servers[-1].process.poll() is not None:
+        lenient_servers.append(
+            server_factory(tiny, *TINY_ARGS, "--max-request-body-bytes", "20000000",
+                           "--http-timeout", "1", "--shutdown-timeout", "600")
+        )  # fmt: skip
+    return lenient_servers[-1]
 
 
 def test_tokenizing_5_mb_does_not_block_health(lenient):
@@ -366,59 +376,31 @@ def test_max_tokens_null_as_openai_defines_it(server, offline):
     assert out["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_second_sigterm_ends_the_drain_at_once(server_factory, tiny):
-    server = server_factory(tiny, *TINY_ARGS, "--shutdown-timeout", "600")
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 240, "ignore_eos": True, "n": 16,
-            "stream": True}  # fmt: skip
-    seen = {"chunks": 0, "done": False, "error": None}
-
-    def stream():
-        try:
-            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
-                for line in r.iter_lines():
-                    seen["chunks"] += 1
-                    seen["done"] |= line == "data: [DONE]"
-        except httpx.HTTPError as exc:
-            seen["error"] = exc
-
-    thread = threading.Thread(target=stream)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while seen["chunks"] < 20:  # generating
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.01)
-    server.process.send_signal(signal.SIGTERM)
-    while "draining" not in server.output():  # the first signal was handled
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    server.process.send_signal(signal.SIGTERM)
-    assert server.stop(timeout=30) == 0  # exits 0, no worker left
-    thread.join(30)
-    assert not seen["done"], "the drain was not cut: the stream finished"
-    assert "stopping now" in server.output()
-
-
 def test_stalled_clients_are_timed_out(lenient):
+    """Three stalled connections, opened together: each has its own 1 s timer."""
+
+    def stalled(sent: bytes) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", lenient.port))
+        sock.sendall(sent)
+        sock.settimeout(30)
+        return sock
+
     # Half of the request line and headers, then nothing: 408, then the server closes.
-    with socket.create_connection(("127.0.0.1", lenient.port)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
-        sock.settimeout(30)
-        reply = _read_until_closed(sock)
-    assert reply.startswith(b"HTTP/1.1 408"), reply
-    assert b"no complete request headers within 1 s" in reply
+    half_headers = stalled(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
     # Headers and part of the body, then nothing: 408 in OpenAI's JSON.
-    with socket.create_connection(("127.0.0.1", lenient.port)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
-                     b'application/json\r\ncontent-length: 100\r\n\r\n{"prompt": ')  # fmt: skip
-        sock.settimeout(30)
-        reply = _read_until_closed(sock)
-    assert reply.startswith(b"HTTP/1.1 408"), reply
-    error = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
-    assert error["code"] == 408 and "then nothing for 1 s" in error["message"]
+    half_body = stalled(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                        b'application/json\r\ncontent-length: 100\r\n\r\n{"prompt": ')  # fmt: skip
     # A connection that sends nothing at all is closed too.
-    with socket.create_connection(("127.0.0.1", lenient.port)) as sock:
-        sock.settimeout(30)
-        assert _read_until_closed(sock) == b""
+    silent = stalled(b"")
+    with half_headers, half_body, silent:
+        reply = _read_until_closed(half_headers)
+        assert reply.startswith(b"HTTP/1.1 408"), reply
+        assert b"no complete request headers within 1 s" in reply
+        reply = _read_until_closed(half_body)
+        assert reply.startswith(b"HTTP/1.1 408"), reply
+        error = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["code"] == 408 and "then nothing for 1 s" in error["message"]
+        assert _read_until_closed(silent) == b""
 
 
 def test_a_stream_nobody_reads_is_cut_and_aborted(lenient, offline):
@@ -447,6 +429,38 @@ def _read_until_closed(sock: socket.socket) -> bytes:
     while chunk := sock.recv(65536):
         data += chunk
     return data
+
+
+def test_a_second_sigterm_ends_the_drain_at_once(lenient):
+    server = lenient  # started with --shutdown-timeout 600
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 240, "ignore_eos": True, "n": 16,
+            "stream": True}  # fmt: skip
+    seen = {"chunks": 0, "done": False, "error": None}
+
+    def stream():
+        try:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    seen["chunks"] += 1
+                    seen["done"] |= line == "data: [DONE]"
+        except httpx.HTTPError as exc:
+            seen["error"] = exc
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while seen["chunks"] < 20:  # generating
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.01)
+    server.process.send_signal(signal.SIGTERM)
+    while "draining" not in server.output():  # the first signal was handled
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    server.process.send_signal(signal.SIGTERM)
+    assert server.stop(timeout=30) == 0  # exits 0, no worker left
+    thread.join(30)
+    assert not seen["done"], "the drain was not cut: the stream finished"
+    assert "stopping now" in server.output()
 
 
 # -- 8. --skip-tokenizer-init -----------------------------------------------------------------

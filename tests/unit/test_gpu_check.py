@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = ROOT / "benchmarks" / "gpu_check.py"
@@ -40,7 +43,52 @@ def test_without_a_gpu_it_says_so_and_measures_nothing(tmp_path):
     assert report["error"].startswith("no GPU")
 
 
-def test_a_dry_run_runs_every_stage_and_writes_their_figures(tmp_path):
+class _Background:
+    """A command run to its end in a thread: its output, and its wall time from start to exit
+    (measured when it exits, not when a test asks)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.began = time.monotonic()
+        self.process = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.thread = threading.Thread(target=self._wait, daemon=True)
+        self.thread.start()
+
+    def _wait(self) -> None:
+        self.stdout, self.stderr = self.process.communicate()
+        self.wall = time.monotonic() - self.began
+
+    def join(self, timeout: float) -> subprocess.CompletedProcess:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            self.process.kill()
+            self.thread.join()
+            raise subprocess.TimeoutExpired(self.process.args, timeout)
+        return subprocess.CompletedProcess(
+            self.process.args, self.process.returncode, self.stdout, self.stderr
+        )
+
+
+@pytest.fixture(scope="module")
+def budget_check(tmp_path_factory):
+    """The budget test's check (see there), started when first asked for: the dry run's test
+    asks, so that this check, which keeps one core busy until its engine stage's deadline, runs
+    beside that dry run (one core most of the time) instead of after it. It ends within its
+    budget whatever runs beside it (the budget test asserts that); teardown waits for it."""
+    model = tmp_path_factory.mktemp("budget") / "tall"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**TINY, "num_hidden_layers": 4000}))
+    out = model.parent / "out"
+    check = _Background(
+        [sys.executable, str(CHECK), "--dry-run", "--out", str(out), "--budget", "20",
+         "--stages", "env,engine,floor", "--model", str(model)]
+    )  # fmt: skip
+    yield check, out
+    check.join(timeout=120)
+
+
+def test_a_dry_run_runs_every_stage_and_writes_their_figures(tmp_path, budget_check):
     model = tmp_path / "tiny"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(TINY))
@@ -73,21 +121,13 @@ def test_a_dry_run_runs_every_stage_and_writes_their_figures(tmp_path):
     assert (out / "gpu_check.log").is_file() and len(list(out.iterdir())) == 2  # JSON and log
 
 
-def test_the_budget_holds_whatever_the_stages_do(tmp_path):
+def test_the_budget_holds_whatever_the_stages_do(budget_check):
     """An engine stage that cannot finish in what a 20 s budget leaves it (a model of 4,000
     layers: seconds per decode step on any CPU) is killed at its deadline (or not started),
     recorded so, and the check ends in time."""
-    model = tmp_path / "tall"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({**TINY, "num_hidden_layers": 4000}))
-    out = tmp_path / "out"
-    began = time.monotonic()
-    run = subprocess.run(
-        [sys.executable, str(CHECK), "--dry-run", "--out", str(out), "--budget", "20",
-         "--stages", "env,engine,floor", "--model", str(model)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    wall = time.monotonic() - began
+    check, out = budget_check
+    run = check.join(timeout=120)
+    wall = check.wall
 
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((out / "gpu_check.json").read_text())
