@@ -100,8 +100,18 @@ class CpuPath:
         gemm = {"amx": "AMX", "avx512_bf16": "AVX512-BF16"}.get(self.name, "float32")
         return (
             f"CPU path {self.name}: {self.activation_dtype} activations by default; batched "
-            f"quantized matmuls expand {tiles} weight tiles for the {gemm} GEMM"
+            f"quantized matmuls expand {tiles} weight tiles for the {gemm} GEMM; int4 decode "
+            f"in {self.int4_decode}"
         )
+
+    @property
+    def int4_decode(self) -> str:
+        """How the decode kernels (quantized_matmul_cpu.cpp) multiply int4 weights here."""
+        return {
+            "amx": "512-bit float32 loops",
+            "avx512_bf16": "AVX512-BF16 dot products on the bfloat16 activations",
+            "avx2": "256-bit float32 loops",
+        }.get(self.name, "scalar loops")
 
 
 def cpu_path(flags: set[str] | None = None) -> CpuPath:

@@ -159,13 +159,16 @@ def test_embedding_rows(kernel, qtype):
             packed.embedding(torch.tensor([bad]))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K])
-def test_thread_split_and_batch_change_no_bits(kernel, qtype):
-    # 1002 rows: blocks of 4 weight rows (decode) with a remainder, split anew by each thread count
+def test_thread_split_and_batch_change_no_bits(kernel, qtype, dtype):
+    # 1002 rows: blocks of 4 weight rows (decode) with a remainder, split anew by each thread
+    # count; bfloat16 x (up to BF16_SMALL_BATCH rows) on int4 weights takes the bfloat16 dot
+    # products on CPUs with AVX512-BF16 and the 256-bit loops
     k = 512
     raw = gguf_blocks(qtype, 1002, k)
     packed = gguf_quants.pack_gguf(raw, qtype, 1002, k)
-    x = torch.randn(3, k)
+    x = torch.randn(3, k).to(dtype)
     out = packed.matmul(x)
     threads = torch.get_num_threads()
     try:
@@ -176,6 +179,30 @@ def test_thread_split_and_batch_change_no_bits(kernel, qtype):
     # A sequence decoded alone (M=1, the row-blocked path) gets its row of the batch's bits.
     for m in range(3):
         assert torch.equal(packed.matmul(x[m : m + 1].contiguous()), out[m : m + 1])
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n, k, group_size", [(203, 96, 32), (37, 384, 128), (6, 160, 32)])
+def test_int4_decode_on_bfloat16_activations(kernel, n, k, group_size, m):
+    """bfloat16 x at decode (M <= 4) against float64 on x's own values: every nibble value and
+    both nibbles of a byte, odd N (blocks of 4 weight rows and a remainder), groups of one and of
+    several 32-weight chunks. The only errors allowed: float32 sums and the output's rounding to
+    bfloat16 (VDPBF16PS's products of a bfloat16 and a value 0-15 are exact)."""
+    gen = torch.Generator().manual_seed(n + m)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    q[0, :16] = torch.arange(16, dtype=torch.uint8)  # each value in a low nibble ...
+    q[0, 16:32] = torch.arange(15, -1, -1, dtype=torch.uint8)  # ... and in a high one
+    scales = torch.rand(n, k // group_size, generator=gen).half() / 8
+    zeros = -torch.rand(n, k // group_size, generator=gen).half()
+    packed = kernels.pack_groups(q, scales, zeros, 4, group_size)
+    w = packed.dequantize().double()
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    out = kernel.int4_group_mm(x, packed.qweight, packed.scales, packed.zeros, group_size)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    expected = x.double() @ w.T
+    magnitude = x.double().abs() @ w.abs().T
+    err = (out.double() - expected).abs()
+    assert (err <= 2**-8 * expected.abs() + 1e-5 * magnitude).all(), err.max().item()
 
 
 def test_unsupported_gguf_type_names_the_supported_ones():

@@ -55,6 +55,8 @@ def test_the_cpu_path_follows_the_flags(flags, name, dtype):
     path = platform.cpu_path(flags)
     assert (path.name, path.activation_dtype, path.bf16_tiles) == (name, dtype, dtype != "float32")
     assert path.describe().startswith(f"CPU path {name}: {dtype} activations")
+    decode = "AVX512-BF16 dot products" if name == "avx512_bf16" else "loops"
+    assert f"int4 decode in {path.int4_decode}" in path.describe() and decode in path.int4_decode
 
 
 def test_flags_named_off_are_absent(monkeypatch, tmp_path):

@@ -12,8 +12,10 @@ Kernels (quantized_matmul_cpu.cpp, quantized_matmul_bf16.cpp and amx_gemm.cpp, o
 compiled on first use like the paged-attention kernel, with AVX-512 / AVX2 / scalar paths picked
 for the CPU that builds it):
 - M <= SMALL_BATCH rows (decode): int8_group_mm / int4_group_mm read each weight byte once and
-  dequantize in registers; accumulation is float32, bfloat16 rows are widened in the kernel and
-  the output rounded back (the float32 result's bits, rounded).
+  dequantize in registers; accumulation is float32, the output rounded back to x's dtype.
+  bfloat16 rows are widened to float32 in the kernel, except against int4 weights on CPUs with
+  AVX512-BF16 and 256-bit loops (Zen 4), where VDPBF16PS multiplies each nibble's exact bfloat16
+  value by x as it is (exact products, float32 sums; 1.27x the widening loops' rate there).
 - bfloat16 x on a CPU whose path has bfloat16 tiles (platform.cpu_path: AMX or AVX512-BF16),
   more than BF16_SMALL_BATCH rows: tiled_group_mm expands tiles of W into bfloat16 rows, the A
   operand of oneDNN's brgemm kernel (y^T = W x^T), and multiplies them on AMX tiles (or

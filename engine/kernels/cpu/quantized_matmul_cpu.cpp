@@ -28,8 +28,9 @@
 // flags): the 256-bit AVX2 path wherever the CPU has AVX2 and FMA, with a scalar path for anything
 // else, and 512-bit versions of the decode loops on Intel CPUs with AMX (LLMCTL_Q_512 below).
 // On AMD's Zen 4 (AVX-512, 512-bit operations split in two) 512-bit loops were 5-19% slower at
-// M = 1 and M = 4: AVX-512 CPUs without AMX keep the 256-bit loops. A row gets the same bits on
-// every node of one kind (and on AVX2 and Zen 4 nodes alike), not across the two loop widths.
+// M = 1 and M = 4: AVX-512 CPUs without AMX keep the 256-bit loops, and there bfloat16
+// activations meet int4 weights in bfloat16 dot products (LLMCTL_Q_BF16DOT below). A row gets the
+// same bits on every node of one kind, not across loop widths or the two int4 paths.
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -57,6 +58,18 @@
 // an Intel CPU does).
 #if defined(LLMCTL_Q_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AMX_TILE__)
 #define LLMCTL_Q_512 1
+#endif
+
+// bfloat16 activations against int4 weights by bfloat16 dot products (VDPBF16PS) where the CPU
+// has AVX512-BF16 and runs the 256-bit loops (Zen 4): a nibble becomes its exact bfloat16 value
+// by one word permute (VPERMW), each product of a bfloat16 activation and a value 0-15 is exact
+// in float32, and 32 weights take 6 operations where widening them to float32 took 14. On the
+// Zen 4 kind, 2 threads, SmolLM2's 30 layers of int4 weights (53 MB) at M = 1: 3.7 ms where the
+// float32 loops took 4.75 (1.27x; 1.35x at M = 4), and W1 (benchmarks/gguf_vs_llamacpp.py) went
+// from 1.04x llama.cpp to 1.2x and more.
+#if defined(LLMCTL_Q_AVX2) && !defined(LLMCTL_Q_512) && defined(__AVX512BF16__) && \
+    defined(__AVX512BW__) && defined(__AVX512VL__)
+#define LLMCTL_Q_BF16DOT 1
 #endif
 
 #ifndef LLMCTL_OP_NAMESPACE
@@ -174,6 +187,81 @@ void rows_int4_m1(const uint8_t* qp, int64_t row_bytes, const S* scales, int64_t
 }
 #endif
 
+#endif
+
+#if defined(LLMCTL_Q_BF16DOT)
+// bfloat16 activations (x as its raw 16-bit words), int4 weights: per group, each row's products
+// summed by VDPBF16PS (two products a lane, added in float32: exact products, float32 sums,
+// subnormal inputs read as zero as in oneDNN's bfloat16 GEMMs), then scaled into the row's total
+// by one FMA. The same operations in the same order for one row in rows_int4_m1_bf16 (decode
+// alone, NR weight rows a pass) and row_int4_bf16 (R activation rows), so a row's bits do not
+// depend on the batch or the thread split. The float32 path's bits differ (another order).
+inline __m256i bf16_of_nibble() {  // word i: i as bfloat16, 0-15
+  return _mm256_setr_epi16(0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+                           0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170);
+}
+// 32 nibbles (16 bytes, Q4_0's order) -> weights 0-15 and 16-31 as 16 bfloat16 each. VPERMW
+// reads an index's low 4 bits only, so the low nibbles need no mask.
+inline void nibbles_to_bf16(const uint8_t* b16, __m256i table, __m256bh* w) {
+  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b16)));
+  w[0] = (__m256bh)_mm256_permutexvar_epi16(v, table);
+  w[1] = (__m256bh)_mm256_permutexvar_epi16(_mm256_srli_epi16(v, 4), table);
+}
+inline __m256bh load_bf16x16(const uint16_t* p) {
+  return (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+template <int NR, typename S>
+void rows_int4_m1_bf16(const uint8_t* qp, int64_t row_bytes, const S* scales, int64_t G,
+                       const uint16_t* x, int64_t g, float* out) {
+  const __m256i table = bf16_of_nibble();
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t gi = 0; gi < G; ++gi) {
+    __m256 p[NR];
+    for (int r = 0; r < NR; ++r) p[r] = _mm256_setzero_ps();
+    for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
+      const __m256bh x0 = load_bf16x16(x + k), x1 = load_bf16x16(x + k + 16);
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* b = qp + r * row_bytes + k / 2;
+        if ((k / 2) % 64 == 0)  // the next pass's line of this row, as rows_int4_m1 does
+          _mm_prefetch(reinterpret_cast<const char*>(b + NR * row_bytes), _MM_HINT_T0);
+        __m256bh w[2];
+        nibbles_to_bf16(b, table, w);
+        p[r] = _mm256_dpbf16_ps(p[r], w[0], x0);
+        p[r] = _mm256_dpbf16_ps(p[r], w[1], x1);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      acc[r] = _mm256_fmadd_ps(p[r], _mm256_set1_ps(ld(scales, r * G + gi)), acc[r]);
+  }
+  for (int r = 0; r < NR; ++r) out[r] = hsum(acc[r]);
+}
+
+template <int R, typename S>
+void row_int4_bf16(const uint8_t* qp, const S* scales, const uint16_t* x, int64_t ldx, int64_t K,
+                   int64_t g, float* out) {
+  const int64_t G = K / g;
+  const __m256i table = bf16_of_nibble();
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t gi = 0; gi < G; ++gi) {
+    __m256 p[R];
+    for (int r = 0; r < R; ++r) p[r] = _mm256_setzero_ps();
+    for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
+      __m256bh w[2];
+      nibbles_to_bf16(qp + k / 2, table, w);
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* xr = x + r * ldx + k;
+        p[r] = _mm256_dpbf16_ps(p[r], w[0], load_bf16x16(xr));
+        p[r] = _mm256_dpbf16_ps(p[r], w[1], load_bf16x16(xr + 16));
+      }
+    }
+    const __m256 s = _mm256_set1_ps(ld(scales, gi));
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(p[r], s, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
 #endif
 
 // One weight row against R activation rows: out[r] = sum_k x[r, k] * W[k] (zero term excluded).
@@ -358,6 +446,7 @@ struct Int8Row {
   // head took 1.45 ms a decode step on 2 threads of the Zen 4 machine; one row a pass, 1.0 ms
   // (a standalone copy of both loops: 17 against 22-24 GB/s).
   static constexpr bool kBlocks = false;
+  static constexpr bool kBf16Dot = false;  // bfloat16 x is widened to float32 (bound by reading)
 };
 
 template <typename S>
@@ -375,6 +464,19 @@ struct Int4Row {
   void block(int64_t n, const float* x, float* out) const {
     rows_int4_m1<NR, S>(qp + n * (K / 2), K / 2, scales + n * G, G, x, g, out);
   }
+#endif
+#if defined(LLMCTL_Q_BF16DOT)
+  static constexpr bool kBf16Dot = true;  // bfloat16 x: VDPBF16PS on its own words
+  template <int R>
+  void call_bf16(int64_t n, const uint16_t* x, int64_t ldx, float* out) const {
+    row_int4_bf16<R, S>(qp + n * (K / 2), scales + n * G, x, ldx, K, g, out);
+  }
+  template <int NR>
+  void block_bf16(int64_t n, const uint16_t* x, float* out) const {
+    rows_int4_m1_bf16<NR, S>(qp + n * (K / 2), K / 2, scales + n * G, G, x, g, out);
+  }
+#else
+  static constexpr bool kBf16Dot = false;
 #endif
 };
 
@@ -415,6 +517,10 @@ at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes
       for (int64_t gi = 0; gi < G; ++gi) s[m * G + gi] = group_sum(xp + m * K + gi * g, g);
   }
   const float* sp = has_zeros ? xsum.data_ptr<float>() : nullptr;
+  // bfloat16 x's own words, for rows that take it as it is (RowFn::kBf16Dot)
+  const uint16_t* xw = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>())
+                            : nullptr;
+  (void)xw;  // builds without LLMCTL_Q_BF16DOT
   // >= 128 KiB of packed weight per task (~10 us of reading): a small matrix stays on one
   // thread, where waking the others would cost more than it saves (much more on a busy machine).
   const int64_t grain = std::max<int64_t>(1, (128 * 1024) / std::max<int64_t>(1, row_bytes));
@@ -428,11 +534,25 @@ at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes
         float outs[kBlockRows];
         for (; n < end; n += kBlockRows) {
           const int64_t rows = std::min<int64_t>(kBlockRows, end - n);
-          switch (rows) {
-            case 4: row.template block<4>(n, xp, outs); break;
-            case 3: row.template block<3>(n, xp, outs); break;
-            case 2: row.template block<2>(n, xp, outs); break;
-            default: row.template block<1>(n, xp, outs); break;
+          bool done = false;
+          if constexpr (RowFn::kBf16Dot) {
+            if (bf16) {
+              switch (rows) {
+                case 4: row.template block_bf16<4>(n, xw, outs); break;
+                case 3: row.template block_bf16<3>(n, xw, outs); break;
+                case 2: row.template block_bf16<2>(n, xw, outs); break;
+                default: row.template block_bf16<1>(n, xw, outs); break;
+              }
+              done = true;
+            }
+          }
+          if (!done) {
+            switch (rows) {
+              case 4: row.template block<4>(n, xp, outs); break;
+              case 3: row.template block<3>(n, xp, outs); break;
+              case 2: row.template block<2>(n, xp, outs); break;
+              default: row.template block<1>(n, xp, outs); break;
+            }
           }
           for (int64_t r = 0; r < rows; ++r)
             yp[n + r] = has_zeros ? outs[r] + dot(zp + (n + r) * G, sp, G) : outs[r];
@@ -444,11 +564,26 @@ at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
         const int64_t rows = std::min<int64_t>(kMaxRows, M - m0);
         const float* xr = xp + m0 * K;
-        switch (rows) {
-          case 4: row.template call<4>(n, xr, K, out); break;
-          case 3: row.template call<3>(n, xr, K, out); break;
-          case 2: row.template call<2>(n, xr, K, out); break;
-          default: row.template call<1>(n, xr, K, out); break;
+        bool done = false;
+        if constexpr (RowFn::kBf16Dot) {
+          if (bf16) {
+            const uint16_t* xwr = xw + m0 * K;
+            switch (rows) {
+              case 4: row.template call_bf16<4>(n, xwr, K, out); break;
+              case 3: row.template call_bf16<3>(n, xwr, K, out); break;
+              case 2: row.template call_bf16<2>(n, xwr, K, out); break;
+              default: row.template call_bf16<1>(n, xwr, K, out); break;
+            }
+            done = true;
+          }
+        }
+        if (!done) {
+          switch (rows) {
+            case 4: row.template call<4>(n, xr, K, out); break;
+            case 3: row.template call<3>(n, xr, K, out); break;
+            case 2: row.template call<2>(n, xr, K, out); break;
+            default: row.template call<1>(n, xr, K, out); break;
+          }
         }
         for (int64_t r = 0; r < rows; ++r) {
           float v = out[r];
