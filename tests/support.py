@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from pathlib import Path
 
 VOCAB = 49152  # the SmolLM2 tokenizer's size; tiny models share that tokenizer
@@ -273,6 +274,16 @@ def _perturb(model) -> None:
             elif name.endswith("bias") or name.endswith("sinks"):
                 scale = 1.0 if "sinks" in name else 0.1
                 param.copy_(torch.randn(param.shape, generator=g) * scale)
+
+
+def generate_in_new_thread(llm, prompts, params) -> list:
+    """llm.generate(prompts, params), run in a new thread. Triton's interpreter makes millions of
+    short Python calls, and at the depth pytest calls a test from they can cross the end of one of
+    CPython's 16 KiB frame-stack chunks (3.11 here): each call then maps a fresh chunk and unmaps
+    it on return, which took 2-3x the time (half of it in mmap/munmap). A new thread's frames
+    start at the bottom of its first chunk, and the engine's deepest (about 11 KiB) fit."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(llm.generate, prompts, params, use_tqdm=False).result()
 
 
 def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:

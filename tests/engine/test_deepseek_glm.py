@@ -7,14 +7,19 @@ count is the KV budget over exactly that."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import re
 
 import pytest
 import torch
-from support import ROUTED_FAMILIES, live_pids, random_prompts, token_ids
+from support import (
+    ROUTED_FAMILIES,
+    generate_in_new_thread,
+    live_pids,
+    random_prompts,
+    token_ids,
+)
 
 from llmctl.engine import LLM, SamplingParams
 from llmctl.engine.config.memory_profile import cpu_num_gpu_blocks
@@ -133,12 +138,7 @@ def test_triton_attention_path_matches_transformers(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     llm = LLM(str(path), device=device, **COMMON)
     assert llm.llm_engine.executor.worker.model_runner.attn_backend.name == backend
-    # In a new thread: the interpreter's millions of short Python calls, at the depth pytest
-    # calls a test from, can cross the end of one of CPython's 16 KiB frame-stack chunks, and
-    # each then maps a fresh chunk and unmaps it on return (2-3x the time); a new thread's
-    # frames start at the bottom of its first chunk.
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        outputs = pool.submit(llm.generate, prompts(), GREEDY_24, use_tqdm=False).result()
+    outputs = generate_in_new_thread(llm, prompts(), GREEDY_24)  # Triton's interpreter
     llm.shutdown()
     tokens = token_ids(outputs)
     assert tokens == expected(family)

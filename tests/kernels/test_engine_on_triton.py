@@ -5,11 +5,9 @@ and step layout (decodes, prefill chunks after a prefix hit, chunked prefill) as
 
 from __future__ import annotations
 
-import concurrent.futures
-
 import pytest
 import torch
-from support import random_prompts, token_ids
+from support import generate_in_new_thread, random_prompts, token_ids
 
 from llmctl.engine import LLM, SamplingParams
 
@@ -24,16 +22,6 @@ def _triton_backend(monkeypatch):
 def _llm(path, **kw) -> LLM:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return LLM(str(path), use_tqdm_on_load=False, dtype="float32", device=device, **kw)
-
-
-def _generate(llm: LLM, prompts: list[list[int]]) -> list:
-    """llm.generate(prompts, GREEDY), run in a new thread. The interpreter makes millions of short
-    Python calls, and at the depth pytest calls a test from they can cross the end of one of
-    CPython's 16 KiB frame-stack chunks (3.11 here): each call then maps a fresh chunk and
-    unmaps it on return, which took 2-3x the time (half of it in mmap/munmap). A new thread's
-    frames start at the bottom of its first chunk, and the engine's deepest (about 11 KiB) fit."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(llm.generate, prompts, GREEDY, use_tqdm=False).result()
 
 
 # llama: GQA; mistral: sliding window (tiny config: 24 tokens) passed by the 40-token prompt;
@@ -57,7 +45,7 @@ def test_generate_matches_transformers(family, tiny_models, hf_greedy, monkeypat
     path, hf_model = tiny_models.get(family)
     prompts = random_prompts([3, 17, 40], seed=5)
     llm = _llm(path, num_gpu_blocks_override=32, max_num_batched_tokens=24)  # 40 -> 24 + 16
-    outputs = _generate(llm, prompts)
+    outputs = generate_in_new_thread(llm, prompts, GREEDY)
     model = llm.llm_engine.executor.worker.model_runner.model
     layers = [m for m in model.modules() if hasattr(m, "_fused")]  # norms, rotaries, SiLU-and-mul
     assert bool(layers) == (family != "gpt2")
@@ -71,8 +59,8 @@ def test_prefix_hit_matches_transformers(tiny_models, hf_greedy):
     shared = random_prompts([32], seed=1)[0]
     prompts = [shared + tail for tail in random_prompts([5, 11], seed=2)]
     llm = _llm(path, num_gpu_blocks_override=32)
-    first = _generate(llm, prompts[:1])
-    second = _generate(llm, prompts[1:])
+    first = generate_in_new_thread(llm, prompts[:1], GREEDY)
+    second = generate_in_new_thread(llm, prompts[1:], GREEDY)
     assert second[0].num_cached_tokens == 32
     assert token_ids(first + second) == [hf_greedy(hf_model, p, 6) for p in prompts]
 
@@ -102,7 +90,7 @@ def test_steps_padded_as_cuda_graphs_pad_them_match_transformers(tiny_models, hf
         return inputs
 
     runner._prepare_inputs = recording
-    outputs = _generate(llm, prompts)
+    outputs = generate_in_new_thread(llm, prompts, GREEDY)
     assert token_ids(outputs) == [hf_greedy(hf_model, p, 6) for p in prompts]
     assert any(mixed and size > tokens for size, tokens, mixed in padded)  # padded mixed
     assert any(not mixed and size > tokens for size, tokens, mixed in padded)  # padded decode
