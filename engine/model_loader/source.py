@@ -10,6 +10,7 @@ writes its config.json into.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -39,11 +40,17 @@ class ModelSource:
     gguf_file: str | None = None  # the GGUF file it was converted from
 
     def load_hf_config(self) -> Any:
-        """The model's Hugging Face config. For a GGUF file's directory (written by llmctl), its
-        HFConfigView saved next to config.json: importing transformers for AutoConfig costs ~2 s
-        and ~200 MB at start-up."""
-        view_file = Path(self.path, CONFIG_VIEW_FILE)
-        if self.gguf_file is not None and view_file.is_file():
+        """The model's Hugging Face config. Importing transformers for AutoConfig costs ~2 s and
+        ~200 MB at start-up (~4 s of CPU on a busy 2-core machine), so what AutoConfig read is
+        kept as an HFConfigView: for a GGUF file's directory (written by llmctl) next to its
+        config.json; for any other directory in llmctl's cache, under a digest of config.json's
+        bytes and the transformers version that read them (a changed file, or another
+        transformers, is read again)."""
+        if self.gguf_file is not None:
+            view_file: Path | None = Path(self.path, CONFIG_VIEW_FILE)
+        else:
+            view_file = _cached_view_file(self.path)
+        if view_file is not None and view_file.is_file():
             try:
                 return HFConfigView.from_json(view_file.read_text())
             except (OSError, ValueError, KeyError, AttributeError):
@@ -59,8 +66,8 @@ class ModelSource:
                 f"cannot read {os.path.join(self.path, 'config.json')}: {exc}",
                 "check that the file is a complete Hugging Face config.json",
             ) from exc
-        if self.gguf_file is not None:
-            write_config_view(config, Path(self.path))
+        if view_file is not None:
+            write_config_view(config, view_file.parent, view_file.name)
         return config
 
     def architecture(self, hf_config: Any) -> str:
@@ -76,14 +83,32 @@ class ModelSource:
 CONFIG_VIEW_FILE = "llmctl_config_view.json"
 
 
-def write_config_view(config: Any, directory: Path) -> None:
+def write_config_view(config: Any, directory: Path, name: str = CONFIG_VIEW_FILE) -> None:
     """Save `config`'s HFConfigView into `directory` (atomically: ranks may read it meanwhile)."""
-    tmp = directory / f".{CONFIG_VIEW_FILE}.{os.getpid()}"
+    tmp = directory / f".{name}.{os.getpid()}"
     try:
+        directory.mkdir(parents=True, exist_ok=True)
         tmp.write_text(HFConfigView.of(config).to_json())
-        os.replace(tmp, directory / CONFIG_VIEW_FILE)
+        os.replace(tmp, directory / name)
     except OSError:  # a read-only cache: the view is an optimisation only
         tmp.unlink(missing_ok=True)
+
+
+def _cached_view_file(path: str) -> Path | None:
+    """Where the HFConfigView of `path`'s config.json is cached (None: no readable config.json,
+    or no transformers installed to read it)."""
+    from importlib import metadata
+
+    from llmctl.engine.model_loader.gguf import cache_root
+
+    try:
+        data = Path(path, "config.json").read_bytes()
+        version = metadata.version("transformers")
+    except (OSError, metadata.PackageNotFoundError):
+        return None
+    # "view-1": what HFConfigView.of keeps; a change to it names a new version here
+    digest = hashlib.sha256(data + f"\0transformers {version}\0view-1".encode()).hexdigest()[:24]
+    return cache_root().parent / "config-views" / f"{digest}.json"
 
 
 def resolve_model(model: str | None, progress=None, load_format: str = "auto") -> ModelSource:

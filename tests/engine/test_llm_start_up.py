@@ -4,7 +4,9 @@ logging; a program that configured logging, or LLMCTL_CONFIGURE_LOGGING=0, keeps
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -40,3 +42,41 @@ def test_a_script_sees_the_kv_cache_lines_without_configuring_logging(tiny_model
     # A program that set up logging its own way gets its format, not a second copy of ours.
     own = run(path, 'import logging; logging.basicConfig(format="mine %(message)s", level=20)')
     assert own.stderr.count("KV cache size") == 1 and "mine KV cache size" in own.stderr
+
+
+VIEW_SCRIPT = """
+import json, sys
+from llmctl.engine import LLM, SamplingParams
+llm = LLM(sys.argv[1], use_tqdm_on_load=False, dtype="float32", kv_cache_space_gib=0.02)
+params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+out = llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)
+print(json.dumps([list(out[0].outputs[0].token_ids), "transformers" in sys.modules]))
+llm.shutdown()
+"""
+
+
+def test_a_second_start_reads_config_json_without_transformers(tiny_models, tmp_path):
+    """The first start reads config.json with transformers' AutoConfig (~4 s of CPU here), and
+    llmctl keeps what it read; the next start on the same file uses that, imports no transformers
+    and gives the same greedy tokens. An edited config.json is read again."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_models.path("llama"), model)
+    env = {**os.environ, "LLMCTL_CACHE_DIR": str(tmp_path / "cache")}
+
+    def start() -> tuple[list[int], bool]:
+        done = subprocess.run(
+            [sys.executable, "-c", VIEW_SCRIPT, str(model)],
+            capture_output=True, text=True, timeout=300, env=env, check=True,
+        )  # fmt: skip
+        tokens, imported = json.loads(done.stdout.strip().splitlines()[-1])
+        return tokens, imported
+
+    first, imported = start()
+    assert imported and len(first) == 8
+    assert start() == (first, False)
+    config = json.loads((model / "config.json").read_text())
+    config["rms_norm_eps"] = config.get("rms_norm_eps", 1e-6) * 10  # what the model computes
+    (model / "config.json").write_text(json.dumps(config))
+    edited, imported = start()
+    assert imported and len(edited) == 8
+    assert start() == (edited, False)
