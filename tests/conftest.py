@@ -9,9 +9,17 @@ import importlib
 import os
 from pathlib import Path
 
-import pytest
-import torch
-from support import TinyModels, byte_level_tokenizer
+# OpenMP threads that wait sleep instead of spinning, in this process and every process a test
+# starts (engine/platform.py passive_openmp_waits, which worker processes already use): the suite
+# keeps both cores busy (servers, ranks, the cluster tier's image build at the lowest priority),
+# and a spinning thread holds a core that the thread it waits for needs. Three engine test files
+# beside a niced busy loop: 123 s spinning, 106 s passive (the same, 113 and 111 s, on an idle
+# machine). Set before torch loads libgomp, which reads it once.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from support import TinyModels, byte_level_tokenizer  # noqa: E402
 
 # Without a GPU the Triton kernels run in Triton's interpreter, which @triton.jit picks when it
 # decorates a function. Set it before anything imports triton: torch._dynamo does, and a kernel

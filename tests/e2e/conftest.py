@@ -86,7 +86,7 @@ def start_server(tmp_path: Path, *args: str, env: dict | None = None, quiet: boo
                 return server
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
     process.kill()
     raise RuntimeError(f"server did not become healthy:\n{server.output()}")
 
