@@ -34,6 +34,7 @@ class HFConfigView:
         if config is None or isinstance(config, HFConfigView):
             return config
         names = set(vars(config)) | set(getattr(config, "attribute_map", None) or {})
+        names.add("model_type")  # a class attribute of each transformers config class
         names |= {
             name
             for klass in type(config).__mro__

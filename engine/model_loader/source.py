@@ -106,8 +106,8 @@ def _cached_view_file(path: str) -> Path | None:
         version = metadata.version("transformers")
     except (OSError, metadata.PackageNotFoundError):
         return None
-    # "view-1": what HFConfigView.of keeps; a change to it names a new version here
-    digest = hashlib.sha256(data + f"\0transformers {version}\0view-1".encode()).hexdigest()[:24]
+    # "view-2": what HFConfigView.of keeps; a change to it names a new version here
+    digest = hashlib.sha256(data + f"\0transformers {version}\0view-2".encode()).hexdigest()[:24]
     return cache_root().parent / "config-views" / f"{digest}.json"
 
 

@@ -40,9 +40,11 @@ def test_the_view_answers_like_the_config(family):
             assert getattr(view, name) == value, name
             compared += 1
     assert compared > 20
-    # The names the model classes read, aliases included (GPT-2's hidden_size is n_embd).
+    # The names the model classes read, aliases included (GPT-2's hidden_size is n_embd), and
+    # model_type, a class attribute of each config class (deepseek_v2.py reads it).
     for name in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
         assert getattr(view, name) == getattr(config, name)
+    assert view.model_type == config.model_type
     assert getattr(view, "no_such_attribute", None) is None
     assert HFConfigView.of(view) is view
 
