@@ -129,7 +129,8 @@ _VARIABLES = (
     ),
     EnvVar(
         "LLMCTL_CPU_PREPACK", True, _flag, _FLAG,
-        "Repack float weights for oneDNN at load on the CPU (0: plain F.linear).",
+        "Repack float weights for oneDNN at load on the CPU, and quantized weights' "
+        "large-batch bfloat16 expansions as they are made (0: plain F.linear).",
     ),
     EnvVar(
         "LLMCTL_CUSTOM_ALL_REDUCE", True, _flag, _FLAG,

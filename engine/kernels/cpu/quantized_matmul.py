@@ -64,6 +64,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from llmctl.engine import envs
+
 logger = logging.getLogger("llmctl")
 
 _SOURCE = tuple(
@@ -263,7 +265,11 @@ class PackedLinearWeight:
         n = self.out_features
         if rows >= n:
             w = self.dequantize(dtype=x.dtype)
-            if x.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+            if (
+                x.dtype == torch.bfloat16
+                and torch.backends.mkldnn.is_available()
+                and envs.LLMCTL_CPU_PREPACK
+            ):
                 # W reordered into oneDNN's blocked layout, then the GEMM the float path's
                 # prepacked weights run (layers/linear.py): at W3's shapes on the Zen 4 kind
                 # (M = 8192, 2 threads) 156 ms a layer against 164 for F.linear on the plain
