@@ -13,8 +13,8 @@ from pathlib import Path
 # starts (engine/platform.py passive_openmp_waits, which worker processes already use): the suite
 # keeps both cores busy (servers, ranks, the cluster tier's image build at the lowest priority),
 # and a spinning thread holds a core that the thread it waits for needs. Three engine test files
-# beside a niced busy loop: 123 s spinning, 106 s passive (the same, 113 and 111 s, on an idle
-# machine). Set before torch loads libgomp, which reads it once.
+# beside a niced busy loop: 123 s spinning, 106 s passive (113 and 111 s without the loop).
+# Set before torch loads libgomp, which reads it once.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
