@@ -43,6 +43,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "quantized_matmul_cpu.h"
@@ -101,7 +102,7 @@ inline __m256 i8_mem_to_ps(const int8_t* p) {
 // 32 nibbles (16 bytes, GGUF's Q4_0 order) -> weights 0-7, 8-15, 16-23, 24-31 as floats
 // Each half of the bytes is widened to 32-bit lanes once (two shuffles in all): a lane's low
 // nibble is its AND with 15, its high nibble its shift right by 4.
-inline void nibbles_to_ps(const uint8_t* b16, __m128i /*mask*/, __m256* w) {
+inline void nibbles_to_ps(const uint8_t* b16, __m256* w) {
   const __m256i m = _mm256_set1_epi32(0x0F);
   const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b16)));
   const __m256i v1 =
@@ -119,148 +120,6 @@ inline void nibbles_to_ps512(const uint8_t* b16, __m512* w) {
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b16)));
   w[0] = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
   w[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-}
-#endif
-
-#if defined(LLMCTL_Q_AVX2)
-// Decode (one activation row): NR weight rows per pass share each load of x, and their NR
-// independent FMA chains hide each other's latency (one row alone is latency bound). Per row,
-// the same operations in the same order as row_int4 / row_int8 with R = 1.
-constexpr int kBlockRows = 4;
-#if defined(LLMCTL_Q_512)
-template <int NR, typename S>
-void rows_int4_m1(const uint8_t* qp, int64_t row_bytes, const S* scales, int64_t G,
-                  const float* x, int64_t g, float* out) {
-  __m512 acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t gi = 0; gi < G; ++gi) {
-    __m512 p[NR];
-    for (int r = 0; r < NR; ++r) p[r] = _mm512_setzero_ps();
-    for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
-      const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
-      for (int r = 0; r < NR; ++r) {
-        const uint8_t* b = qp + r * row_bytes + k / 2;
-        if ((k / 2) % 64 == 0)  // the next pass's line of this row, as below
-          _mm_prefetch(reinterpret_cast<const char*>(b + NR * row_bytes), _MM_HINT_T0);
-        __m512 w[2];
-        nibbles_to_ps512(b, w);
-        p[r] = _mm512_fmadd_ps(w[0], x0, p[r]);
-        p[r] = _mm512_fmadd_ps(w[1], x1, p[r]);
-      }
-    }
-    for (int r = 0; r < NR; ++r)
-      acc[r] = _mm512_fmadd_ps(p[r], _mm512_set1_ps(ld(scales, r * G + gi)), acc[r]);
-  }
-  for (int r = 0; r < NR; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
-}
-#else
-template <int NR, typename S>
-void rows_int4_m1(const uint8_t* qp, int64_t row_bytes, const S* scales, int64_t G,
-                  const float* x, int64_t g, float* out) {
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  __m256 acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t gi = 0; gi < G; ++gi) {
-    __m256 p[NR];
-    for (int r = 0; r < NR; ++r) p[r] = _mm256_setzero_ps();
-    for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
-      const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-      const __m256 x2 = _mm256_loadu_ps(x + k + 16), x3 = _mm256_loadu_ps(x + k + 24);
-      for (int r = 0; r < NR; ++r) {
-        const uint8_t* b = qp + r * row_bytes + k / 2;
-        // The rows read side by side defeat the hardware's stream prefetch: ask for the next
-        // pass's line of this row (a prefetch past the end is harmless).
-        if ((k / 2) % 64 == 0)
-          _mm_prefetch(reinterpret_cast<const char*>(b + NR * row_bytes), _MM_HINT_T0);
-        __m256 w[4];
-        nibbles_to_ps(b, mask, w);
-        p[r] = _mm256_fmadd_ps(w[0], x0, p[r]);
-        p[r] = _mm256_fmadd_ps(w[1], x1, p[r]);
-        p[r] = _mm256_fmadd_ps(w[2], x2, p[r]);
-        p[r] = _mm256_fmadd_ps(w[3], x3, p[r]);
-      }
-    }
-    for (int r = 0; r < NR; ++r)
-      acc[r] = _mm256_fmadd_ps(p[r], _mm256_set1_ps(ld(scales, r * G + gi)), acc[r]);
-  }
-  for (int r = 0; r < NR; ++r) out[r] = hsum(acc[r]);
-}
-#endif
-
-#endif
-
-#if defined(LLMCTL_Q_BF16DOT)
-// bfloat16 activations (x as its raw 16-bit words), int4 weights: per group, each row's products
-// summed by VDPBF16PS (two products a lane, added in float32: exact products, float32 sums,
-// subnormal inputs read as zero as in oneDNN's bfloat16 GEMMs), then scaled into the row's total
-// by one FMA. The same operations in the same order for one row in rows_int4_m1_bf16 (decode
-// alone, NR weight rows a pass) and row_int4_bf16 (R activation rows), so a row's bits do not
-// depend on the batch or the thread split. The float32 path's bits differ (another order).
-inline __m256i bf16_of_nibble() {  // word i: i as bfloat16, 0-15
-  return _mm256_setr_epi16(0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-                           0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170);
-}
-// 32 nibbles (16 bytes, Q4_0's order) -> weights 0-15 and 16-31 as 16 bfloat16 each. VPERMW
-// reads an index's low 4 bits only, so the low nibbles need no mask.
-inline void nibbles_to_bf16(const uint8_t* b16, __m256i table, __m256bh* w) {
-  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b16)));
-  w[0] = (__m256bh)_mm256_permutexvar_epi16(v, table);
-  w[1] = (__m256bh)_mm256_permutexvar_epi16(_mm256_srli_epi16(v, 4), table);
-}
-inline __m256bh load_bf16x16(const uint16_t* p) {
-  return (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-}
-
-template <int NR, typename S>
-void rows_int4_m1_bf16(const uint8_t* qp, int64_t row_bytes, const S* scales, int64_t G,
-                       const uint16_t* x, int64_t g, float* out) {
-  const __m256i table = bf16_of_nibble();
-  __m256 acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t gi = 0; gi < G; ++gi) {
-    __m256 p[NR];
-    for (int r = 0; r < NR; ++r) p[r] = _mm256_setzero_ps();
-    for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
-      const __m256bh x0 = load_bf16x16(x + k), x1 = load_bf16x16(x + k + 16);
-      for (int r = 0; r < NR; ++r) {
-        const uint8_t* b = qp + r * row_bytes + k / 2;
-        if ((k / 2) % 64 == 0)  // the next pass's line of this row, as rows_int4_m1 does
-          _mm_prefetch(reinterpret_cast<const char*>(b + NR * row_bytes), _MM_HINT_T0);
-        __m256bh w[2];
-        nibbles_to_bf16(b, table, w);
-        p[r] = _mm256_dpbf16_ps(p[r], w[0], x0);
-        p[r] = _mm256_dpbf16_ps(p[r], w[1], x1);
-      }
-    }
-    for (int r = 0; r < NR; ++r)
-      acc[r] = _mm256_fmadd_ps(p[r], _mm256_set1_ps(ld(scales, r * G + gi)), acc[r]);
-  }
-  for (int r = 0; r < NR; ++r) out[r] = hsum(acc[r]);
-}
-
-template <int R, typename S>
-void row_int4_bf16(const uint8_t* qp, const S* scales, const uint16_t* x, int64_t ldx, int64_t K,
-                   int64_t g, float* out) {
-  const int64_t G = K / g;
-  const __m256i table = bf16_of_nibble();
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t gi = 0; gi < G; ++gi) {
-    __m256 p[R];
-    for (int r = 0; r < R; ++r) p[r] = _mm256_setzero_ps();
-    for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
-      __m256bh w[2];
-      nibbles_to_bf16(qp + k / 2, table, w);
-      for (int r = 0; r < R; ++r) {
-        const uint16_t* xr = x + r * ldx + k;
-        p[r] = _mm256_dpbf16_ps(p[r], w[0], load_bf16x16(xr));
-        p[r] = _mm256_dpbf16_ps(p[r], w[1], load_bf16x16(xr + 16));
-      }
-    }
-    const __m256 s = _mm256_set1_ps(ld(scales, gi));
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(p[r], s, acc[r]);
-  }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
 #endif
 
@@ -322,69 +181,184 @@ void row_int8(const int8_t* q, const S* scales, const float* x, int64_t ldx, int
   }
 }
 
-template <int R, typename S>
-void row_int4(const uint8_t* qp, const S* scales, const float* x, int64_t ldx, int64_t K,
-              int64_t g, float* out) {
-  const int64_t G = K / g;
-#if defined(LLMCTL_Q_512)
-  // The order of rows_int4_m1's (one chain per row and group), so that a row's sum has the same
-  // bits whether its sequence is decoded alone or in a batch.
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t gi = 0; gi < G; ++gi) {
-    __m512 p[R];
-    for (int r = 0; r < R; ++r) p[r] = _mm512_setzero_ps();
-    for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
-      __m512 w[2];
-      nibbles_to_ps512(qp + k / 2, w);
-      for (int r = 0; r < R; ++r) {
-        const float* xr = x + r * ldx + k;
-        p[r] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xr), p[r]);
-        p[r] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xr + 16), p[r]);
-      }
+// int4 rows, written once over "lanes": how one kind of vector turns 32 weights (16 bytes) into
+// values and multiplies them into a row's partial sum. rows_int4_m1 (a sequence decoded alone:
+// NR weight rows a pass, each load of x shared, NR independent chains hiding each other's latency)
+// and row_int4 (one weight row against R activation rows, each chunk of weights decoded once)
+// take a row's operations in the same order, so its bits do not depend on the batch or the thread
+// split. Per group, the chunks' products go into one chain per row; the group's sum enters the
+// row's total by one multiply-add with its scale, the only dependency carried across groups.
+//   F32x16   512-bit float32 FMAs (LLMCTL_Q_512)
+//   F32x8    256-bit float32 FMAs (AVX2)
+//   Bf16x16  bfloat16 activations as their raw words, VDPBF16PS (LLMCTL_Q_BF16DOT): two products
+//            a lane, added in float32 (exact products, float32 sums, subnormal inputs read as
+//            zero as in oneDNN's bfloat16 GEMMs). The float32 lanes' bits differ (another order).
+//   Scalar   anything else
+struct Scalar {
+  using X = float;
+  using Acc = float;
+  struct Weights {
+    const uint8_t* b;
+  };
+  struct Acts {
+    const float* x;
+  };
+  static Acc zero() { return 0.f; }
+  Weights weights(const uint8_t* b) const { return {b}; }
+  static Acts acts(const float* x) { return {x}; }
+  static Acc madd(Acc p, const Weights& w, const Acts& a) {
+    for (int j = 0; j < 16; ++j) {
+      p += a.x[j] * float(w.b[j] & 0x0F);
+      p += a.x[16 + j] * float(w.b[j] >> 4);
     }
-    const __m512 s = _mm512_set1_ps(ld(scales, gi));
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(p[r], s, acc[r]);
+    return p;
   }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
-#elif defined(LLMCTL_Q_AVX2)
-  // The order of rows_int4_m1's (one chain per row and group), so that a row's sum has the same
-  // bits whether its sequence is decoded alone or in a batch.
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  for (int64_t gi = 0; gi < G; ++gi) {
-    __m256 p[R];
-    for (int r = 0; r < R; ++r) p[r] = _mm256_setzero_ps();
-    for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
-      __m256 w[4];
-      nibbles_to_ps(qp + k / 2, mask, w);
-      for (int r = 0; r < R; ++r) {
-        const float* xr = x + r * ldx + k;
-        for (int j = 0; j < 4; ++j) p[r] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + 8 * j), p[r]);
-      }
-    }
-    const __m256 s = _mm256_set1_ps(ld(scales, gi));
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(p[r], s, acc[r]);
+  static Acc scaled(Acc p, float s, Acc acc) { return acc + p * s; }
+  static float total(Acc acc) { return acc; }
+};
+
+#if defined(LLMCTL_Q_AVX2)
+struct F32x8 {
+  using X = float;
+  using Acc = __m256;
+  struct Weights {
+    __m256 v[4];
+  };
+  struct Acts {
+    __m256 v[4];
+  };
+  static Acc zero() { return _mm256_setzero_ps(); }
+  Weights weights(const uint8_t* b) const {
+    Weights w;
+    nibbles_to_ps(b, w.v);
+    return w;
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
-#else
-  for (int r = 0; r < R; ++r) {
-    float total = 0.f;
-    for (int64_t gi = 0; gi < G; ++gi) {
-      float part = 0.f;
-      for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
-        const uint8_t* b = qp + k / 2;
-        for (int j = 0; j < 16; ++j) {
-          part += x[r * ldx + k + j] * float(b[j] & 0x0F);
-          part += x[r * ldx + k + 16 + j] * float(b[j] >> 4);
-        }
-      }
-      total += part * ld(scales, gi);
-    }
-    out[r] = total;
+  static Acts acts(const float* x) {
+    return {{_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8), _mm256_loadu_ps(x + 16),
+             _mm256_loadu_ps(x + 24)}};
   }
+  static Acc madd(Acc p, const Weights& w, const Acts& a) {
+    for (int j = 0; j < 4; ++j) p = _mm256_fmadd_ps(w.v[j], a.v[j], p);
+    return p;
+  }
+  static Acc scaled(Acc p, float s, Acc acc) { return _mm256_fmadd_ps(p, _mm256_set1_ps(s), acc); }
+  static float total(Acc acc) { return hsum(acc); }
+};
 #endif
+
+#if defined(LLMCTL_Q_512)
+struct F32x16 {
+  using X = float;
+  using Acc = __m512;
+  struct Weights {
+    __m512 v[2];
+  };
+  struct Acts {
+    __m512 v[2];
+  };
+  static Acc zero() { return _mm512_setzero_ps(); }
+  Weights weights(const uint8_t* b) const {
+    Weights w;
+    nibbles_to_ps512(b, w.v);
+    return w;
+  }
+  static Acts acts(const float* x) { return {{_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)}}; }
+  static Acc madd(Acc p, const Weights& w, const Acts& a) {
+    p = _mm512_fmadd_ps(w.v[0], a.v[0], p);
+    return _mm512_fmadd_ps(w.v[1], a.v[1], p);
+  }
+  static Acc scaled(Acc p, float s, Acc acc) { return _mm512_fmadd_ps(p, _mm512_set1_ps(s), acc); }
+  static float total(Acc acc) { return _mm512_reduce_add_ps(acc); }
+};
+#endif
+
+#if defined(LLMCTL_Q_BF16DOT)
+struct Bf16x16 {
+  using X = uint16_t;  // bfloat16's raw words
+  using Acc = __m256;
+  struct Weights {
+    __m256bh v[2];
+  };
+  struct Acts {
+    __m256bh v[2];
+  };
+  // word i: i as bfloat16, 0-15 (VPERMW reads an index's low 4 bits only)
+  const __m256i table =
+      _mm256_setr_epi16(0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100,
+                        0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170);
+  static Acc zero() { return _mm256_setzero_ps(); }
+  // 32 nibbles (Q4_0's order) -> weights 0-15 and 16-31 as bfloat16: one word permute each, the
+  // low nibbles unmasked, the high ones one shift
+  Weights weights(const uint8_t* b) const {
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+    return {{(__m256bh)_mm256_permutexvar_epi16(v, table),
+             (__m256bh)_mm256_permutexvar_epi16(_mm256_srli_epi16(v, 4), table)}};
+  }
+  static Acts acts(const uint16_t* x) {
+    return {{(__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)),
+             (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))}};
+  }
+  static Acc madd(Acc p, const Weights& w, const Acts& a) {
+    p = _mm256_dpbf16_ps(p, w.v[0], a.v[0]);
+    return _mm256_dpbf16_ps(p, w.v[1], a.v[1]);
+  }
+  static Acc scaled(Acc p, float s, Acc acc) { return _mm256_fmadd_ps(p, _mm256_set1_ps(s), acc); }
+  static float total(Acc acc) { return hsum(acc); }
+};
+#endif
+
+#if defined(LLMCTL_Q_512)
+using Int4Lanes = F32x16;
+#elif defined(LLMCTL_Q_AVX2)
+using Int4Lanes = F32x8;
+#else
+using Int4Lanes = Scalar;
+#endif
+
+constexpr int kBlockRows = 4;  // weight rows a pass when a sequence is decoded alone
+
+template <class L, int NR, typename S>
+void rows_int4_m1(const uint8_t* qp, int64_t row_bytes, const S* scales, int64_t G,
+                  const typename L::X* x, int64_t g, float* out) {
+  const L lanes;
+  typename L::Acc acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = L::zero();
+  for (int64_t gi = 0; gi < G; ++gi) {
+    typename L::Acc p[NR];
+    for (int r = 0; r < NR; ++r) p[r] = L::zero();
+    for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
+      const typename L::Acts a = L::acts(x + k);
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* b = qp + r * row_bytes + k / 2;
+        // The rows read side by side defeat the hardware's stream prefetch: ask for the next
+        // pass's line of this row (a prefetch past the end is harmless).
+        if ((k / 2) % 64 == 0) __builtin_prefetch(b + NR * row_bytes, 0, 3);
+        p[r] = L::madd(p[r], lanes.weights(b), a);
+      }
+    }
+    for (int r = 0; r < NR; ++r) acc[r] = L::scaled(p[r], ld(scales, r * G + gi), acc[r]);
+  }
+  for (int r = 0; r < NR; ++r) out[r] = L::total(acc[r]);
+}
+
+template <class L, int R, typename S>
+void row_int4(const uint8_t* qp, const S* scales, const typename L::X* x, int64_t ldx, int64_t K,
+              int64_t g, float* out) {
+  const L lanes;
+  const int64_t G = K / g;
+  typename L::Acc acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = L::zero();
+  for (int64_t gi = 0; gi < G; ++gi) {
+    typename L::Acc p[R];
+    for (int r = 0; r < R; ++r) p[r] = L::zero();
+    for (int64_t k = gi * g; k < (gi + 1) * g; k += 32) {
+      const typename L::Weights w = lanes.weights(qp + k / 2);
+      for (int r = 0; r < R; ++r) p[r] = L::madd(p[r], w, L::acts(x + r * ldx + k));
+    }
+    const float s = ld(scales, gi);
+    for (int r = 0; r < R; ++r) acc[r] = L::scaled(p[r], s, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r] = L::total(acc[r]);
 }
 
 // sum of x[0 .. g): a group's sum for the zero term (g is a multiple of 32 for int4). In 8 lanes
@@ -456,29 +430,40 @@ struct Int4Row {
   int64_t K, G, g;
   template <int R>
   void call(int64_t n, const float* x, int64_t ldx, float* out) const {
-    row_int4<R, S>(qp + n * (K / 2), scales + n * G, x, ldx, K, g, out);
+    row_int4<Int4Lanes, R, S>(qp + n * (K / 2), scales + n * G, x, ldx, K, g, out);
   }
-  static constexpr bool kBlocks = true;  // M = 1: kBlockRows rows a pass (AVX2)
-#if defined(LLMCTL_Q_AVX2)
+  static constexpr bool kBlocks = true;  // M = 1: kBlockRows rows a pass
   template <int NR>
   void block(int64_t n, const float* x, float* out) const {
-    rows_int4_m1<NR, S>(qp + n * (K / 2), K / 2, scales + n * G, G, x, g, out);
+    rows_int4_m1<Int4Lanes, NR, S>(qp + n * (K / 2), K / 2, scales + n * G, G, x, g, out);
   }
-#endif
 #if defined(LLMCTL_Q_BF16DOT)
   static constexpr bool kBf16Dot = true;  // bfloat16 x: VDPBF16PS on its own words
   template <int R>
-  void call_bf16(int64_t n, const uint16_t* x, int64_t ldx, float* out) const {
-    row_int4_bf16<R, S>(qp + n * (K / 2), scales + n * G, x, ldx, K, g, out);
+  void call(int64_t n, const uint16_t* x, int64_t ldx, float* out) const {
+    row_int4<Bf16x16, R, S>(qp + n * (K / 2), scales + n * G, x, ldx, K, g, out);
   }
   template <int NR>
-  void block_bf16(int64_t n, const uint16_t* x, float* out) const {
-    rows_int4_m1_bf16<NR, S>(qp + n * (K / 2), K / 2, scales + n * G, G, x, g, out);
+  void block(int64_t n, const uint16_t* x, float* out) const {
+    rows_int4_m1<Bf16x16, NR, S>(qp + n * (K / 2), K / 2, scales + n * G, G, x, g, out);
   }
 #else
   static constexpr bool kBf16Dot = false;
 #endif
 };
+
+// f(std::integral_constant<int, R>{}) for R = rows, 1 to kMaxRows: the row kernels take their
+// row count as a template argument, so their accumulators stay in registers.
+template <typename F>
+void with_rows(int64_t rows, const F& f) {
+  static_assert(kMaxRows == 4 && kBlockRows == 4, "with_rows dispatches 1 to 4 rows");
+  switch (rows) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
 
 void check_common(const at::Tensor& x, const at::Tensor& scales, int64_t N, int64_t K, int64_t g) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
@@ -492,7 +477,8 @@ void check_common(const at::Tensor& x, const at::Tensor& scales, int64_t N, int6
 }
 
 // rows [begin, end) of y for activation rows handled R at a time; zp: [N, G] zeros or nullptr.
-// bfloat16 x is widened to float32 first (exactly) and y rounded back at the end: the same sums.
+// bfloat16 x is widened to float32 first (exactly) and y rounded back at the end: the same sums
+// (rows with RowFn::kBf16Dot take bfloat16 x's own words instead).
 template <typename S, typename RowFn>
 at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes, const S* zp,
                     const RowFn& row) {
@@ -517,82 +503,46 @@ at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes
       for (int64_t gi = 0; gi < G; ++gi) s[m * G + gi] = group_sum(xp + m * K + gi * g, g);
   }
   const float* sp = has_zeros ? xsum.data_ptr<float>() : nullptr;
-  // bfloat16 x's own words, for rows that take it as it is (RowFn::kBf16Dot)
-  const uint16_t* xw = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>())
-                            : nullptr;
-  (void)xw;  // builds without LLMCTL_Q_BF16DOT
   // >= 128 KiB of packed weight per task (~10 us of reading): a small matrix stays on one
   // thread, where waking the others would cost more than it saves (much more on a busy machine).
   const int64_t grain = std::max<int64_t>(1, (128 * 1024) / std::max<int64_t>(1, row_bytes));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    float out[kMaxRows];
-    int64_t n = begin;
-#if defined(LLMCTL_Q_AVX2)
-    // decode: kBlockRows weight rows a pass, same bits per row
-    if constexpr (RowFn::kBlocks) {
-      if (M == 1) {
-        float outs[kBlockRows];
-        for (; n < end; n += kBlockRows) {
-          const int64_t rows = std::min<int64_t>(kBlockRows, end - n);
-          bool done = false;
-          if constexpr (RowFn::kBf16Dot) {
-            if (bf16) {
-              switch (rows) {
-                case 4: row.template block_bf16<4>(n, xw, outs); break;
-                case 3: row.template block_bf16<3>(n, xw, outs); break;
-                case 2: row.template block_bf16<2>(n, xw, outs); break;
-                default: row.template block_bf16<1>(n, xw, outs); break;
-              }
-              done = true;
-            }
+    // x: float32 rows, or bfloat16's own words for rows that take them (RowFn::kBf16Dot)
+    auto columns = [&](const auto* x) {
+      float out[kMaxRows];
+      int64_t n = begin;
+      if constexpr (RowFn::kBlocks) {
+        if (M == 1) {  // decode: kBlockRows weight rows a pass, same bits per row
+          for (; n < end; n += kBlockRows) {
+            const int64_t rows = std::min<int64_t>(kBlockRows, end - n);
+            with_rows(rows, [&](auto nr) { row.template block<decltype(nr)::value>(n, x, out); });
+            for (int64_t r = 0; r < rows; ++r)
+              yp[n + r] = has_zeros ? out[r] + dot(zp + (n + r) * G, sp, G) : out[r];
           }
-          if (!done) {
-            switch (rows) {
-              case 4: row.template block<4>(n, xp, outs); break;
-              case 3: row.template block<3>(n, xp, outs); break;
-              case 2: row.template block<2>(n, xp, outs); break;
-              default: row.template block<1>(n, xp, outs); break;
-            }
-          }
-          for (int64_t r = 0; r < rows; ++r)
-            yp[n + r] = has_zeros ? outs[r] + dot(zp + (n + r) * G, sp, G) : outs[r];
         }
       }
-    }
-#endif
-    for (; n < end; ++n) {
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-        const int64_t rows = std::min<int64_t>(kMaxRows, M - m0);
-        const float* xr = xp + m0 * K;
-        bool done = false;
-        if constexpr (RowFn::kBf16Dot) {
-          if (bf16) {
-            const uint16_t* xwr = xw + m0 * K;
-            switch (rows) {
-              case 4: row.template call_bf16<4>(n, xwr, K, out); break;
-              case 3: row.template call_bf16<3>(n, xwr, K, out); break;
-              case 2: row.template call_bf16<2>(n, xwr, K, out); break;
-              default: row.template call_bf16<1>(n, xwr, K, out); break;
-            }
-            done = true;
+      for (; n < end; ++n) {
+        for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+          const int64_t rows = std::min<int64_t>(kMaxRows, M - m0);
+          with_rows(rows, [&](auto r) {
+            row.template call<decltype(r)::value>(n, x + m0 * K, K, out);
+          });
+          for (int64_t r = 0; r < rows; ++r) {
+            float v = out[r];
+            if (has_zeros) v += dot(zp + n * G, sp + (m0 + r) * G, G);
+            yp[(m0 + r) * N + n] = v;
           }
-        }
-        if (!done) {
-          switch (rows) {
-            case 4: row.template call<4>(n, xr, K, out); break;
-            case 3: row.template call<3>(n, xr, K, out); break;
-            case 2: row.template call<2>(n, xr, K, out); break;
-            default: row.template call<1>(n, xr, K, out); break;
-          }
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          float v = out[r];
-          if (has_zeros) {
-            v += dot(zp + n * G, sp + (m0 + r) * G, G);
-          }
-          yp[(m0 + r) * N + n] = v;
         }
       }
+    };
+    if constexpr (RowFn::kBf16Dot) {
+      if (bf16) {
+        columns(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()));
+      } else {
+        columns(xp);
+      }
+    } else {
+      columns(xp);
     }
     if (bf16) {  // this thread's columns, rounded
       c10::BFloat16* yb = y.data_ptr<c10::BFloat16>();
