@@ -164,8 +164,8 @@ def test_non_streaming_client_that_leaves_mid_generation(server, offline):
 
 
 def _while_health_is_probed(server, work):
-    """Run `work()` while another thread probes /health every 10 ms; returns its result and
-    the probes' latencies (at least one probe before and one after the work)."""
+    """Run `work()` while another thread probes /health every 10 ms; returns its result, the
+    probes' latencies (at least one probe before and one after the work) and the work's seconds."""
     latencies: list[float] = []
     stop = threading.Event()
 
@@ -185,21 +185,32 @@ def _while_health_is_probed(server, work):
     while not latencies:
         assert time.monotonic() < deadline and thread.is_alive()
         time.sleep(0.005)
+    start = time.monotonic()
     try:
         response = work()
     finally:
+        seconds = time.monotonic() - start
         stop.set()
         thread.join(30)
-    return response, latencies
+    return response, latencies, seconds
+
+
+def _assert_no_probe_waited_for(latencies: list[float], seconds: float) -> None:
+    """A /health held up by the work (say, a prompt tokenized on the server's event loop) waits
+    about as long as the work; one answered beside it takes milliseconds, and up to ~0.1 s while
+    the rest of the suite keeps both cores busy."""
+    assert max(latencies) < max(0.1, seconds / 4), (seconds, latencies)
 
 
 def test_a_5_mb_prompt_is_refused_by_size_and_health_answers(server):
     body = json.dumps({"model": "tiny", "prompt": "hello world " * 440_000}).encode()
     assert len(body) > 5_000_000
-    response, latencies = _while_health_is_probed(server, lambda: post(server, "completions", body))
+    response, latencies, seconds = _while_health_is_probed(
+        server, lambda: post(server, "completions", body)
+    )
     error = assert_error(response, 413, None, "this server accepts at most")
     assert "--max-request-body-bytes" in error["message"]
-    assert max(latencies) < 0.1, latencies
+    _assert_no_probe_waited_for(latencies, seconds)
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 1_000_000}]}
     assert_error(post(server, "chat/completions", chat), 413, None, "at most")
 
@@ -225,18 +236,18 @@ def lenient(lenient_servers, server_factory, tiny):
 def test_tokenizing_5_mb_does_not_block_health(lenient):
     body = json.dumps({"model": "tiny", "prompt": "hello world, " * 400_000}).encode()
     assert len(body) > 5_000_000
-    response, latencies = _while_health_is_probed(
+    response, latencies, seconds = _while_health_is_probed(
         lenient, lambda: post(lenient, "completions", body)
     )
     assert_error(response, 400, "prompt", "maximum context length")
     assert len(latencies) > 10  # tokenizing took a while, and /health answered all along
-    assert max(latencies) < 0.1, latencies
+    _assert_no_probe_waited_for(latencies, seconds)
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "y " * 500_000}]}
-    response, latencies = _while_health_is_probed(
+    response, latencies, seconds = _while_health_is_probed(
         lenient, lambda: post(lenient, "chat/completions", chat)
     )
     assert_error(response, 400, "messages", "maximum context length")
-    assert max(latencies) < 0.1, latencies
+    _assert_no_probe_waited_for(latencies, seconds)
 
 
 # -- 3-5. malformed input: 4xx in OpenAI's error JSON, naming the field -----------------------
