@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine (see README "Quick start"):
 #   make run    set up, then serve the bundled default model (OpenAI API on 127.0.0.1:8000)
-#   make test   set up, then pass the whole test suite (what .ci/run calls)
+#   make test   set up, then pass the whole test suite (what .ci/run calls; the cluster tier
+#               runs beside the others: tests/run_tiers.py)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -38,7 +39,7 @@ test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/pytest -q
+	$(PY) tests/run_tiers.py
 
 bench: setup
 	$(PY) benchmarks/throughput.py

@@ -3,7 +3,8 @@
 
 These tests are marked `cluster` and run last: the bed and its image are prepared in the
 background from the end of collection on (testbed_prep.py), while the other tiers run.
-`pytest -m "not cluster"` runs everything else, without root.
+`pytest -m "not cluster"` runs everything else, without root. `make test` runs the two in two
+processes side by side (tests/run_tiers.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,53 @@
+"""The whole suite as `make test` runs it: the cluster tier beside the others, in two pytest
+processes.
+
+The cluster tier (tests/e2e/cluster, marked `cluster`) spends most of its time waiting: on sshd,
+on Docker daemons, on containers and the servers inside them, in network namespaces of its own.
+The other tiers, run alone, kept 1.1 of this machine's 2 cores busy. Run one after the other they
+took 28 minutes on the Zen 4 kind; side by side each fills the other's idle time.
+
+The other tiers' output comes as they run; the cluster tier's is kept in a file and printed after
+them (it says where while it runs). The exit status is the other tiers' when they failed, else the
+cluster tier's.
+Extra arguments go to both pytest processes; `pytest` alone still runs every tier in one process.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _pytest(marker: str, extra: list[str], **kwargs) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "pytest", "-q", "-m", marker, *extra]
+    return subprocess.Popen(argv, cwd=ROOT, **kwargs)
+
+
+def main(extra: list[str]) -> int:
+    with tempfile.NamedTemporaryFile("w+", prefix="llmctl-cluster-tier-", suffix=".log") as log:
+        cluster = _pytest("cluster", extra, stdout=log, stderr=subprocess.STDOUT)
+        print(f"The cluster tier runs beside the others; its output: {log.name}", flush=True)
+        try:
+            others = _pytest("not cluster", extra).wait()
+            if cluster.poll() is None:
+                print(f"\nWaiting for the cluster tier ({log.name}) ...", flush=True)
+            code = cluster.wait()
+        except KeyboardInterrupt:
+            # pytest stops at SIGINT and still tears its fixtures down (the test bed's hosts).
+            cluster.send_signal(signal.SIGINT)
+            cluster.wait()
+            raise
+        log.seek(0)
+        print("\n=============== the cluster tier (tests/e2e/cluster) ===============", flush=True)
+        sys.stdout.write(log.read())
+        sys.stdout.flush()
+    return others or code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
