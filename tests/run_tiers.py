@@ -4,12 +4,14 @@ processes.
 The cluster tier (tests/e2e/cluster, marked `cluster`) spends most of its time waiting: on sshd,
 on Docker daemons, on containers and the servers inside them, in network namespaces of its own.
 The other tiers, run alone, kept 1.1 of this machine's 2 cores busy. Run one after the other they
-took 28 minutes on the Zen 4 kind; side by side each fills the other's idle time.
+took 28.4 minutes from a fresh clone on the Zen 4 kind; side by side, 23.8 with the cluster image
+cached and 24.2 with it rebuilt (docs/testing.md).
 
 The other tiers' output comes as they run; the cluster tier's is kept in a file and printed after
 them (it says where while it runs). The exit status is the other tiers' when they failed, else the
-cluster tier's.
-Extra arguments go to both pytest processes; `pytest` alone still runs every tier in one process.
+cluster tier's. Extra arguments (paths, -k, -x ...) go to both pytest processes; one that they
+leave without a test (pytest's exit status 5) does not fail the run unless both are. `pytest`
+alone still runs every tier in one process.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+NO_TESTS = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
 
 
 def _pytest(marker: str, extra: list[str], **kwargs) -> subprocess.Popen:
@@ -46,6 +49,8 @@ def main(extra: list[str]) -> int:
         print("\n=============== the cluster tier (tests/e2e/cluster) ===============", flush=True)
         sys.stdout.write(log.read())
         sys.stdout.flush()
+    if NO_TESTS in (others, code) and (others, code) != (NO_TESTS, NO_TESTS):
+        others, code = (0 if c == NO_TESTS else c for c in (others, code))
     return others or code
 
 
