@@ -38,62 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve import percentile  # noqa: E402
-
-VOCAB = 49152
-
-
-def make_prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
-    import random
-
-    rng = random.Random(seed)
-    return [[rng.randrange(100, VOCAB) for _ in range(length)] for _ in range(count)]
-
-
-async def run_load(base_url: str, prompts: list[list[int]], concurrency: int, output_len: int):
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
-    gate = asyncio.Semaphore(concurrency)
-    ttfts, itls, tokens = [], [], []
-
-    async def one(prompt: list[int]) -> None:
-        async with gate:
-            start = time.perf_counter()
-            stream = await client.completions.create(
-                model="bench",
-                prompt=prompt,
-                max_tokens=output_len,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True},
-            )
-            last = None
-            async for chunk in stream:
-                now = time.perf_counter()
-                if chunk.usage is not None:
-                    tokens.append(chunk.usage.completion_tokens)
-                if not chunk.choices or not chunk.choices[0].text:
-                    continue
-                if last is None:
-                    ttfts.append(now - start)
-                else:
-                    itls.append(now - last)
-                last = now
-
-    start = time.perf_counter()
-    await asyncio.gather(*(one(p) for p in prompts))
-    wall = time.perf_counter() - start
-    await client.close()
-    return {
-        "tokens": sum(tokens),
-        "req_per_s": len(prompts) / wall,
-        "tok_per_s": sum(tokens) / wall,
-        "ttft_p50": percentile(ttfts, 0.5),
-        "itl_p50": percentile(itls, 0.5),
-    }
-
+from serve import make_prompts, run_load  # noqa: E402
 
 LLMCTL = str(Path(sys.executable).with_name("llmctl"))
 

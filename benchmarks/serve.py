@@ -26,11 +26,11 @@ PROMPT_LEN = 32
 VOCAB = 49152
 
 
-def make_prompts(count: int, seed: int = 0) -> list[list[int]]:
+def make_prompts(count: int, length: int = PROMPT_LEN, seed: int = 0) -> list[list[int]]:
     import random
 
     rng = random.Random(seed)
-    return [[rng.randrange(100, VOCAB) for _ in range(PROMPT_LEN)] for _ in range(count)]
+    return [[rng.randrange(100, VOCAB) for _ in range(length)] for _ in range(count)]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -40,11 +40,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-async def run_level(base_url: str, concurrency: int, output_len: int) -> dict:
+async def run_load(
+    base_url: str, prompts: list[list[int]], concurrency: int, output_len: int
+) -> dict:
+    """Each prompt as one streaming completion (greedy, EOS ignored), `concurrency` in flight:
+    output tokens, request and token rates, time to first token and inter-token latency."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
-    prompts = make_prompts(4 * concurrency, seed=concurrency)
     gate = asyncio.Semaphore(concurrency)
     ttfts, itls, tokens = [], [], []
 
@@ -78,8 +81,8 @@ async def run_level(base_url: str, concurrency: int, output_len: int) -> dict:
     wall = time.perf_counter() - start
     await client.close()
     return {
-        "concurrency": concurrency,
         "requests": len(prompts),
+        "tokens": sum(tokens),
         "req_per_s": len(prompts) / wall,
         "tok_per_s": sum(tokens) / wall,
         "ttft_p50": percentile(ttfts, 0.5),
@@ -87,6 +90,12 @@ async def run_level(base_url: str, concurrency: int, output_len: int) -> dict:
         "itl_p50": percentile(itls, 0.5),
         "itl_p99": percentile(itls, 0.99),
     }
+
+
+async def run_level(base_url: str, concurrency: int, output_len: int) -> dict:
+    prompts = make_prompts(4 * concurrency, seed=concurrency)
+    load = await run_load(base_url, prompts, concurrency, output_len)
+    return {"concurrency": concurrency, **load}
 
 
 def offline(concurrency: int, output_len: int, max_num_seqs: int | None) -> float:
