@@ -9,7 +9,8 @@ image cached and 24.2 with it rebuilt (docs/testing.md).
 
 The other tiers' output comes as they run; the cluster tier's is kept in a file and printed after
 them (it says where while it runs). The exit status is the other tiers' when they failed, else the
-cluster tier's. Extra arguments (paths, -k, -x ...) go to both pytest processes; one that they
+cluster tier's (130 after a Ctrl-C or SIGTERM, once both have stopped and torn their fixtures
+down). Extra arguments (paths, -k, -x ...) go to both pytest processes; one that they
 leave without a test (pytest's exit status 5) does not fail the run unless both are. `pytest`
 alone still runs every tier in one process.
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_TESTS = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
+INTERRUPTED = 130  # a shell's status for a command a SIGINT ended
 
 
 def _pytest(marker: str, extra: list[str], **kwargs) -> subprocess.Popen:
@@ -31,27 +33,47 @@ def _pytest(marker: str, extra: list[str], **kwargs) -> subprocess.Popen:
     return subprocess.Popen(argv, cwd=ROOT, **kwargs)
 
 
+def _interrupt(process: subprocess.Popen) -> None:
+    """pytest stops at SIGINT and still tears its fixtures down (the test bed's hosts); a second
+    one during the teardown would cut it short."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+
+
 def main(extra: list[str]) -> int:
     with tempfile.NamedTemporaryFile("w+", prefix="llmctl-cluster-tier-", suffix=".log") as log:
-        cluster = _pytest("cluster", extra, stdout=log, stderr=subprocess.STDOUT)
+        # Its own process group: a Ctrl-C in the terminal reaches it once, from us (below). The
+        # other tiers stay in the terminal's group and get a Ctrl-C as plain pytest would.
+        cluster = _pytest("cluster", extra, stdout=log, stderr=subprocess.STDOUT, process_group=0)
         print(f"The cluster tier runs beside the others; its output: {log.name}", flush=True)
+        others = _pytest("not cluster", extra)
+
+        def stop(signum, frame):  # SIGTERM (a CI job's timeout): both stop as at a Ctrl-C
+            _interrupt(others)
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, stop)
+        interrupted = False
         try:
-            others = _pytest("not cluster", extra).wait()
+            others.wait()
             if cluster.poll() is None:
                 print(f"\nWaiting for the cluster tier ({log.name}) ...", flush=True)
-            code = cluster.wait()
-        except KeyboardInterrupt:
-            # pytest stops at SIGINT and still tears its fixtures down (the test bed's hosts).
-            cluster.send_signal(signal.SIGINT)
             cluster.wait()
-            raise
+        except KeyboardInterrupt:
+            interrupted = True
+            _interrupt(cluster)
+            others.wait()
+            cluster.wait()
         log.seek(0)
         print("\n=============== the cluster tier (tests/e2e/cluster) ===============", flush=True)
         sys.stdout.write(log.read())
         sys.stdout.flush()
-    if NO_TESTS in (others, code) and (others, code) != (NO_TESTS, NO_TESTS):
-        others, code = (0 if c == NO_TESTS else c for c in (others, code))
-    return others or code
+    if interrupted:
+        return INTERRUPTED
+    codes = (others.returncode, cluster.returncode)
+    if NO_TESTS in codes and codes != (NO_TESTS, NO_TESTS):
+        codes = tuple(0 if c == NO_TESTS else c for c in codes)
+    return codes[0] or codes[1]
 
 
 if __name__ == "__main__":
