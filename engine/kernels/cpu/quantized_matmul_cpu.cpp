@@ -14,13 +14,14 @@
 // Decode (small M): each thread owns a range of output rows and reads each weight byte once,
 // dequantizing it in registers for all M activation rows. The zero term is
 // sum_g zeros[n, g] * xsum[m, g], with xsum the per-group sums of x computed once. Widening the
-// 4-bit weights to float, not reading them, bounds a single row: on AVX2 a sequence decoded alone
+// 4-bit weights to float, not reading them, bounds a single row: a sequence decoded alone
 // (M = 1) takes 4 int4 weight rows a pass (independent FMA chains, each load of x shared, a
 // software prefetch per row since side-by-side rows defeat the hardware's stream detection;
 // int8 rows, bound by reading them, go one at a time), and each 8-byte half of a 32-weight
 // chunk is widened to 32-bit lanes once, its low and high nibbles then an AND and a shift apart
 // (two shuffles per chunk where there were six). A row's sum takes the same operations in the
-// same order on every path, so its bits do not depend on the batch or the thread split.
+// same order on every path, so its bits do not depend on the batch or the thread split: the
+// int4 loops are written once over "lanes" per instruction set (below, before rows_int4_m1).
 // Larger M (prefill) goes through `tiled_group_mm`: tiles of W expanded to float32 and multiplied
 // with torch's GEMM, the dequantization amortised over the M rows.
 //
