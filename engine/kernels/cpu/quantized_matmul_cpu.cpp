@@ -508,15 +508,15 @@ at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes
   // thread, where waking the others would cost more than it saves (much more on a busy machine).
   const int64_t grain = std::max<int64_t>(1, (128 * 1024) / std::max<int64_t>(1, row_bytes));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    // x: float32 rows, or bfloat16's own words for rows that take them (RowFn::kBf16Dot)
-    auto columns = [&](const auto* x) {
+    // xs: x's float32 rows, or bfloat16 x's own words for rows that take them (RowFn::kBf16Dot)
+    auto columns = [&](const auto* xs) {
       float out[kMaxRows];
       int64_t n = begin;
       if constexpr (RowFn::kBlocks) {
         if (M == 1) {  // decode: kBlockRows weight rows a pass, same bits per row
           for (; n < end; n += kBlockRows) {
             const int64_t rows = std::min<int64_t>(kBlockRows, end - n);
-            with_rows(rows, [&](auto nr) { row.template block<decltype(nr)::value>(n, x, out); });
+            with_rows(rows, [&](auto nr) { row.template block<decltype(nr)::value>(n, xs, out); });
             for (int64_t r = 0; r < rows; ++r)
               yp[n + r] = has_zeros ? out[r] + dot(zp + (n + r) * G, sp, G) : out[r];
           }
@@ -526,7 +526,7 @@ at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes
         for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
           const int64_t rows = std::min<int64_t>(kMaxRows, M - m0);
           with_rows(rows, [&](auto r) {
-            row.template call<decltype(r)::value>(n, x + m0 * K, K, out);
+            row.template call<decltype(r)::value>(n, xs + m0 * K, K, out);
           });
           for (int64_t r = 0; r < rows; ++r) {
             float v = out[r];
