@@ -43,6 +43,16 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     PREPARATION.close()
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    """What the image's preparation did and how long each step took (the builds, the save, the
+    loads), in the summary: with the other tiers beside it, it decides when this tier starts."""
+    result = PREPARATION.result
+    if result is not None and result["log"]:
+        terminalreporter.section("the test bed's image")
+        for line in result["log"]:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture(scope="session")
 def testbed() -> Testbed:
     """The started bed (skipped without root); stopped when the session ends."""
