@@ -3,9 +3,8 @@ processes.
 
 The cluster tier (tests/e2e/cluster, marked `cluster`) spends most of its time waiting: on sshd,
 on Docker daemons, on containers and the servers inside them, in network namespaces of its own.
-The other tiers, run alone, kept 1.1 of this machine's 2 cores busy. Run one after the other they
-took 28.4 minutes from a fresh clone on the Zen 4 kind; side by side, 20.8 to 23.8 with the cluster
-image cached and 24.2 with it rebuilt (docs/testing.md).
+Run one after the other, the tiers kept about one of this machine's 2 cores busy; side by side
+each fills the other's idle time (the times of both ways: docs/testing.md).
 
 The other tiers' output comes as they run; the cluster tier's is kept in a file and printed after
 them (it says where while it runs). The exit status is the other tiers' when they failed, else the
