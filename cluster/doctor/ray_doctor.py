@@ -11,7 +11,6 @@ end, however the check ends. Ray is imported only inside run_on_ray.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +18,7 @@ from llmctl.cluster.doctor.collective_check import check_config, run_check, star
 from llmctl.cluster.doctor.collective_report import CollectiveReport
 from llmctl.cluster.doctor.node_facts import NodeReport, collect_local_report, distinct_names
 from llmctl.cluster.errors import RayClusterError
+from llmctl.engine.distributed.ray_address import check_reachable, find_ray_address
 from llmctl.engine.errors import ConfigError, WorkerTimeoutError
 
 # Starting an actor imports torch: seconds in a new container, before any timed step.
@@ -141,19 +141,31 @@ def _no_answer(timeout_s: float) -> RayClusterError:
     )
 
 
+_JOIN_HINT = (
+    "run this on a node of the cluster (llmctl cluster up starts one), "
+    "or set RAY_ADDRESS=HEAD_IP:6379"
+)
+
+
 def _connect(ray) -> bool:
     """Join the cluster; True when this call connected (and so disconnects at the end)."""
     if ray.is_initialized():
         return False
-    address = os.environ.get("RAY_ADDRESS") or "auto"
-    try:
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
-    except ConnectionError as exc:
+    found = find_ray_address()
+    if found is None:
         raise RayClusterError(
-            f"no Ray cluster reachable at {address} ({exc})",
-            "run this on a node of the cluster (llmctl cluster up starts one), or set "
-            "RAY_ADDRESS=HEAD_IP:6379",
-        ) from None
+            "no Ray cluster here: RAY_ADDRESS is not set and no `ray start` ran on this machine",
+            _JOIN_HINT,
+        )
+    try:
+        check_reachable(found)
+    except ConfigError as exc:
+        raise RayClusterError(exc.message, exc.hint) from None
+    try:
+        ray.init(address=found.address, logging_level=logging.WARNING, log_to_driver=False)
+    except ConnectionError as exc:
+        message = f"no Ray cluster reachable at {found.address} ({exc})"
+        raise RayClusterError(message, _JOIN_HINT) from None
     return True
 
 

@@ -33,6 +33,7 @@ from llmctl.engine.config.hf_config_view import for_workers
 from llmctl.engine.core.stall_monitor import StalledRanks
 from llmctl.engine.distributed import ranks
 from llmctl.engine.distributed.ports import free_port
+from llmctl.engine.distributed.ray_address import check_reachable, find_ray_address
 from llmctl.engine.errors import ConfigError, LLMCtlError, WorkerError, WorkerTimeoutError
 from llmctl.engine.executor.base import Executor, run_method
 
@@ -387,19 +388,16 @@ _SESSION = _RaySession()
 
 
 def _connect_or_start_ray(ranks: int) -> None:
-    """Join the cluster named by RAY_ADDRESS (or a local `ray start` cluster); else start a
-    private local instance with a CPU for each of the `ranks` (at least the machine's cores)."""
+    """Join the cluster RAY_ADDRESS names, or the one `ray start` recorded on this machine (as
+    `ray.init()` does; never a raylet merely seen in the process table); else start a private
+    local instance with a CPU for each of the `ranks` (at least the machine's cores)."""
     import ray
 
-    address = os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, logging_level=logging.WARNING)
+    found = find_ray_address()
+    if found is not None:
+        check_reachable(found)
+        ray.init(address=found.address, logging_level=logging.WARNING)
         return
-    try:
-        ray.init(address="auto", logging_level=logging.WARNING)
-        return
-    except ConnectionError:
-        pass
     cores = len(os.sched_getaffinity(0))
     ray.init(
         num_cpus=max(cores, ranks),

@@ -84,3 +84,32 @@ def test_cli_nccl_out_of_time_names_the_ranks_and_the_timeout(doctor):
     assert "not started" in result.stdout
     assert "error: the gloo all-reduce check timed out after 0.1 s: all ranks 0, 1" in result.stderr
     assert "raise --timeout" in result.stderr
+
+
+def test_cli_ray_check_without_a_cluster_here_says_how_to_name_one(doctor, tmp_path):
+    # No RAY_ADDRESS, no `ray start` record: the check joins nothing (not a raylet merely seen
+    # in the process table, such as a container's), and says so at once.
+    env = {"RAY_TMPDIR": str(tmp_path), "RAY_ADDRESS": None}
+    result = doctor("nccl", "--ray", "--backend", "gloo", env=env)
+    assert result.exit_code == 1
+    assert (
+        "error: no Ray cluster here: RAY_ADDRESS is not set and no `ray start` ran on this "
+        "machine" in result.stderr
+    )
+    assert "set RAY_ADDRESS=HEAD_IP:6379" in result.stderr
+
+
+def test_cli_ray_check_names_a_stale_ray_start_record(doctor, tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{port}\n")
+    env = {"RAY_TMPDIR": str(tmp_path), "RAY_ADDRESS": None}
+    result = doctor("nccl", "--ray", "--backend", "gloo", "--json", env=env)
+    assert result.exit_code == 1
+    payload = json.loads(result.stdout)
+    assert payload["error"].startswith(f"no Ray cluster answers at 127.0.0.1:{port}")
+    assert "that cluster is gone" in payload["hint"]

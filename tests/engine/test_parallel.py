@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -97,10 +100,103 @@ def test_pipelining_off_gives_the_same_tokens(tiny_models, expected):
     assert run(path, 1, 2, max_concurrent_batches=1) == expected("llama")
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-def test_ray_backend_matches_transformers(tp, pp, tiny_models, expected):
+def test_ray_backend_pipeline_matches_transformers(tiny_models, expected):
+    pytest.importorskip("ray")  # tp=2 on Ray: the test below
+    assert run(tiny_models.path("llama"), 1, 2, backend="ray") == expected("llama")
+
+
+@contextlib.contextmanager
+def ray_started_elsewhere(argv: list[str], ray_tmpdir: str, ready):
+    """A Ray someone else started on this machine, in its own session; every process of it is
+    gone afterwards (killed: a `ray start` head's own exit waits 30 s for its dead GCS).
+    `ready(process)` returns its GCS address once it serves, else None."""
+    process = subprocess.Popen(
+        argv,
+        env={**os.environ, "RAY_TMPDIR": ray_tmpdir},
+        start_new_session=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        address = None
+        while address is None:
+            assert process.poll() is None, f"{argv[:3]} exited with {process.returncode}"
+            address = ready(process)
+        yield address
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while live_pids(session=process.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not live_pids(session=process.pid)
+
+
+BYSTANDER = """import ray, sys
+ray.init(num_cpus=1, include_dashboard=False)
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_ray_backend_joins_only_the_cluster_ray_start_recorded(tiny_models, expected, monkeypatch):
+    """A private Ray of someone else's (a raylet in the process table, as a container's is) is
+    never joined: the engine starts its own. A `ray start` cluster (its address in Ray's temp
+    directory) is joined, as `ray.init()` does."""
+    ray = pytest.importorskip("ray")
+    path = str(tiny_models.path("llama"))
+    ours, theirs = (tempfile.mkdtemp(prefix="lr", dir="/tmp") for _ in range(2))  # short: sockets
+    monkeypatch.setenv("RAY_TMPDIR", ours)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    recorded = os.path.join(ours, "ray", "ray_current_cluster")
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    head = [ray_cli, "start", "--head", "--block", "--port=0", "--num-cpus=2",
+            "--include-dashboard=false", "--disable-usage-stats"]  # fmt: skip
+
+    def printed_address(process) -> str:
+        return process.stdout.readline().strip()
+
+    def recorded_address(process) -> str | None:
+        if os.path.exists(recorded):
+            return open(recorded).read().strip() or None
+        time.sleep(0.2)
+        return None
+
+    def address_joined() -> str:
+        options = dict(tensor_parallel_size=2, distributed_executor_backend="ray")
+        with LLM(path, use_tqdm_on_load=False, dtype="float32", kv_cache_space_gib=0.05,
+                 **options) as llm:  # fmt: skip
+            address = ray.get_runtime_context().gcs_address
+            outputs = llm.generate(prompts(), GREEDY_32, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected("llama")
+        return address
+
+    try:
+        bystander = [sys.executable, "-c", BYSTANDER]
+        with ray_started_elsewhere(bystander, theirs, printed_address) as other:
+            assert address_joined() != other
+            assert not os.path.exists(recorded)  # a private Ray records nothing
+            with ray_started_elsewhere(head, ours, recorded_address) as started:
+                assert address_joined() == started
+    finally:
+        for directory in (ours, theirs):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_ray_address_nobody_answers_at_fails_at_once(tiny_models, monkeypatch):
     pytest.importorskip("ray")
-    assert run(tiny_models.path("llama"), tp, pp, backend="ray") == expected("llama")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    before = child_pids()
+    with pytest.raises(ConfigError, match=f"no Ray cluster answers at 127.0.0.1:{port}, the "
+                       "address RAY_ADDRESS names") as caught:  # fmt: skip
+        LLM(str(tiny_models.path("llama")), use_tqdm_on_load=False, kv_cache_space_gib=0.05,
+            tensor_parallel_size=2, distributed_executor_backend="ray")  # fmt: skip
+    assert "unset RAY_ADDRESS" in caught.value.hint
+    assert child_pids() <= before
 
 
 def test_per_rank_weights_shrink_with_tp(tiny_models):
