@@ -200,6 +200,6 @@ def test_every_flag_the_engine_names_exists(invoke):
         named |= set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9]", path.read_text()))
     accepted = set()
     commands = [["generate"], ["serve"], ["plan"], ["bench", "throughput"], ["bench", "latency"]]
-    for args in ([], *commands, ["bench", "serve"]):
+    for args in ([], *commands, ["bench", "serve"], ["cluster", "up"]):
         accepted |= _flags(invoke(*args, "--help", env=WIDE).stdout)
     assert named - _NOT_LLMCTL <= accepted, sorted(named - _NOT_LLMCTL - accepted)
