@@ -142,8 +142,8 @@ def _no_answer(timeout_s: float) -> RayClusterError:
 
 
 _JOIN_HINT = (
-    "run this on a node of the cluster (llmctl cluster up starts one), "
-    "or set RAY_ADDRESS=HEAD_IP:6379"
+    "run it where the cluster's `ray start` ran: inside a node's container (`llmctl doctor -i "
+    "cluster.yaml` does that from your machine), or set RAY_ADDRESS=HEAD_IP:6379"
 )
 
 
