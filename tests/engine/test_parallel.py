@@ -119,9 +119,10 @@ def ray_started_elsewhere(argv: list[str], ray_tmpdir: str, ready):
         text=True,
     )
     try:
-        address = None
+        address, deadline = None, time.monotonic() + 300  # a bound, to fail instead of hanging
         while address is None:
             assert process.poll() is None, f"{argv[:3]} exited with {process.returncode}"
+            assert time.monotonic() < deadline, f"{argv[:3]} did not serve within 300 s"
             address = ready(process)
         yield address
     finally:
@@ -155,7 +156,9 @@ def test_ray_backend_joins_only_the_cluster_ray_start_recorded(tiny_models, expe
             "--include-dashboard=false", "--disable-usage-stats"]  # fmt: skip
 
     def printed_address(process) -> str:
-        return process.stdout.readline().strip()
+        address = process.stdout.readline().strip()  # "" once it has exited
+        assert address, f"the other Ray exited with {process.wait(timeout=60)} before serving"
+        return address
 
     def recorded_address(process) -> str | None:
         if os.path.exists(recorded):
