@@ -150,7 +150,9 @@ def verify_mp(
             listed = ", ".join(f"{host} {value}" for host, value in seen.items())
             raise ClusterError(
                 f"the nodes' containers run different {name} versions: {listed}",
-                "load the same image on every node (cluster up --image-file FILE)",
+                "give every node the same image: `--image-file` loads a file only where its tag "
+                "is missing, so load it under a new tag (cluster up --image NEW_TAG --image-file "
+                "FILE), or build it on each node (llmctl image build)",
             )
     return versions
 

@@ -323,6 +323,7 @@ def test_mp_backend_up_refuses_nodes_that_differ_or_lack_llmctl():
     with pytest.raises(ClusterError) as info:
         up(fakes, backend="mp")
     assert "different llmctl versions: n1 0.1.0, n2 0.1.0, n3 0.0.9" in info.value.message
+    assert "cluster up --image NEW_TAG --image-file FILE" in info.value.hint
     assert "containers started by this run: n1, n2, n3" in info.value.hint
     fakes = mp_nodes()
     fakes["n2"].reply(rf"^docker exec {CONTAINER} python3 -c ", (1, "", "python3: not found"))
