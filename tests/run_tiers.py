@@ -29,7 +29,14 @@ INTERRUPTED = 130  # a shell's status for a command a SIGINT ended
 
 def _pytest(marker: str, extra: list[str], **kwargs) -> subprocess.Popen:
     argv = [sys.executable, "-m", "pytest", "-q", "-m", marker, *extra]
-    return subprocess.Popen(argv, cwd=ROOT, **kwargs)
+    return subprocess.Popen(argv, cwd=ROOT, preexec_fn=_sigint_default, **kwargs)
+
+
+def _sigint_default() -> None:
+    """A suite started in the background (`make test &`, nohup, a CI job) inherits SIGINT
+    ignored, and a Python started so installs no KeyboardInterrupt handler: the SIGINT that
+    stops pytest below would be lost, and the run would go on to its end."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _interrupt(process: subprocess.Popen) -> None:
