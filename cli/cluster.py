@@ -62,7 +62,10 @@ def up(
     ] = None,
     image_file: Annotated[
         str | None,
-        typer.Option(help="A `docker save` file, loaded on the nodes that lack the image."),
+        typer.Option(
+            help="A `docker save` file, loaded on the nodes that lack the image (each is sent "
+            "only the layers it does not hold)."
+        ),
     ] = None,
     sync_model: Annotated[
         bool, typer.Option("--sync-model", help="Copy the model to the nodes that lack it.")

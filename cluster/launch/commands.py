@@ -63,6 +63,15 @@ def docker_load_argv(path: str) -> list[str]:
     return ["docker", "load", "--input", path]
 
 
+def image_ids_argv() -> list[str]:
+    return ["docker", "image", "ls", "--quiet", "--no-trunc"]
+
+
+def image_layers_argv(ids: list[str]) -> list[str]:
+    """One line per image: its layers' diff ids as JSON, lowest first."""
+    return ["docker", "image", "inspect", "--format", "{{json .RootFS.Layers}}", *ids]
+
+
 def docker_inspect_argv(container: str) -> list[str]:
     return ["docker", "container", "inspect", container]
 

@@ -38,6 +38,7 @@ from llmctl.cluster.inventory import Inventory, NodeSpec
 from llmctl.cluster.launch import commands
 from llmctl.cluster.launch.group_server import GroupServer
 from llmctl.cluster.launch.head_server import HeadServer, api_key_source
+from llmctl.cluster.launch.image_file import read_image_file
 from llmctl.cluster.launch.invariants import model_copies, own_address
 from llmctl.cluster.launch.launch_report import DONE, NodeRow, Report, describe
 from llmctl.cluster.launch.node_launch import (
@@ -224,11 +225,12 @@ class Cluster:
                 )
                 probes[node.host].image_id = "(loaded from --image-file)"
             return
+        saved = read_image_file(path, image)
         self.log(f"loading {path} on {', '.join(n.host for n in lacking)}")
 
-        def load(node: NodeSpec) -> None:
+        def load(node: NodeSpec) -> str:
             transport = self.transports[node.host]
-            load_image_file(transport, path)
+            shipped = load_image_file(transport, saved)
             found = transport.run(commands.image_id_argv(image))
             if not found.ok:
                 raise ImageMissingError(
@@ -236,9 +238,11 @@ class Cluster:
                     f"make the file with docker save {image} -o FILE",
                 )
             probes[node.host].image_id = found.stdout.strip()
+            return shipped
 
-        self._parallel(load, lacking)
-        report.notes.append(f"loaded {os.path.basename(path)} on {len(lacking)} node(s)")
+        shipped = self._parallel(load, lacking)
+        each = "; ".join(f"{host}: {what}" for host, what in shipped.items())
+        report.notes.append(f"loaded {os.path.basename(path)} on {len(lacking)} node(s) ({each})")
 
     def _sync_model(self, probes: dict[str, NodeProbe], sync_model: bool, report: Report) -> None:
         model = self.inventory.model

@@ -282,10 +282,11 @@ class TestFaults:
 
 
 def test_image_file_and_sync_model_fill_a_bare_node(cli_env, testbed, cluster_hosts, tmp_path):
-    """A node without the image and the model: --image-file uploads and loads one, --sync-model
-    copies the other from the head, and the cluster comes up. The node's daemon keeps the
-    image's layers under another name: the launcher uploads and loads the file all the same,
-    and `docker load` finds the layers there instead of writing 1.7 GB again."""
+    """A node without the image and the model: --image-file loads one, --sync-model copies the
+    other from the head, and the cluster comes up. The node's daemon keeps the image's layers
+    under another name (as after an upgrade, when only llmctl's layer changed): the launcher
+    uploads the file's manifest and config without the 3 GB of layers, and `docker load` finds
+    them there."""
     bare = cluster_hosts[2]
     saved = testbed.image_file(IMAGE)
     bare.docker(["tag", IMAGE, "llmctl:e2e-kept"])
@@ -298,7 +299,8 @@ def test_image_file_and_sync_model_fill_a_bare_node(cli_env, testbed, cluster_ho
     try:
         out = llmctl(cli_env, "cluster", "up", "-i", str(inventory), "--image-file", str(saved),
                      "--sync-model").stdout  # fmt: skip
-        assert "loaded" in out and "copied the model" in out, out
+        assert f"{bare.ip}: the manifest only" in out and "copied the model" in out, out
+        assert "the node held all 5 layers" in out, out
         assert "3 Ray nodes, 3 GPUs" in out
         assert (model / "config.json").read_text() == (
             cluster_hosts[0].srv_dir / "models" / "tiny" / "config.json"

@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tarfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from testbed_os import CommandError, TestbedError, run
+
+from llmctl.cluster.launch.image_file import layers_held, read_image_file, write_thin
 
 LLMCTL = Path(sys.executable).parent / "llmctl"
 
@@ -87,41 +88,25 @@ def layers(ref: str, docker_host: str | None = None) -> list[str]:
     return json.loads(run(argv, timeout=60).stdout)
 
 
-def layers_held(docker_host: str, wanted: list[str]) -> int:
-    """How many of `wanted`'s lowest layers the daemon already has: the longest prefix of them
-    that one of its images starts with (a layer is stored by its chain: itself and all below)."""
+def images_layers(docker_host: str) -> list[list[str]]:
+    """The layer lists of every image the daemon holds."""
     listed = run(["docker", "-H", docker_host, "image", "ls", "-q", "--no-trunc"], timeout=60)
     ids = sorted(set(listed.stdout.split()))
     if not ids:
-        return 0
+        return []
     argv = ["docker", "-H", docker_host, "image", "inspect", "--format", "{{json .RootFS.Layers}}"]
-    held = 0
-    for line in run([*argv, *ids], timeout=60).stdout.splitlines():
-        theirs = json.loads(line) or []
-        same = 0
-        while same < min(len(theirs), len(wanted)) and theirs[same] == wanted[same]:
-            same += 1
-        held = max(held, same)
-    return held
+    return [json.loads(line) or [] for line in run([*argv, *ids], timeout=60).stdout.splitlines()]
 
 
-def thin_file(tar: Path, skip: int) -> Path:
-    """`tar` without the files of its `skip` lowest layers (next to it, made once): for a daemon
-    that has those layers. The manifest still names them; `docker load` finds them stored."""
+def thin_file(tar: Path, tag: str, skip: int) -> Path:
+    """`tar` without its `skip` lowest layers (next to it, made once), by the code `cluster up
+    --image-file` sends nodes with (cluster/launch/image_file.py)."""
     if skip == 0:
         return tar
     thin = tar.with_name(f"{tar.stem}.from-{skip}.tar")
-    if thin.exists():
-        return thin
-    partial = thin.with_suffix(".partial")
-    with tarfile.open(tar) as full:
-        (manifest,) = json.load(full.extractfile("manifest.json"))
-        dropped = {path.split("/", 1)[0] for path in manifest["Layers"][:skip]}
-        with tarfile.open(partial, "w", format=tarfile.PAX_FORMAT) as out:
-            for member in full.getmembers():
-                if member.name.split("/", 1)[0] not in dropped:
-                    out.addfile(member, full.extractfile(member) if member.isfile() else None)
-    partial.replace(thin)
+    if not thin.exists():
+        partial = write_thin(read_image_file(str(tar), tag), skip, thin.with_suffix(".partial"))
+        partial.replace(thin)
     return thin
 
 
@@ -136,13 +121,13 @@ def load(root: Path, tag: str, docker_hosts: Sequence[str], log: Callable[[str],
         return
     tar = image_file(root, tag, log)
     stack = layers(tag)
-    held = {h: layers_held(h, stack) for h in missing}
+    held = {h: layers_held(tuple(stack), images_layers(h)) for h in missing}
     for count in set(held.values()):  # hosts that hold the same layers share one file
-        thin_file(tar, count)
+        thin_file(tar, tag, count)
 
     def load_one(docker_host: str) -> str:
         start = time.monotonic()
-        part = thin_file(tar, held[docker_host])
+        part = thin_file(tar, tag, held[docker_host])
         shipped = f"{len(stack) - held[docker_host]} of {len(stack)} layers"
         try:
             run(["docker", "-H", docker_host, "load", "-i", part], timeout=1800)
