@@ -226,7 +226,8 @@ class Cluster:
                 probes[node.host].image_id = "(loaded from --image-file)"
             return
         saved = read_image_file(path, image)
-        self.log(f"loading {path} on {', '.join(n.host for n in lacking)}")
+        short_id = saved.image_id.removeprefix("sha256:")[:12]
+        self.log(f"loading {path} (image {short_id}) on {', '.join(n.host for n in lacking)}")
 
         def load(node: NodeSpec) -> str:
             transport = self.transports[node.host]
@@ -240,8 +241,8 @@ class Cluster:
             probes[node.host].image_id = found.stdout.strip()
             return shipped
 
-        shipped = self._parallel(load, lacking)
-        each = "; ".join(f"{host}: {what}" for host, what in shipped.items())
+        sent = self._parallel(load, lacking)
+        each = "; ".join(f"{host}: {what}" for host, what in sent.items())
         report.notes.append(f"loaded {os.path.basename(path)} on {len(lacking)} node(s) ({each})")
 
     def _sync_model(self, probes: dict[str, NodeProbe], sync_model: bool, report: Report) -> None:
