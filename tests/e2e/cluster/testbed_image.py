@@ -26,7 +26,7 @@ from pathlib import Path
 
 from testbed_os import CommandError, TestbedError, run
 
-from llmctl.cluster.launch.image_file import layers_held, read_image_file, write_thin
+from llmctl.cluster.launch.image_file import ImageFile, layers_held, read_image_file, write_thin
 
 LLMCTL = Path(sys.executable).parent / "llmctl"
 
@@ -81,13 +81,6 @@ def image_file(root: Path, tag: str, log: Callable[[str], None] = print) -> Path
     return tar
 
 
-def layers(ref: str, docker_host: str | None = None) -> list[str]:
-    """The image's layers (diff ids), lowest first."""
-    daemon = ["-H", docker_host] if docker_host else []
-    argv = ["docker", *daemon, "image", "inspect", "--format", "{{json .RootFS.Layers}}", ref]
-    return json.loads(run(argv, timeout=60).stdout)
-
-
 def images_layers(docker_host: str) -> list[list[str]]:
     """The layer lists of every image the daemon holds."""
     listed = run(["docker", "-H", docker_host, "image", "ls", "-q", "--no-trunc"], timeout=60)
@@ -98,15 +91,15 @@ def images_layers(docker_host: str) -> list[list[str]]:
     return [json.loads(line) or [] for line in run([*argv, *ids], timeout=60).stdout.splitlines()]
 
 
-def thin_file(tar: Path, tag: str, skip: int) -> Path:
-    """`tar` without its `skip` lowest layers (next to it, made once), by the code `cluster up
-    --image-file` sends nodes with (cluster/launch/image_file.py)."""
+def thin_file(saved: ImageFile, skip: int) -> Path:
+    """The saved tar without its `skip` lowest layers (next to it, made once), by the code
+    `cluster up --image-file` sends nodes with (cluster/launch/image_file.py)."""
+    tar = Path(saved.path)
     if skip == 0:
         return tar
     thin = tar.with_name(f"{tar.stem}.from-{skip}.tar")
     if not thin.exists():
-        partial = write_thin(read_image_file(str(tar), tag), skip, thin.with_suffix(".partial"))
-        partial.replace(thin)
+        write_thin(saved, skip, thin.with_suffix(".partial")).replace(thin)
     return thin
 
 
@@ -120,14 +113,15 @@ def load(root: Path, tag: str, docker_hosts: Sequence[str], log: Callable[[str],
         log(f"testbed: {tag} already on every host ({time.monotonic() - t0:.1f} s)")
         return
     tar = image_file(root, tag, log)
-    stack = layers(tag)
-    held = {h: layers_held(tuple(stack), images_layers(h)) for h in missing}
+    saved = read_image_file(str(tar), tag)
+    stack = saved.layers
+    held = {h: layers_held(stack, images_layers(h)) for h in missing}
     for count in set(held.values()):  # hosts that hold the same layers share one file
-        thin_file(tar, tag, count)
+        thin_file(saved, count)
 
     def load_one(docker_host: str) -> str:
         start = time.monotonic()
-        part = thin_file(tar, tag, held[docker_host])
+        part = thin_file(saved, held[docker_host])
         shipped = f"{len(stack) - held[docker_host]} of {len(stack)} layers"
         try:
             run(["docker", "-H", docker_host, "load", "-i", part], timeout=1800)
