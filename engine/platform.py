@@ -85,11 +85,15 @@ class CpuPath:
     with FMA; baseline: neither. On the first two the activations are bfloat16 (dtype "auto",
     quantized weights included) and a quantized matmul of more than a few rows expands bfloat16
     tiles of its weight for oneDNN's bfloat16 GEMM kernel (AMX or AVX512-BF16); on the others
-    activations are float32 and the tiles float32, for torch's float32 GEMM.
+    activations are float32 and the tiles float32, for torch's float32 GEMM. On avx512_bf16
+    with AVX512-VNNI (Zen 4) prefill batches of quantized weights run on int8 activations
+    (`int8_prefill`, kernels/cpu/int8_gemm.cpp; LLMCTL_CPU_INT8_PREFILL=0 turns it off).
     """
 
     name: str
     bf16_tiles: bool  # batched quantized matmuls through bfloat16 tiles
+    # prefill batches of quantized weights on int8 activations and AVX512-VNNI (int8_gemm.cpp)
+    int8_prefill: bool = False
 
     @property
     def activation_dtype(self) -> str:
@@ -98,10 +102,16 @@ class CpuPath:
     def describe(self) -> str:
         tiles = "bfloat16" if self.bf16_tiles else "float32"
         gemm = {"amx": "AMX", "avx512_bf16": "AVX512-BF16"}.get(self.name, "float32")
+        prefill = (
+            "; prefill batches of quantized weights on int8 activations (AVX512-VNNI, "
+            "LLMCTL_CPU_INT8_PREFILL=0 for bfloat16)"
+            if self.int8_prefill
+            else ""
+        )
         return (
             f"CPU path {self.name}: {self.activation_dtype} activations by default; batched "
-            f"quantized matmuls expand {tiles} weight tiles for the {gemm} GEMM; int4 decode "
-            f"in {self.int4_decode}"
+            f"quantized matmuls expand {tiles} weight tiles for the {gemm} GEMM{prefill}; int4 "
+            f"decode in {self.int4_decode}"
         )
 
     @property
@@ -120,7 +130,8 @@ def cpu_path(flags: set[str] | None = None) -> CpuPath:
     if {"amx_bf16", "amx_tile"} <= flags:
         return CpuPath("amx", bf16_tiles=True)
     if "avx512_bf16" in flags:
-        return CpuPath("avx512_bf16", bf16_tiles=True)
+        int8 = {"avx512_vnni", "avx512bw"} <= flags and envs.LLMCTL_CPU_INT8_PREFILL
+        return CpuPath("avx512_bf16", bf16_tiles=True, int8_prefill=int8)
     if {"avx2", "fma"} <= flags:
         return CpuPath("avx2", bf16_tiles=False)
     return CpuPath("baseline", bf16_tiles=False)

@@ -1,14 +1,17 @@
-"""A quantized gated MLP (gate_up -> SiLU-and-mul -> down) in one pass on AMX tiles: the layer
-side of the quantized matmul extension's amx_gated_mlp (kernels/cpu/amx_gemm.cpp).
+"""A quantized gated MLP (gate_up -> SiLU-and-mul -> down) in one pass of our prefill GEMM: the
+layer side of the quantized matmul extension's amx_gated_mlp (kernels/cpu/amx_gemm.cpp) and
+int8_gated_mlp (kernels/cpu/int8_gemm.cpp).
 
-On the CPU's AMX path, from BF16_LARGE_BATCH rows of bfloat16 activations (prefill), a Llama-style
-MLP whose gate_up and down projections each hold one packed weight (GGUF or RTN int4/int8, no
-bias) runs as one kernel of the quantized matmul extension (amx_gemm.cpp): both weights
-expanded once a call into bfloat16 blocks laid out for AMX (vnni_blocks_bf16, ~0.3 ms a SmolLM2
-layer), then the gate/up GEMM, SiLU-and-mul and the down GEMM over panels of rows that stay in
-the core's cache. The gate/up output never reaches memory. Its values are the unfused layers'
-(each rounded where they round); sums of a few rows' shapes may round one ulp apart from
-oneDNN's, whose kernels for those shapes add in another order.
+From BF16_LARGE_BATCH rows of bfloat16 activations (prefill), on a CPU path with a prefill GEMM
+of our own (quantized_matmul.prefill_gemm: AMX tiles, or int8 activations on AVX512-VNNI), a
+Llama-style MLP whose gate_up and down projections each hold one packed weight (GGUF or RTN
+int4/int8, no bias) runs as one kernel: both weights laid out once a call for that GEMM (~0.3 ms
+a SmolLM2 layer in bfloat16 for AMX, ~1 ms in bytes for VPDPBUSD), then the gate/up GEMM,
+SiLU-and-mul and the down GEMM over panels of rows that stay in the core's cache. The gate/up
+output (50 MB for SmolLM2's 16 x 512-token step) never reaches memory. Its values are the
+unfused layers' on the same path (each rounded where they round); on AMX sums of a few rows'
+shapes may round one ulp apart from oneDNN's, whose kernels for those shapes add in another
+order.
 
 Anything else (other CPU paths, decode batches, float weights, biases, shapes that are not
 multiples of 32, an activation other than SiLU) gets None: the caller runs its layers.
@@ -23,17 +26,20 @@ import torch
 from llmctl.engine.kernels.cpu import quantized_matmul as qm
 
 
-def amx_gated_mlp(gate_up: torch.nn.Module, down: torch.nn.Module, x: torch.Tensor):
+def fused_gated_mlp(gate_up: torch.nn.Module, down: torch.nn.Module, x: torch.Tensor):
     """down(silu_and_mul(gate_up(x))) for x [tokens, H] in one kernel call, all-reduced like
     down's output where down is row-parallel; None where this path does not apply."""
-    gu, dn = amx_packed_weight(gate_up, x), amx_packed_weight(down, x)
+    gu, dn = prefill_packed_weight(gate_up, x), prefill_packed_weight(down, x)
     if gu is None or dn is None:
         return None
     hidden, inter = gu.in_features, gu.out_features // 2
     if (dn.in_features, dn.out_features) != (inter, hidden):  # inter: a multiple of 32 (down's K)
         return None
-    op = amx_op()
-    out = op.amx_gated_mlp(x.contiguous(), gu.vnni_blocks(op, inter), dn.vnni_blocks(op))
+    op, kind = prefill_op()
+    if dn.prefill_kind(op) != kind or gu.prefill_kind(op) != kind:
+        return None
+    mlp = getattr(op, f"{kind}_gated_mlp")
+    out = mlp(x.contiguous(), gu.prefill_blocks(op, kind, inter), dn.prefill_blocks(op, kind))
     if down.tp_size > 1 and down.reduce_results:
         from llmctl.engine.distributed.parallel_state import get_tp_group
 
@@ -41,17 +47,19 @@ def amx_gated_mlp(gate_up: torch.nn.Module, down: torch.nn.Module, x: torch.Tens
     return out
 
 
-def amx_packed_weight(layer: torch.nn.Module, x: torch.Tensor) -> qm.PackedLinearWeight | None:
-    """The layer's one packed weight where its GEMM on x runs on our AMX tile loop: bfloat16 rows
-    of x from BF16_LARGE_BATCH on the AMX path, N and K multiples of 32; else None."""
+def prefill_packed_weight(
+    layer: torch.nn.Module, x: torch.Tensor
+) -> qm.PackedLinearWeight | None:
+    """The layer's one packed weight where its GEMM on x runs on our prefill GEMM: bfloat16 rows
+    of x from BF16_LARGE_BATCH on a path that has one, a shape it takes; else None."""
     if not (x.is_cpu and x.dtype == torch.bfloat16 and x.dim() == 2):
         return None
     if x.shape[0] < qm.BF16_LARGE_BATCH:
         return None
     w = _packed(layer)
-    if w is None or w.out_features % 32 or w.in_features % 32 or amx_op() is None:
+    if w is None or prefill_op() is None:
         return None
-    return w
+    return w if w.prefill_kind(prefill_op()[0]) is not None else None
 
 
 def _packed(layer: torch.nn.Module) -> qm.PackedLinearWeight | None:
@@ -63,7 +71,11 @@ def _packed(layer: torch.nn.Module) -> qm.PackedLinearWeight | None:
     return part if type(part) is qm.PackedLinearWeight and part.qweight.is_cpu else None
 
 
-def amx_op() -> Any | None:
-    """The extension's ops where prefill GEMMs run on AMX tiles (quantized_matmul.amx_tiles)."""
+def prefill_op() -> tuple[Any, str] | None:
+    """The extension's ops and the prefill GEMM they run here ("amx" or "int8";
+    quantized_matmul.prefill_gemm), or None where prefill batches use torch's GEMM."""
     op = qm._kernel()
-    return op if op is not None and qm.amx_tiles(op) else None
+    if op is None:
+        return None
+    kind = qm.prefill_gemm(op)
+    return None if kind is None else (op, kind)

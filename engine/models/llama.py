@@ -21,7 +21,7 @@ from llmctl.engine.distributed.partition import PipelineShard, head_shards
 from llmctl.engine.layers.activation import SiluAndMul, gated_act_fn
 from llmctl.engine.layers.checkpoint_tensor import CheckpointTensor
 from llmctl.engine.layers.fused_moe import expert_param
-from llmctl.engine.layers.gated_mlp import amx_gated_mlp
+from llmctl.engine.layers.gated_mlp import fused_gated_mlp
 from llmctl.engine.layers.layernorm import RMSNorm
 from llmctl.engine.layers.linear import (
     MergedColumnParallelLinear,
@@ -58,8 +58,8 @@ class LlamaMLP(nn.Module):
         self._silu = act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._silu:  # quantized layers at prefill on AMX: one kernel (None elsewhere)
-            out = amx_gated_mlp(self.gate_up_proj, self.down_proj, x)
+        if self._silu:  # quantized layers at prefill (AMX or int8): one kernel (None elsewhere)
+            out = fused_gated_mlp(self.gate_up_proj, self.down_proj, x)
             if out is not None:
                 return out
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -121,7 +121,7 @@ class LlamaAttention(nn.Module):
         """The attention's output before O."""
         num_tokens = hidden_states.shape[0]
         rotated = None
-        if not self.qk_norm:  # quantized QKV at prefill on AMX: RoPE in the GEMM's pass
+        if not self.qk_norm:  # quantized QKV at prefill (AMX or int8): RoPE in the GEMM's pass
             rotated = linear_rope(
                 self.qkv_proj, self.rotary_emb, positions, hidden_states, self.q_size + self.kv_size
             )
@@ -162,7 +162,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         attn = self.self_attn
         out = attn.attend(positions, hidden_states)
-        # quantized O at prefill on AMX: the residual add and the norm in the GEMM's pass
+        # quantized O at prefill (AMX or int8): the residual add and the norm in the GEMM's pass
         normed = linear_add_rms_norm(attn.o_proj, self.post_attention_layernorm, out, residual)
         if normed is None:
             normed = self.post_attention_layernorm(attn.o_proj(out), residual)

@@ -6,7 +6,8 @@ dequantized, in that dtype. Prints one JSON object.
 The prompts reach each kernel of the path: a batch of 8 (a prefill of ~90 rows and decode steps
 of 8 rows: the batched matmul, bfloat16 tiles on the AMX and AVX512-BF16 paths), two together
 (decode steps of 2 rows: the decode kernels) and a 520-token prompt (a prefill of 512 rows or
-more: the matmul on weights expanded in chunks).
+more: the prefill GEMM, AMX tiles, int8 activations or weights expanded in chunks; the JSON's
+"prefill" says which).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import torch
 
 from llmctl.engine import LLM, SamplingParams
+from llmctl.engine.kernels.cpu import quantized_matmul
 from llmctl.engine.platform import cpu_path
 
 TEXT = [
@@ -61,7 +63,12 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     native = run(LLM(**COMMON))
     reference = run(LLM(gguf_dequantize=True, dtype=native["dtype"], **COMMON))
-    print(json.dumps({"path": cpu_path().name, "native": native, "reference": reference}))
+    prefill = quantized_matmul.prefill_gemm(quantized_matmul._kernel())
+    print(
+        json.dumps(
+            {"path": cpu_path().name, "prefill": prefill, "native": native, "reference": reference}
+        )
+    )
 
 
 if __name__ == "__main__":

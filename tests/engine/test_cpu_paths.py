@@ -10,6 +10,11 @@ bfloat16 logits carry 8 significant bits: at SmolLM2's top logits (below 64) one
 place is at most 0.25, and two paths whose sums round differently meet ties and one-ulp gaps
 there. In bfloat16 a first difference is accepted where the reference preferred its token by at
 most that much (MAX_GAP_BF16); in float32 by MAX_GAP, as everywhere else.
+
+Zen 4's default (avx512_bf16 with AVX512-VNNI) multiplies prefill batches' activations as int8,
+quantized per 32 values (kernels/cpu/int8_gemm.cpp): its tokens are held to the same bfloat16
+float path by the same rule, and the same path with LLMCTL_CPU_INT8_PREFILL=0 (bfloat16
+prefill) is run as its own case.
 """
 
 from __future__ import annotations
@@ -31,17 +36,32 @@ pytestmark = pytest.mark.slow
 MAX_GAP_BF16 = 0.25  # one bfloat16 ulp of a logit below 64
 HERE = Path(__file__).resolve().parent
 # path: (the flags it needs, the environment that selects it here, its dtype)
+AVX512_BF16 = {"LLMCTL_CPU_FLAGS_OFF": "amx*", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+# name: (the CPU path, the flags it needs, the environment that selects it here, its dtype, the
+# prefill GEMM it runs: quantized_matmul.prefill_gemm)
 PATHS = {
-    "amx": ({"amx_bf16", "amx_tile"}, {}, "bfloat16"),
-    "avx512_bf16": (
-        {"avx512_bf16"},
-        {"LLMCTL_CPU_FLAGS_OFF": "amx*", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+    "amx": ("amx", {"amx_bf16", "amx_tile"}, {}, "bfloat16", "amx"),
+    # Zen 4's default: prefill batches on int8 activations, held to the float path's tokens too
+    "avx512_bf16-int8": (
+        "avx512_bf16",
+        {"avx512_bf16", "avx512_vnni"},
+        AVX512_BF16,
         "bfloat16",
+        "int8",
+    ),
+    "avx512_bf16": (
+        "avx512_bf16",
+        {"avx512_bf16"},
+        {**AVX512_BF16, "LLMCTL_CPU_INT8_PREFILL": "0"},
+        "bfloat16",
+        None,
     ),
     "avx2": (
+        "avx2",
         {"avx2", "fma"},
         {"LLMCTL_CPU_FLAGS_OFF": "avx512*,amx*", "ONEDNN_MAX_CPU_ISA": "AVX2"},
         "float32",
+        None,
     ),
 }
 
@@ -78,7 +98,7 @@ def first_differences(native: list, reference: list) -> list[tuple[int, int, flo
 
 @pytest.mark.parametrize("name", list(PATHS))
 def test_quantized_weights_give_the_float_paths_tokens(name):
-    needs, env, dtype = PATHS[name]
+    path, needs, env, dtype, prefill = PATHS[name]
     missing = needs - cpu_flags()
     if missing:
         pytest.skip(f"this CPU lacks {', '.join(sorted(missing))}: the {name} path cannot run here")
@@ -93,7 +113,7 @@ def test_quantized_weights_give_the_float_paths_tokens(name):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     native, reference = result["native"], result["reference"]
-    assert result["path"] == name
+    assert (result["path"], result["prefill"]) == (path, prefill)
     assert (native["dtype"], reference["dtype"]) == (dtype, dtype)
     assert (native["quantization"], reference["quantization"]) == ("gguf", None)
     assert native["fused"] == reference["fused"] == "DecodeStack"  # both decoded in one C++ call

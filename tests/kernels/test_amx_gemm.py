@@ -150,7 +150,7 @@ def test_a_quantized_llama_mlp_runs_the_kernel_at_prefill(amx):
     mlp = quantized_mlp(96, 160)
     rows = kernels.BF16_LARGE_BATCH + 5
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(8)).bfloat16()
-    fused = gated_mlp.amx_gated_mlp(mlp.gate_up_proj, mlp.down_proj, x)
+    fused = gated_mlp.fused_gated_mlp(mlp.gate_up_proj, mlp.down_proj, x)
     assert fused is not None
     assert torch.equal(mlp(x), fused)
     # the layers' own output (oneDNN's GEMMs, which add in another order): the same values up
@@ -164,9 +164,9 @@ def test_a_quantized_llama_mlp_runs_the_kernel_at_prefill(amx):
 def test_decode_batches_and_float32_keep_the_layers(kernel):
     mlp = quantized_mlp(64, 64)
     small = torch.randn(kernels.BF16_LARGE_BATCH - 1, 64).bfloat16()
-    assert gated_mlp.amx_gated_mlp(mlp.gate_up_proj, mlp.down_proj, small) is None
+    assert gated_mlp.fused_gated_mlp(mlp.gate_up_proj, mlp.down_proj, small) is None
     wide = torch.randn(kernels.BF16_LARGE_BATCH, 64)
-    assert gated_mlp.amx_gated_mlp(mlp.gate_up_proj, mlp.down_proj, wide) is None
+    assert gated_mlp.fused_gated_mlp(mlp.gate_up_proj, mlp.down_proj, wide) is None
 
 
 def assert_bf16_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:

@@ -59,6 +59,20 @@ def test_the_cpu_path_follows_the_flags(flags, name, dtype):
     assert f"int4 decode in {path.int4_decode}" in path.describe() and decode in path.int4_decode
 
 
+def test_prefill_runs_int8_activations_where_vnni_meets_avx512_bf16(monkeypatch):
+    vnni = ZEN4 | {"avx512_vnni", "avx512bw"}
+    assert platform.cpu_path(vnni).int8_prefill
+    assert "prefill batches of quantized weights on int8 activations" in (
+        platform.cpu_path(vnni).describe()
+    )
+    assert not platform.cpu_path(ZEN4 - {"avx512_vnni"}).int8_prefill
+    assert not platform.cpu_path(AMX | {"avx512_vnni", "avx512bw"}).int8_prefill  # AMX tiles
+    monkeypatch.setenv("LLMCTL_CPU_INT8_PREFILL", "0")
+    path = platform.cpu_path(vnni)
+    assert (path.name, path.int8_prefill) == ("avx512_bf16", False)
+    assert "int8" not in path.describe()
+
+
 def test_flags_named_off_are_absent(monkeypatch, tmp_path):
     real = platform.cpu_flags()
     monkeypatch.setenv("LLMCTL_CPU_FLAGS_OFF", "amx*, avx512*")

@@ -415,28 +415,50 @@ bool on_lines(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_p
 
 }  // namespace
 
+at::Tensor checked_rope_positions(const at::Tensor& positions, const at::Tensor& cos_cache,
+                                  const at::Tensor& sin_cache, int64_t rotary_columns, int64_t M,
+                                  int64_t N, const char* op) {
+  TORCH_CHECK(cos_cache.dim() == 2 && cos_cache.scalar_type() == at::kFloat &&
+                  cos_cache.is_contiguous() && sin_cache.sizes() == cos_cache.sizes() &&
+                  sin_cache.scalar_type() == at::kFloat && sin_cache.is_contiguous(),
+              op, ": cos_cache and sin_cache must be contiguous float32 "
+              "[max_position, head_dim]");
+  const int64_t D = cos_cache.size(1);
+  TORCH_CHECK(D > 0 && D % 2 == 0 && D <= llmctl_layers::kMaxHeadDim && rotary_columns >= 0 &&
+                  rotary_columns % D == 0 && rotary_columns <= N,
+              op, ": rotary_columns (", rotary_columns, ") must be whole heads of ",
+              D, " values within the output's ", N);
+  const at::Tensor pos = positions.contiguous();
+  TORCH_CHECK(pos.dim() == 1 && pos.scalar_type() == at::kLong && pos.numel() == M,
+              op, ": one int64 position per row of x");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r)
+    TORCH_CHECK(pp[r] >= 0 && pp[r] < cos_cache.size(0), op, ": position ", pp[r],
+                " is outside the rotary table (", cos_cache.size(0), " positions)");
+  return pos;
+}
+
+void check_add_rms_norm(const at::Tensor& residual, const at::Tensor& weight, int64_t M,
+                        int64_t N, const char* op) {
+  TORCH_CHECK(residual.dim() == 2 && residual.size(0) == M && residual.size(1) == N &&
+                  residual.scalar_type() == at::kBFloat16 && residual.is_contiguous(),
+              op, ": residual must be a contiguous bfloat16 [M, N] tensor, "
+              "N = ", N);
+  TORCH_CHECK(weight.dim() == 1 && weight.numel() == N && weight.scalar_type() == at::kBFloat16 &&
+                  weight.is_contiguous(),
+              op, ": weight must be a contiguous bfloat16 [", N, "] tensor");
+}
+
 at::Tensor amx_linear_rope(const at::Tensor& x, const at::Tensor& w, const at::Tensor& positions,
                            const at::Tensor& cos_cache, const at::Tensor& sin_cache,
                            int64_t rotary_columns) {
   const uint16_t* wp = linear_weight(x, w, "amx_linear_rope");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 32;
-  TORCH_CHECK(cos_cache.dim() == 2 && cos_cache.scalar_type() == at::kFloat &&
-                  cos_cache.is_contiguous() && sin_cache.sizes() == cos_cache.sizes() &&
-                  sin_cache.scalar_type() == at::kFloat && sin_cache.is_contiguous(),
-              "amx_linear_rope: cos_cache and sin_cache must be contiguous float32 "
-              "[max_position, head_dim]");
+  const at::Tensor pos =
+      checked_rope_positions(positions, cos_cache, sin_cache, rotary_columns, M, N,
+                             "amx_linear_rope");
   const int64_t D = cos_cache.size(1);
-  TORCH_CHECK(D > 0 && D % 2 == 0 && D <= llmctl_layers::kMaxHeadDim && rotary_columns >= 0 &&
-                  rotary_columns % D == 0 && rotary_columns <= N,
-              "amx_linear_rope: rotary_columns (", rotary_columns, ") must be whole heads of ",
-              D, " values within the output's ", N);
-  const at::Tensor pos = positions.contiguous();
-  TORCH_CHECK(pos.dim() == 1 && pos.scalar_type() == at::kLong && pos.numel() == M,
-              "amx_linear_rope: one int64 position per row of x");
   const int64_t* pp = pos.data_ptr<int64_t>();
-  for (int64_t r = 0; r < M; ++r)
-    TORCH_CHECK(pp[r] >= 0 && pp[r] < cos_cache.size(0), "amx_linear_rope: position ", pp[r],
-                " is outside the rotary table (", cos_cache.size(0), " positions)");
   at::Tensor out = at::empty({M, N}, x.options());
 #if defined(LLMCTL_AMX)
   if (M == 0) return out;
@@ -466,13 +488,7 @@ std::tuple<at::Tensor, at::Tensor> amx_linear_add_rms_norm(const at::Tensor& x,
                                                            const at::Tensor& weight, double eps) {
   const uint16_t* wp = linear_weight(x, w, "amx_linear_add_rms_norm");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 32;
-  TORCH_CHECK(residual.dim() == 2 && residual.size(0) == M && residual.size(1) == N &&
-                  residual.scalar_type() == at::kBFloat16 && residual.is_contiguous(),
-              "amx_linear_add_rms_norm: residual must be a contiguous bfloat16 [M, N] tensor, "
-              "N = ", N);
-  TORCH_CHECK(weight.dim() == 1 && weight.numel() == N && weight.scalar_type() == at::kBFloat16 &&
-                  weight.is_contiguous(),
-              "amx_linear_add_rms_norm: weight must be a contiguous bfloat16 [", N, "] tensor");
+  check_add_rms_norm(residual, weight, M, N, "amx_linear_add_rms_norm");
   at::Tensor out = at::empty({M, N}, x.options()), res = at::empty({M, N}, x.options());
 #if defined(LLMCTL_AMX)
   if (M == 0) return {out, res};

@@ -75,6 +75,7 @@ _SOURCE = tuple(
         "quantized_matmul_bf16.cpp",
         "quantized_matmul_cpu.h",
         "amx_gemm.cpp",
+        "int8_gemm.cpp",
         "layer_ops_cpu.h",
         "transpose16.h",
     )
@@ -151,10 +152,23 @@ class PackedLinearWeight:
             return op.int8_group_mm(x, self.qweight, self.scales, self.group_size)
         return op.int4_group_mm(x, self.qweight, self.scales, self.zeros, self.group_size)
 
-    def vnni_blocks(self, op: Any, gate_up_half: int = 0) -> torch.Tensor:
-        """W expanded to bfloat16 in AMX's B layout for our tile loop (the extension's
-        vnni_blocks_bf16: [N / 32, K / 2, 32, 2]; gate_up_half: gate and up rows side by side)."""
-        return op.vnni_blocks_bf16(
+    def prefill_kind(self, op: Any) -> str | None:
+        """Which of our prefill GEMMs takes this weight (`prefill_gemm`), if its shape fits:
+        N and K multiples of 32; int8 also wants whole 32-value blocks per scale."""
+        kind = prefill_gemm(op)
+        if self.out_features % 32 or self.in_features % 32:
+            return None
+        if kind == "int8" and self.group_size % 32:
+            return None
+        return kind
+
+    def prefill_blocks(self, op: Any, kind: str, gate_up_half: int = 0) -> torch.Tensor:
+        """W laid out once a call for the prefill GEMM `kind` (gate_up_half: gate and up rows
+        side by side): "amx", expanded to bfloat16 in AMX's B layout (vnni_blocks_bf16: [N / 32,
+        K / 2, 32, 2]); "int8", unsigned bytes for VPDPBUSD with the blocks' scales (int8_blocks:
+        [N / 32, 40 K] bytes)."""
+        lay_out = op.vnni_blocks_bf16 if kind == "amx" else op.int8_blocks
+        return lay_out(
             self.qweight, self.scales, self.zeros, self.bits, self.group_size, gate_up_half
         )
 
@@ -164,8 +178,9 @@ class PackedLinearWeight:
         torch's bfloat16 GEMM."""
         n, k = self.out_features, self.in_features
         if x.shape[0] >= BF16_LARGE_BATCH:
-            if _amx_linear(op, n, k):
-                return op.amx_linear(x, self.vnni_blocks(op))
+            kind = self.prefill_kind(op)
+            if kind is not None:
+                return getattr(op, f"{kind}_linear")(x, self.prefill_blocks(op, kind))
             return self._chunked_matmul(x, max(8, _CHUNK_BYTES // (2 * k)))
         rows = bf16_tile_rows(n, torch.get_num_threads())
         q, s, z = self.qweight, self.scales, self.zeros
@@ -343,18 +358,26 @@ def pack_groups(
     return PackedLinearWeight(n, k, bits, group_size, qweight, scales, zeros)
 
 
-def _amx_linear(op: Any, n: int, k: int) -> bool:
-    """Whether an [n, k] weight's prefill matmul runs on our AMX tile loop (amx_linear)."""
-    return n % 32 == 0 and k % 32 == 0 and amx_tiles(op)
-
-
 @functools.cache
-def amx_tiles(op: Any) -> bool:
-    """Whether prefill GEMMs run on our AMX tile loop (amx_gemm.cpp): the AMX path, and a build
-    of the kernels that has it (one for an older -march does not)."""
+def prefill_gemm(op: Any) -> str | None:
+    """Our GEMM for prefill batches (BF16_LARGE_BATCH rows and more) of bfloat16 activations:
+    "amx", the AMX tile loop (amx_gemm.cpp, the float path's bfloat16 numerics), on the AMX
+    path; "int8", int8 activations on AVX512-VNNI (int8_gemm.cpp), where the CPU path has
+    int8_prefill (Zen 4); None elsewhere, or where the build lacks it (one for an older
+    -march): torch's bfloat16 GEMM on chunks of W."""
     from llmctl.engine.platform import cpu_path
 
-    return cpu_path().name == "amx" and bool(op.amx_built())
+    path = cpu_path()
+    if path.name == "amx" and op.amx_built():
+        return "amx"
+    if path.int8_prefill and op.int8_built():
+        return "int8"
+    return None
+
+
+def amx_tiles(op: Any) -> bool:
+    """Whether prefill GEMMs run on our AMX tile loop (amx_gemm.cpp)."""
+    return prefill_gemm(op) == "amx"
 
 
 @functools.cache

@@ -730,6 +730,18 @@ LLMCTL_LIBRARY(LLMCTL_OP_NAMESPACE, m) {
       "amx_linear_add_rms_norm(Tensor x, Tensor w, Tensor residual, Tensor weight, float eps) "
       "-> (Tensor, Tensor)");
   m.def("amx_built() -> bool", &llmctl_quantized::amx_built);
+  m.def(
+      "int8_blocks(Tensor q, Tensor scales, Tensor? zeros, int bits, int group_size, "
+      "int gate_up_half) -> Tensor");
+  m.def("int8_gated_mlp(Tensor x, Tensor gate_up, Tensor down) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor w) -> Tensor");
+  m.def(
+      "int8_linear_rope(Tensor x, Tensor w, Tensor positions, Tensor cos_cache, "
+      "Tensor sin_cache, int rotary_columns) -> Tensor");
+  m.def(
+      "int8_linear_add_rms_norm(Tensor x, Tensor w, Tensor residual, Tensor weight, float eps) "
+      "-> (Tensor, Tensor)");
+  m.def("int8_built() -> bool", &llmctl_quantized::int8_built);
 }
 
 LLMCTL_LIBRARY_IMPL(LLMCTL_OP_NAMESPACE, CPU, m) {
@@ -743,4 +755,9 @@ LLMCTL_LIBRARY_IMPL(LLMCTL_OP_NAMESPACE, CPU, m) {
   m.impl("amx_linear", &llmctl_quantized::amx_linear);
   m.impl("amx_linear_rope", &llmctl_quantized::amx_linear_rope);
   m.impl("amx_linear_add_rms_norm", &llmctl_quantized::amx_linear_add_rms_norm);
+  m.impl("int8_blocks", &llmctl_quantized::int8_blocks);
+  m.impl("int8_gated_mlp", &llmctl_quantized::int8_gated_mlp);
+  m.impl("int8_linear", &llmctl_quantized::int8_linear);
+  m.impl("int8_linear_rope", &llmctl_quantized::int8_linear_rope);
+  m.impl("int8_linear_add_rms_norm", &llmctl_quantized::int8_linear_add_rms_norm);
 }

@@ -82,4 +82,28 @@ std::tuple<at::Tensor, at::Tensor> amx_linear_add_rms_norm(const at::Tensor& x,
                                                            const at::Tensor& residual,
                                                            const at::Tensor& weight, double eps);
 
+// The checks of the linear-with-epilogue ops (amx_gemm.cpp's and int8_gemm.cpp's): the positions
+// (contiguous) for RoPE after an [M, N] linear, and the residual and norm weight after one.
+at::Tensor checked_rope_positions(const at::Tensor& positions, const at::Tensor& cos_cache,
+                                  const at::Tensor& sin_cache, int64_t rotary_columns, int64_t M,
+                                  int64_t N, const char* op);
+void check_add_rms_norm(const at::Tensor& residual, const at::Tensor& weight, int64_t M,
+                        int64_t N, const char* op);
+
+// The same four ops on int8 activations and AVX512-VNNI (int8_gemm.cpp), the weights as
+// int8_blocks lays them out: [N / 32, 40 K] bytes (gate_up_half as vnni_blocks_bf16's).
+at::Tensor int8_blocks(const at::Tensor& q, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& zeros, int64_t bits, int64_t group_size,
+                       int64_t gate_up_half);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w);
+at::Tensor int8_gated_mlp(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down);
+at::Tensor int8_linear_rope(const at::Tensor& x, const at::Tensor& w, const at::Tensor& positions,
+                            const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                            int64_t rotary_columns);
+std::tuple<at::Tensor, at::Tensor> int8_linear_add_rms_norm(const at::Tensor& x,
+                                                            const at::Tensor& w,
+                                                            const at::Tensor& residual,
+                                                            const at::Tensor& weight, double eps);
+bool int8_built();
+
 }  // namespace llmctl_quantized
