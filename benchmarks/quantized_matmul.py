@@ -10,7 +10,8 @@ against the prepacked bfloat16 weight and our int4 kernel on them (the decode ke
 bfloat16 tiles at M=64). Prints the best-of-N time in ms and the weight bytes read per second.
 For a long prefill (M=--prefill-rows, 8192 by default: one step of the GGUF benchmark's W3), on
 SmolLM2-135M's layer shapes: int4 as the engine runs it (W expanded in large chunks, one GEMM
-each) against the tiled path it replaced at that size (1 MiB tiles, one thread each).
+each) against the tiled path it replaced at that size (1 MiB tiles, one thread each); with
+bfloat16 rows on Zen 4 that size runs on int8 activations ("int4 ours int8", int8_gemm.cpp).
 
     python benchmarks/quantized_matmul.py --device cuda
 
@@ -111,7 +112,11 @@ def main() -> None:
                     ),
                     2 * n * k,
                 )
-                runs["int4 ours bf16"] = (lambda x=xb, w=q4: w.matmul(x), q4.nbytes)
+                # from BF16_LARGE_BATCH rows on Zen 4: int8 activations (int8_gemm.cpp)
+                int8 = q4.prefill_kind(kernels._kernel()) == "int8"
+                int8 = int8 and m >= kernels.BF16_LARGE_BATCH
+                label = "int4 ours int8" if int8 else "int4 ours bf16"
+                runs[label] = (lambda x=xb, w=q4: w.matmul(x), q4.nbytes)
             if aten is not None and m < kernels.LARGE_BATCH:
                 runs["int4 aten bf16"] = (
                     lambda x=xb, w=aten, sz=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(

@@ -47,9 +47,7 @@ def fused_gated_mlp(gate_up: torch.nn.Module, down: torch.nn.Module, x: torch.Te
     return out
 
 
-def prefill_packed_weight(
-    layer: torch.nn.Module, x: torch.Tensor
-) -> qm.PackedLinearWeight | None:
+def prefill_packed_weight(layer: torch.nn.Module, x: torch.Tensor) -> qm.PackedLinearWeight | None:
     """The layer's one packed weight where its GEMM on x runs on our prefill GEMM: bfloat16 rows
     of x from BF16_LARGE_BATCH on a path that has one, a shape it takes; else None."""
     if not (x.is_cpu and x.dtype == torch.bfloat16 and x.dim() == 2):

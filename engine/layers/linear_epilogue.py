@@ -3,17 +3,17 @@ with RoPE on its queries and keys, O with the residual add and RMSNorm that foll
 quantized matmul extension's amx_linear_rope and amx_linear_add_rms_norm, amx_gemm.cpp, or
 int8_linear_rope and int8_linear_add_rms_norm, int8_gemm.cpp).
 
-Each thread computes the GEMM for a panel of rows (256 on AMX, up to 96 on int8) into a buffer that stays in its core's L2,
-rotates or normalizes those rows there (layer_ops_cpu.h's rope_row and add_rms_norm_row, the
-code the separate ops run) and writes them out once. Separately, the GEMM's output went to
-memory and the next op read it back and wrote it again: RoPE took ~2.9 ms a SmolLM2 layer of a
-16 x 512-token prefill, reading rows the GEMM had just evicted, and the norm after O ~2.2 ms.
-The values are the separate ops' bits (on the same prefill GEMM).
+Each thread computes the GEMM for a panel of rows (256 on AMX, up to 96 on int8) into a buffer that
+stays in its core's L2, rotates or normalizes those rows there (layer_ops_cpu.h's rope_row and
+add_rms_norm_row, the code the separate ops run) and writes them out once. Separately, the GEMM's
+output went to memory and the next op read it back and wrote it again: RoPE took ~2.9 ms a SmolLM2
+layer of a 16 x 512-token prefill, reading rows the GEMM had just evicted, and the norm after O
+~2.2 ms. The values are the separate ops' bits (on the same prefill GEMM).
 
 Where it applies is gated_mlp.py's rule (a path with a prefill GEMM, bfloat16 rows from
-BF16_LARGE_BATCH, one packed weight without bias, N and K multiples of 32), plus: a plain rotary table of the head's
-width; the plain RMSNorm in x's dtype, and O not all-reduced (tensor parallel size 1). Elsewhere
-the functions return None and the caller runs its layers.
+BF16_LARGE_BATCH, one packed weight without bias, N and K multiples of 32), plus: a plain rotary
+table of the head's width; the plain RMSNorm in x's dtype, and O not all-reduced (tensor parallel
+size 1). Elsewhere the functions return None and the caller runs its layers.
 """
 
 from __future__ import annotations

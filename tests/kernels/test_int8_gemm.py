@@ -117,7 +117,9 @@ def test_gate_up_halves_put_gate_and_up_columns_side_by_side(int8):
     plain = int8.int8_linear(x, int8.int8_blocks(w.qweight, w.scales, w.zeros, 4, 32, 0))
     halves = int8.int8_linear(x, int8.int8_blocks(w.qweight, w.scales, w.zeros, 4, 32, 64))
     # panel p: gate columns 16 p .. 16 p + 15, then up columns 64 + 16 p ..
-    order = torch.cat([torch.cat([torch.arange(16) + 16 * p, torch.arange(16) + 64 + 16 * p]) for p in range(4)])
+    order = torch.cat(
+        [torch.cat([torch.arange(16) + 16 * p, torch.arange(16) + 64 + 16 * p]) for p in range(4)]
+    )
     assert torch.equal(halves, plain[:, order])
 
 

@@ -44,6 +44,10 @@
 #include <tuple>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "layer_ops_cpu.h"
 #include "quantized_matmul_cpu.h"
 
@@ -74,10 +78,31 @@ void lay_out_panel(const uint8_t* q, const S* scales, const S* zeros, int64_t bi
   const int64_t nb = K / kBlock;
   float* d = reinterpret_cast<float*>(out + K * kCols);
   float* m = d + nb * kCols;
-  for (int64_t j = 0; j < kCols; ++j) {
-    const int64_t n = panel_row(p, j, gate_up_half);
-    for (int64_t b = 0; b < nb; ++b) {
-      uint8_t v[kBlock];
+  for (int64_t b = 0; b < nb; ++b) {
+    // the block's 32 unsigned values of each of the panel's columns, then their 4-byte words
+    // moved to [k / 4][column] (a 32 x 8 word transpose)
+    alignas(64) uint32_t cols[kCols][kBlock / 4];
+    for (int64_t j = 0; j < kCols; ++j) {
+      const int64_t n = panel_row(p, j, gate_up_half);
+      uint8_t* v = reinterpret_cast<uint8_t*>(cols[j]);
+#if defined(__SSE2__)
+      if (bits == 4) {
+        const __m128i packed =
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * (K / 2) + b * 16));
+        const __m128i low = _mm_set1_epi8(0x0F);
+        _mm_store_si128(reinterpret_cast<__m128i*>(v), _mm_and_si128(packed, low));
+        _mm_store_si128(reinterpret_cast<__m128i*>(v + 16),
+                        _mm_and_si128(_mm_srli_epi16(packed, 4), low));
+      } else {  // q' + 128
+        const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
+        const uint8_t* src = q + n * K + b * kBlock;
+        for (int h = 0; h < 2; ++h)
+          _mm_store_si128(reinterpret_cast<__m128i*>(v + 16 * h),
+                          _mm_xor_si128(_mm_loadu_si128(
+                                            reinterpret_cast<const __m128i*>(src + 16 * h)),
+                                        flip));
+      }
+#else
       if (bits == 4) {
         const uint8_t* src = q + n * (K / 2) + b * 16;
         for (int t = 0; t < 16; ++t) v[t] = src[t] & 0x0F, v[t + 16] = src[t] >> 4;
@@ -85,12 +110,14 @@ void lay_out_panel(const uint8_t* q, const S* scales, const S* zeros, int64_t bi
         const uint8_t* src = q + n * K + b * kBlock;
         for (int t = 0; t < kBlock; ++t) v[t] = src[t] ^ 0x80;  // q' + 128
       }
-      for (int t = 0; t < kBlock / 4; ++t)
-        std::memcpy(out + ((b * 8 + t) * kCols + j) * 4, v + 4 * t, 4);
+#endif
       const int64_t s = n * G + (b * kBlock) / g;
       d[b * kCols + j] = ld(scales, s);
       m[b * kCols + j] = bits == 4 ? ld(zeros, s) : -128.f * ld(scales, s);
     }
+    uint32_t* words = reinterpret_cast<uint32_t*>(out) + b * (kBlock / 4) * kCols;
+    for (int t = 0; t < kBlock / 4; ++t)
+      for (int64_t j = 0; j < kCols; ++j) words[t * kCols + j] = cols[j][t];
   }
 }
 

@@ -8,9 +8,9 @@ with q unsigned in [0, 15] for bits=4 and signed in [-128, 127] for bits=8 (zero
 N is the output features (rows, split by column-parallel layers), K the input features (split by
 row-parallel layers in whole groups).
 
-Kernels (quantized_matmul_cpu.cpp, quantized_matmul_bf16.cpp and amx_gemm.cpp, one extension
-compiled on first use like the paged-attention kernel, with AVX-512 / AVX2 / scalar paths picked
-for the CPU that builds it):
+Kernels (quantized_matmul_cpu.cpp, quantized_matmul_bf16.cpp, amx_gemm.cpp and int8_gemm.cpp,
+one extension compiled on first use like the paged-attention kernel, with AVX-512 / AVX2 / scalar
+paths picked for the CPU that builds it):
 - M <= SMALL_BATCH rows (decode): int8_group_mm / int4_group_mm read each weight byte once and
   dequantize in registers; accumulation is float32, the output rounded back to x's dtype.
   bfloat16 rows are widened to float32 in the kernel, except against int4 weights on CPUs with
@@ -26,8 +26,13 @@ for the CPU that builds it):
   weights in bfloat16 (W dequantized, rounded to nearest). On the Intel AMX kind, 2 threads,
   SmolLM2's layer shapes at M = 64 (best of 3 medians, 2026-11-27): QKV 73 us, O 55, gate/up
   187, down 117, LM head (Q8_0) 3.6 ms, against F.linear on the bfloat16 weights 73 / 51 / 215 /
-  115 us and 4.8 ms (runs on that VM vary by up to 1.5x). The decode kernels stay up to 4 rows: at
-  M = 1 they read each weight byte once, where the tiles expand every weight.
+  115 us and 4.8 ms (runs on that VM vary by up to 1.5x). The decode kernels stay up to 4 rows:
+  at M = 1 they read each weight byte once, where the tiles expand every weight.
+- From BF16_LARGE_BATCH rows on the AVX512-BF16 path with AVX512-VNNI (Zen 4,
+  platform.CpuPath.int8_prefill), int8_gemm.cpp instead: x quantized to int8 per 32 values
+  (llama.cpp's rule), W laid out once a call as bytes for VPDPBUSD (int8_blocks), ~1.35x
+  oneDNN's bfloat16 GEMM at SmolLM2's shapes there; the one place the CPU's activations are
+  not the float path's (prefill_gemm says which GEMM runs).
 The float32 paths (AVX2 CPUs, or float32 activations anywhere):
 - larger M (prefill): tiled_group_mm expands tiles of W to float32 (about 1 MiB each) and runs
   torch's float GEMM on them, every tile on one thread inside a single parallel region, so the
