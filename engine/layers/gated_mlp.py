@@ -36,8 +36,6 @@ def fused_gated_mlp(gate_up: torch.nn.Module, down: torch.nn.Module, x: torch.Te
     if (dn.in_features, dn.out_features) != (inter, hidden):  # inter: a multiple of 32 (down's K)
         return None
     op, kind = prefill_op()
-    if dn.prefill_kind(op) != kind or gu.prefill_kind(op) != kind:
-        return None
     mlp = getattr(op, f"{kind}_gated_mlp")
     out = mlp(x.contiguous(), gu.prefill_blocks(op, kind, inter), dn.prefill_blocks(op, kind))
     if down.tp_size > 1 and down.reduce_results:
@@ -54,10 +52,10 @@ def prefill_packed_weight(layer: torch.nn.Module, x: torch.Tensor) -> qm.PackedL
         return None
     if x.shape[0] < qm.BF16_LARGE_BATCH:
         return None
-    w = _packed(layer)
-    if w is None or prefill_op() is None:
+    w, prefill = _packed(layer), prefill_op()
+    if w is None or prefill is None:
         return None
-    return w if w.prefill_kind(prefill_op()[0]) is not None else None
+    return w if w.prefill_kind(prefill[0]) is not None else None
 
 
 def _packed(layer: torch.nn.Module) -> qm.PackedLinearWeight | None:
