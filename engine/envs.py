@@ -129,10 +129,10 @@ _VARIABLES = (
     ),
     EnvVar(
         "LLMCTL_CPU_INT8_PREFILL", True, _flag, _FLAG,
-        "On CPUs with AVX512-VNNI and AVX512-BF16 but no AMX (Zen 4), prefill batches of 256 "
-        "rows or more multiply 4/8-bit weights by int8 activations, quantized per 32 values as "
-        "llama.cpp does (~1.35x the bfloat16 GEMMs' rate); 0: bfloat16 activations, the float "
-        "path's numerics.",
+        "On CPUs with AVX512-VNNI and AVX512-BF16 but no AMX (Zen 4), batches of 128 rows or "
+        "more (prefill) multiply 4/8-bit weights by int8 activations, quantized per 32 values "
+        "as llama.cpp does (~1.35x the bfloat16 GEMMs' rate); 0: bfloat16 activations, the "
+        "float path's numerics.",
     ),
     EnvVar(
         "LLMCTL_CPU_PREPACK", True, _flag, _FLAG,

@@ -2,16 +2,15 @@
 layer side of the quantized matmul extension's amx_gated_mlp (kernels/cpu/amx_gemm.cpp) and
 int8_gated_mlp (kernels/cpu/int8_gemm.cpp).
 
-From BF16_LARGE_BATCH rows of bfloat16 activations (prefill), on a CPU path with a prefill GEMM
-of our own (quantized_matmul.prefill_gemm: AMX tiles, or int8 activations on AVX512-VNNI), a
-Llama-style MLP whose gate_up and down projections each hold one packed weight (GGUF or RTN
-int4/int8, no bias) runs as one kernel: both weights laid out once a call for that GEMM (~0.3 ms
-a SmolLM2 layer in bfloat16 for AMX, ~1 ms in bytes for VPDPBUSD), then the gate/up GEMM,
-SiLU-and-mul and the down GEMM over panels of rows that stay in the core's cache. The gate/up
-output (50 MB for SmolLM2's 16 x 512-token step) never reaches memory. Its values are the
-unfused layers' on the same path (each rounded where they round); on AMX sums of a few rows'
-shapes may round one ulp apart from oneDNN's, whose kernels for those shapes add in another
-order.
+From 256 rows of bfloat16 activations (128 for int8; quantized_matmul.prefill_rows), on a CPU path
+with a prefill GEMM of our own (quantized_matmul.prefill_gemm: AMX tiles, or int8 activations on
+AVX512-VNNI), a Llama-style MLP whose gate_up and down projections each hold one packed weight
+(GGUF or RTN int4/int8, no bias) runs as one kernel: both weights laid out once a call for that
+GEMM (~0.3 ms a SmolLM2 layer in bfloat16 for AMX, ~0.15 ms in bytes for VPDPBUSD), then the
+gate/up GEMM, SiLU-and-mul and the down GEMM over panels of rows that stay in the core's cache. The
+gate/up output (50 MB for SmolLM2's 16 x 512-token step) never reaches memory. Its values are the
+unfused layers' on the same path (each rounded where they round); on AMX sums of a few rows' shapes
+may round one ulp apart from oneDNN's, whose kernels for those shapes add in another order.
 
 Anything else (other CPU paths, decode batches, float weights, biases, shapes that are not
 multiples of 32, an activation other than SiLU) gets None: the caller runs its layers.
@@ -47,13 +46,13 @@ def fused_gated_mlp(gate_up: torch.nn.Module, down: torch.nn.Module, x: torch.Te
 
 def prefill_packed_weight(layer: torch.nn.Module, x: torch.Tensor) -> qm.PackedLinearWeight | None:
     """The layer's one packed weight where its GEMM on x runs on our prefill GEMM: bfloat16 rows
-    of x from BF16_LARGE_BATCH on a path that has one, a shape it takes; else None."""
+    of x from its prefill_rows on a path that has one, a shape it takes; else None."""
     if not (x.is_cpu and x.dtype == torch.bfloat16 and x.dim() == 2):
         return None
-    if x.shape[0] < qm.BF16_LARGE_BATCH:
+    if x.shape[0] < qm.INT8_LARGE_BATCH:
         return None
     w, prefill = _packed(layer), prefill_op()
-    if w is None or prefill is None:
+    if w is None or prefill is None or x.shape[0] < qm.prefill_rows(prefill[1]):
         return None
     return w if w.prefill_kind(prefill[0]) is not None else None
 

@@ -11,7 +11,7 @@ layer of a 16 x 512-token prefill, reading rows the GEMM had just evicted, and t
 ~2.2 ms. The values are the separate ops' bits (on the same prefill GEMM).
 
 Where it applies is gated_mlp.py's rule (a path with a prefill GEMM, bfloat16 rows from
-BF16_LARGE_BATCH, one packed weight without bias, N and K multiples of 32), plus: a plain rotary
+prefill_rows, one packed weight without bias, N and K multiples of 32), plus: a plain rotary
 table of the head's width; the plain RMSNorm in x's dtype, and O not all-reduced (tensor parallel
 size 1). Elsewhere the functions return None and the caller runs its layers.
 """

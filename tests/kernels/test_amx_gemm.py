@@ -161,9 +161,15 @@ def test_a_quantized_llama_mlp_runs_the_kernel_at_prefill(amx):
     assert (fused.double() - unfused).abs().max() <= 2.0**-5 * unfused.abs().max()
 
 
+def first_prefill_row() -> int:
+    """Rows from which this CPU's prefill GEMM runs (quantized_matmul.prefill_rows)."""
+    prefill = gated_mlp.prefill_op()
+    return kernels.BF16_LARGE_BATCH if prefill is None else kernels.prefill_rows(prefill[1])
+
+
 def test_decode_batches_and_float32_keep_the_layers(kernel):
     mlp = quantized_mlp(64, 64)
-    small = torch.randn(kernels.BF16_LARGE_BATCH - 1, 64).bfloat16()
+    small = torch.randn(first_prefill_row() - 1, 64).bfloat16()
     assert gated_mlp.fused_gated_mlp(mlp.gate_up_proj, mlp.down_proj, small) is None
     wide = torch.randn(kernels.BF16_LARGE_BATCH, 64)
     assert gated_mlp.fused_gated_mlp(mlp.gate_up_proj, mlp.down_proj, wide) is None
@@ -314,7 +320,7 @@ def test_decode_batches_float32_and_other_norms_keep_the_layers(kernel):
     from llmctl.engine.models.gemma3 import GemmaRMSNorm
 
     qkv, o, rope, norm = quantized_attention_layers(128, 4, 2, 32)
-    small = torch.randn(kernels.BF16_LARGE_BATCH - 1, 128).bfloat16()
+    small = torch.randn(first_prefill_row() - 1, 128).bfloat16()
     positions = torch.zeros(small.shape[0], dtype=torch.long)
     assert linear_epilogue.linear_rope(qkv, rope, positions, small, 192) is None
     assert linear_epilogue.linear_add_rms_norm(o, norm, small, small) is None

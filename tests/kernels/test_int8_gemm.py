@@ -196,7 +196,7 @@ def test_int8_linear_rope_and_add_rms_norm_give_the_separate_ops_bits(int8, m):
 
 
 # The layers on the int8 path (Zen 4): a packed weight's prefill matmul and a quantized Llama MLP
-# take the int8 kernels from BF16_LARGE_BATCH rows, and decode batches keep the bfloat16 tiles.
+# take the int8 kernels from INT8_LARGE_BATCH rows, and smaller batches keep the bfloat16 tiles.
 
 
 def quantized_mlp(h: int, i: int):
@@ -215,19 +215,29 @@ def quantized_mlp(h: int, i: int):
 def test_a_packed_weight_at_prefill_runs_int8_linear(int8_path, bits, group):
     op = int8_path
     w = packed(bits, group, 96, 160, seed=bits)
-    x = activations(kernels.BF16_LARGE_BATCH + 37, 160, seed=bits)
+    x = activations(kernels.INT8_LARGE_BATCH + 37, 160, seed=bits)
     y = w.matmul(x)
     blocks = op.int8_blocks(w.qweight, w.scales, w.zeros, bits, group, 0)
     assert torch.equal(y, op.int8_linear(x, blocks))
-    small = x[: kernels.BF16_LARGE_BATCH - 1]  # below it: the bfloat16 tiles, the float numerics
+    small = x[: kernels.INT8_LARGE_BATCH - 1]  # below it: the bfloat16 tiles, the float numerics
     expected = small.double() @ w.dequantize(dtype=torch.bfloat16).double().T
     assert (w.matmul(small).double() - expected).abs().max() <= 2.0**-6 * expected.abs().max()
 
 
 def test_a_quantized_llama_mlp_runs_the_int8_kernel_at_prefill(int8_path):
     mlp = quantized_mlp(96, 160)
-    x = activations(kernels.BF16_LARGE_BATCH + 5, 96, seed=8)
+    x = activations(kernels.INT8_LARGE_BATCH + 5, 96, seed=8)
     fused = gated_mlp.fused_gated_mlp(mlp.gate_up_proj, mlp.down_proj, x)
     assert fused is not None
     assert torch.equal(mlp(x), fused)
     assert torch.equal(fused, mlp.down_proj(mlp.act_fn(mlp.gate_up_proj(x))))  # the int8 layers'
+
+
+def test_the_int8_kernels_start_at_their_own_batch_size(int8_path):
+    assert kernels.prefill_rows("int8") == kernels.INT8_LARGE_BATCH < kernels.BF16_LARGE_BATCH
+    assert kernels.prefill_rows("amx") == kernels.BF16_LARGE_BATCH
+    mlp = quantized_mlp(64, 96)
+    below = activations(kernels.INT8_LARGE_BATCH - 1, 64, seed=9)
+    assert gated_mlp.fused_gated_mlp(mlp.gate_up_proj, mlp.down_proj, below) is None
+    at = activations(kernels.INT8_LARGE_BATCH, 64, seed=9)
+    assert gated_mlp.fused_gated_mlp(mlp.gate_up_proj, mlp.down_proj, at) is not None

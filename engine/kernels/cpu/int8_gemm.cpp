@@ -4,7 +4,7 @@
 // The ops mirror amx_gemm.cpp's: a linear (int8_linear), a Llama-style MLP in one pass
 // (int8_gated_mlp), and a linear whose rows are finished in cache by RoPE (int8_linear_rope) or
 // by the residual add and RMSNorm (int8_linear_add_rms_norm). The quantized layers take them from
-// BF16_LARGE_BATCH rows on that path (layers/gated_mlp.py, layers/linear_epilogue.py).
+// INT8_LARGE_BATCH rows on that path (layers/gated_mlp.py, layers/linear_epilogue.py).
 //
 // Numerics (what differs from the bfloat16 path): each row of x is quantized per block of 32
 // values, as llama.cpp quantizes activations for its integer dot products: s = amax / 127,

@@ -28,7 +28,7 @@ paths picked for the CPU that builds it):
   187, down 117, LM head (Q8_0) 3.6 ms, against F.linear on the bfloat16 weights 73 / 51 / 215 /
   115 us and 4.8 ms (runs on that VM vary by up to 1.5x). The decode kernels stay up to 4 rows:
   at M = 1 they read each weight byte once, where the tiles expand every weight.
-- From BF16_LARGE_BATCH rows on the AVX512-BF16 path with AVX512-VNNI (Zen 4,
+- From INT8_LARGE_BATCH rows on the AVX512-BF16 path with AVX512-VNNI (Zen 4,
   platform.CpuPath.int8_prefill), int8_gemm.cpp instead: x quantized to int8 per 32 values
   (llama.cpp's rule), W laid out once a call as bytes for VPDPBUSD (int8_blocks), ~1.35x
   oneDNN's bfloat16 GEMM at SmolLM2's shapes there; the one place the CPU's activations are
@@ -93,6 +93,9 @@ LARGE_BATCH = 512  # rows of x from which W is expanded in large chunks for one 
 # The same for bfloat16 tiles: at 512 rows the tiles took 1.3-2.3x the chunks' time on SmolLM2's
 # layer shapes (Intel AMX kind, 2 threads), at 256 about the same, at 128 and below less.
 BF16_LARGE_BATCH = 256
+# From this many rows the int8 prefill GEMM (Zen 4) takes over from the bfloat16 tiles: at 128 rows
+# 1.1-1.3x their time on SmolLM2's layer shapes, at 64 even, at 32 0.8-0.9x (2 threads).
+INT8_LARGE_BATCH = 128
 _CHUNK_BYTES = 16 << 20  # float32 bytes of W expanded at once on that path
 
 
@@ -182,10 +185,11 @@ class PackedLinearWeight:
         oneDNN's brgemm (AMX or AVX512-BF16); from BF16_LARGE_BATCH rows in large chunks for
         torch's bfloat16 GEMM."""
         n, k = self.out_features, self.in_features
-        if x.shape[0] >= BF16_LARGE_BATCH:
+        if x.shape[0] >= INT8_LARGE_BATCH:
             kind = self.prefill_kind(op)
-            if kind is not None:
+            if kind is not None and x.shape[0] >= prefill_rows(kind):
                 return getattr(op, f"{kind}_linear")(x, self.prefill_blocks(op, kind))
+        if x.shape[0] >= BF16_LARGE_BATCH:
             return self._chunked_matmul(x, max(8, _CHUNK_BYTES // (2 * k)))
         rows = bf16_tile_rows(n, torch.get_num_threads())
         q, s, z = self.qweight, self.scales, self.zeros
@@ -365,7 +369,7 @@ def pack_groups(
 
 @functools.cache
 def prefill_gemm(op: Any) -> str | None:
-    """Our GEMM for prefill batches (BF16_LARGE_BATCH rows and more) of bfloat16 activations:
+    """Our GEMM for prefill batches (prefill_rows(kind) rows and more) of bfloat16 activations:
     "amx", the AMX tile loop (amx_gemm.cpp, the float path's bfloat16 numerics), on the AMX
     path; "int8", int8 activations on AVX512-VNNI (int8_gemm.cpp), where the CPU path has
     int8_prefill (Zen 4); None elsewhere, or where the build lacks it (one for an older
@@ -378,6 +382,12 @@ def prefill_gemm(op: Any) -> str | None:
     if path.int8_prefill and op.int8_built():
         return "int8"
     return None
+
+
+def prefill_rows(kind: str) -> int:
+    """Rows of x from which the prefill GEMM `kind` runs: BF16_LARGE_BATCH for AMX tiles,
+    INT8_LARGE_BATCH for int8 activations."""
+    return INT8_LARGE_BATCH if kind == "int8" else BF16_LARGE_BATCH
 
 
 def amx_tiles(op: Any) -> bool:
