@@ -112,9 +112,9 @@ def main() -> None:
                     ),
                     2 * n * k,
                 )
-                # from BF16_LARGE_BATCH rows on Zen 4: int8 activations (int8_gemm.cpp)
+                # from prefill_rows("int8") rows on Zen 4: int8 activations (int8_gemm.cpp)
                 int8 = q4.prefill_kind(kernels._kernel()) == "int8"
-                int8 = int8 and m >= kernels.BF16_LARGE_BATCH
+                int8 = int8 and m >= kernels.prefill_rows("int8")
                 label = "int4 ours int8" if int8 else "int4 ours bf16"
                 runs[label] = (lambda x=xb, w=q4: w.matmul(x), q4.nbytes)
             if aten is not None and m < kernels.LARGE_BATCH:

@@ -35,7 +35,6 @@ pytestmark = pytest.mark.slow
 
 MAX_GAP_BF16 = 0.25  # one bfloat16 ulp of a logit below 64
 HERE = Path(__file__).resolve().parent
-# path: (the flags it needs, the environment that selects it here, its dtype)
 AVX512_BF16 = {"LLMCTL_CPU_FLAGS_OFF": "amx*", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
 # name: (the CPU path, the flags it needs, the environment that selects it here, its dtype, the
 # prefill GEMM it runs: quantized_matmul.prefill_gemm)

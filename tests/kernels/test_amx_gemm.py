@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from quantized_layers import packed, quantized_mlp
 
 from llmctl.engine.kernels.cpu import quantized_matmul as kernels
 from llmctl.engine.layers import gated_mlp
 from llmctl.engine.layers.activation import SiluAndMul
 from llmctl.engine.layers.quantization.linear_method import set_quant_config
 from llmctl.engine.layers.quantization.quant_config import QuantizationConfig
-from llmctl.engine.layers.quantization.rtn import quantize_rtn
 from llmctl.engine.platform import cpu_path
 
 
@@ -36,12 +36,6 @@ def amx(kernel):
     if cpu_path().name != "amx" or not kernel.amx_built():
         pytest.skip(f"{cpu_path().name} CPU: the gated MLP kernel runs on AMX tiles only")
     return kernel
-
-
-def packed(bits: int, group: int, n: int, k: int, seed: int):
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
-    q, scales, zeros = quantize_rtn(w, bits, group)
-    return kernels.pack_groups(q, scales.to(torch.float16), zeros, bits, group)
 
 
 def vnni_layout(w: torch.Tensor, gate_up_half: int = 0) -> torch.Tensor:
@@ -134,18 +128,6 @@ def test_gated_mlp_refuses_mismatched_weights(amx):
         amx.amx_gated_mlp(x.float(), vnni_layout(gate_up, 64), vnni_layout(down))
 
 
-def quantized_mlp(h: int, i: int):
-    from llmctl.engine.models.llama import LlamaMLP
-
-    with set_quant_config(QuantizationConfig(method="int4", group_size=32)):
-        mlp = LlamaMLP(h, i, bias=False)
-    g = torch.Generator().manual_seed(7)
-    mlp.gate_up_proj.weight_loader(mlp.gate_up_proj.weight, torch.randn(i, h, generator=g), 0)
-    mlp.gate_up_proj.weight_loader(mlp.gate_up_proj.weight, torch.randn(i, h, generator=g), 1)
-    mlp.down_proj.weight_loader(mlp.down_proj.weight, torch.randn(h, i, generator=g) / 8)
-    return mlp
-
-
 def test_a_quantized_llama_mlp_runs_the_kernel_at_prefill(amx):
     mlp = quantized_mlp(96, 160)
     rows = kernels.BF16_LARGE_BATCH + 5
@@ -202,7 +184,7 @@ def test_amx_linear_refuses_a_weight_of_another_k(amx):
 @pytest.mark.parametrize("bits, group", [(4, 32), (8, 32)])
 def test_a_packed_weight_at_prefill_runs_amx_linear(amx, bits, group):
     w = packed(bits, group, 96, 160, seed=bits)
-    assert kernels.amx_tiles(amx)
+    assert kernels.prefill_gemm(amx) == "amx"
     x = torch.randn(kernels.BF16_LARGE_BATCH + 37, 160).bfloat16()
     y = w.matmul(x)
     assert torch.equal(

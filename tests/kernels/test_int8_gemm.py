@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from quantized_layers import packed, quantized_mlp
 
 from llmctl.engine.kernels.cpu import quantized_matmul as kernels
 from llmctl.engine.layers import gated_mlp
 from llmctl.engine.layers.activation import SiluAndMul
-from llmctl.engine.layers.quantization.linear_method import set_quant_config
-from llmctl.engine.layers.quantization.quant_config import QuantizationConfig
-from llmctl.engine.layers.quantization.rtn import quantize_rtn
 from llmctl.engine.platform import cpu_flags
 
 
@@ -39,12 +37,6 @@ def int8_path(int8):
     if kernels.prefill_gemm(int8) != "int8":
         pytest.skip("the engine's prefill GEMM here is not int8 (an AMX CPU, or one without VNNI)")
     return int8
-
-
-def packed(bits: int, group: int, n: int, k: int, seed: int):
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
-    q, scales, zeros = quantize_rtn(w, bits, group)
-    return kernels.pack_groups(q, scales.to(torch.float16), zeros, bits, group)
 
 
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:
@@ -197,18 +189,6 @@ def test_int8_linear_rope_and_add_rms_norm_give_the_separate_ops_bits(int8, m):
 
 # The layers on the int8 path (Zen 4): a packed weight's prefill matmul and a quantized Llama MLP
 # take the int8 kernels from INT8_LARGE_BATCH rows, and smaller batches keep the bfloat16 tiles.
-
-
-def quantized_mlp(h: int, i: int):
-    from llmctl.engine.models.llama import LlamaMLP
-
-    with set_quant_config(QuantizationConfig(method="int4", group_size=32)):
-        mlp = LlamaMLP(h, i, bias=False)
-    g = torch.Generator().manual_seed(7)
-    mlp.gate_up_proj.weight_loader(mlp.gate_up_proj.weight, torch.randn(i, h, generator=g), 0)
-    mlp.gate_up_proj.weight_loader(mlp.gate_up_proj.weight, torch.randn(i, h, generator=g), 1)
-    mlp.down_proj.weight_loader(mlp.down_proj.weight, torch.randn(h, i, generator=g) / 8)
-    return mlp
 
 
 @pytest.mark.parametrize("bits, group", [(4, 32), (8, 32)])

@@ -128,7 +128,7 @@ void lay_out_panel(const uint8_t* q, const S* scales, const S* zeros, int64_t bi
 constexpr int kMR = 6;  // rows per micro tile
 constexpr int64_t kPanelRows = 96;  // rows of x per thread panel (a multiple of kMR)
 
-// rows x K bfloat16 values (row stride ldx) -> a [rows, K] int8, s and the float sums of x
+// rows x K bfloat16 values (row stride ldx) -> a [rows, K] int8, and s and s * sum(a)
 // [rows, K / 32]: the blocks' quantization (header).
 void quantize_rows(const Bf16* x, int64_t ldx, int64_t rows, int64_t K, int8_t* a, float* s,
                    float* sum) {

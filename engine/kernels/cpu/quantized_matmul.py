@@ -182,8 +182,9 @@ class PackedLinearWeight:
 
     def _bf16_matmul(self, op: Any, x: torch.Tensor) -> torch.Tensor:
         """bfloat16 x of more than BF16_SMALL_BATCH rows: W expanded to bfloat16 tiles for
-        oneDNN's brgemm (AMX or AVX512-BF16); from BF16_LARGE_BATCH rows in large chunks for
-        torch's bfloat16 GEMM."""
+        oneDNN's brgemm (AMX or AVX512-BF16); from prefill_rows(kind) rows our prefill GEMM
+        where the path has one (prefill_gemm), else from BF16_LARGE_BATCH rows W in large
+        chunks for torch's bfloat16 GEMM."""
         n, k = self.out_features, self.in_features
         if x.shape[0] >= INT8_LARGE_BATCH:
             kind = self.prefill_kind(op)
@@ -388,11 +389,6 @@ def prefill_rows(kind: str) -> int:
     """Rows of x from which the prefill GEMM `kind` runs: BF16_LARGE_BATCH for AMX tiles,
     INT8_LARGE_BATCH for int8 activations."""
     return INT8_LARGE_BATCH if kind == "int8" else BF16_LARGE_BATCH
-
-
-def amx_tiles(op: Any) -> bool:
-    """Whether prefill GEMMs run on our AMX tile loop (amx_gemm.cpp)."""
-    return prefill_gemm(op) == "amx"
 
 
 @functools.cache
