@@ -182,18 +182,23 @@ def test_thread_split_and_batch_change_no_bits(kernel, qtype, dtype):
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("n, k, group_size", [(203, 96, 32), (37, 384, 128), (6, 160, 32)])
-def test_int4_decode_on_bfloat16_activations(kernel, n, k, group_size, m):
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    "n, k, group_size", [(203, 96, 32), (37, 384, 128), (6, 160, 32), (11, 384, 96)]
+)
+def test_int4_decode_on_bfloat16_activations(kernel, n, k, group_size, scale_dtype, m):
     """bfloat16 x at decode (M <= 4) against float64 on x's own values: every nibble value and
     both nibbles of a byte, odd N (blocks of 4 weight rows and a remainder), groups of one and of
-    several 32-weight chunks. The only errors allowed: float32 sums and the output's rounding to
-    bfloat16 (VDPBF16PS's products of a bfloat16 and a value 0-15 are exact)."""
+    several 32-weight chunks, an odd number of chunks (the AVX512-BF16 loops take two a step, the
+    last alone) and groups of 3 chunks (a step's two chunks in two groups). The only errors
+    allowed: float32 sums and the output's rounding to bfloat16 (VDPBF16PS's products of a
+    bfloat16 and a value 16 + q are exact)."""
     gen = torch.Generator().manual_seed(n + m)
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     q[0, :16] = torch.arange(16, dtype=torch.uint8)  # each value in a low nibble ...
     q[0, 16:32] = torch.arange(15, -1, -1, dtype=torch.uint8)  # ... and in a high one
-    scales = torch.rand(n, k // group_size, generator=gen).half() / 8
-    zeros = -torch.rand(n, k // group_size, generator=gen).half()
+    scales = (torch.rand(n, k // group_size, generator=gen) / 8).to(scale_dtype)
+    zeros = (-torch.rand(n, k // group_size, generator=gen)).to(scale_dtype)
     packed = kernels.pack_groups(q, scales, zeros, 4, group_size)
     w = packed.dequantize().double()
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)

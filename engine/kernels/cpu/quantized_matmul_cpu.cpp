@@ -42,7 +42,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -63,12 +65,12 @@
 #endif
 
 // bfloat16 activations against int4 weights by bfloat16 dot products (VDPBF16PS) where the CPU
-// has AVX512-BF16 and runs the 256-bit loops (Zen 4): a nibble becomes its exact bfloat16 value
-// by one word permute (VPERMW), each product of a bfloat16 activation and a value 0-15 is exact
-// in float32, and 32 weights take 6 operations where widening them to float32 took 14. On the
-// Zen 4 kind, 2 threads, SmolLM2's 30 layers of int4 weights (53 MB) at M = 1: 3.7 ms where the
-// float32 loops took 4.75 (1.27x; 1.35x at M = 4), and W1 (benchmarks/gguf_vs_llamacpp.py) went
-// from 1.04x llama.cpp to 1.2x and more.
+// has AVX512-BF16 and runs the 256-bit loops (Zen 4): a nibble q becomes the bfloat16 word of
+// 16 + q by a shift and one logic op (bf16dot below), each product of a bfloat16 activation and
+// 16 + q is exact in float32, and 64 weights take 13 operations (one load) where widening them to
+// float32 took 28. On the Zen 4 kind, 2 threads, SmolLM2's 30 layers of int4 weights (53 MB) at
+// M = 1: 3.7 ms where the float32 loops took 4.75 (1.27x; 1.35x at M = 4; session 21, with a
+// word permute per 16 weights, which the logic op then beat by 1.22x in cache).
 #if defined(LLMCTL_Q_AVX2) && !defined(LLMCTL_Q_512) && defined(__AVX512BF16__) && \
     defined(__AVX512BW__) && defined(__AVX512VL__)
 #define LLMCTL_Q_BF16DOT 1
@@ -191,10 +193,8 @@ void row_int8(const int8_t* q, const S* scales, const float* x, int64_t ldx, int
 // row's total by one multiply-add with its scale, the only dependency carried across groups.
 //   F32x16   512-bit float32 FMAs (LLMCTL_Q_512)
 //   F32x8    256-bit float32 FMAs (AVX2)
-//   Bf16x16  bfloat16 activations as their raw words, VDPBF16PS (LLMCTL_Q_BF16DOT): two products
-//            a lane, added in float32 (exact products, float32 sums, subnormal inputs read as
-//            zero as in oneDNN's bfloat16 GEMMs). The float32 lanes' bits differ (another order).
 //   Scalar   anything else
+// (bfloat16 activations on AVX512-BF16 CPUs take their own loops, `bf16dot` below.)
 struct Scalar {
   using X = float;
   using Acc = float;
@@ -270,41 +270,6 @@ struct F32x16 {
   }
   static Acc scaled(Acc p, float s, Acc acc) { return _mm512_fmadd_ps(p, _mm512_set1_ps(s), acc); }
   static float total(Acc acc) { return _mm512_reduce_add_ps(acc); }
-};
-#endif
-
-#if defined(LLMCTL_Q_BF16DOT)
-struct Bf16x16 {
-  using X = uint16_t;  // bfloat16's raw words
-  using Acc = __m256;
-  struct Weights {
-    __m256bh v[2];
-  };
-  struct Acts {
-    __m256bh v[2];
-  };
-  // word i: i as bfloat16, 0-15 (VPERMW reads an index's low 4 bits only)
-  const __m256i table =
-      _mm256_setr_epi16(0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100,
-                        0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170);
-  static Acc zero() { return _mm256_setzero_ps(); }
-  // 32 nibbles (Q4_0's order) -> weights 0-15 and 16-31 as bfloat16: one word permute each, the
-  // low nibbles unmasked, the high ones one shift
-  Weights weights(const uint8_t* b) const {
-    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
-    return {{(__m256bh)_mm256_permutexvar_epi16(v, table),
-             (__m256bh)_mm256_permutexvar_epi16(_mm256_srli_epi16(v, 4), table)}};
-  }
-  static Acts acts(const uint16_t* x) {
-    return {{(__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)),
-             (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))}};
-  }
-  static Acc madd(Acc p, const Weights& w, const Acts& a) {
-    p = _mm256_dpbf16_ps(p, w.v[0], a.v[0]);
-    return _mm256_dpbf16_ps(p, w.v[1], a.v[1]);
-  }
-  static Acc scaled(Acc p, float s, Acc acc) { return _mm256_fmadd_ps(p, _mm256_set1_ps(s), acc); }
-  static float total(Acc acc) { return hsum(acc); }
 };
 #endif
 
@@ -406,6 +371,188 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return total;
 }
 
+#if defined(LLMCTL_Q_BF16DOT)
+// bfloat16 activations against int4 weights by bfloat16 dot products (VDPBF16PS), 64 weights
+// (two 32-weight chunks, one 32-byte load) a step. A nibble q becomes the bfloat16 word
+// 0x4180 | q << 3, the value 16 + q, by a shift and one three-input logic op (VPTERNLOGD:
+// (v & 0x78) | 0x4180), where a 16-entry word permute (VPERMW) took one slow shuffle per 16
+// weights. Each product of a bfloat16 activation (8 significant bits) and 16 + q (5) is exact in
+// float32, two a lane added in float32 (subnormal inputs read as zero, as in oneDNN's bfloat16
+// GEMMs); the 16's share, 16 d_g sum(x over group g), leaves with the zero term:
+//   y = sum_g d_g sum_k (16 + q[k]) x[k] + sum_g (z_g - 16 d_g) xsum_g.
+// The load's 16 words are, per 128-bit half (one chunk each), bytes 2i and 2i + 1 of the chunk:
+// elements 2i and 2i + 16 in the low byte's nibbles, 2i + 1 and 2i + 17 in the high byte's. x is
+// laid out in that order once a call (`pair_order`), so the weights need no shuffle at all. On the
+// Zen 4 kind, one thread, a [3072, 576] Q4_1 weight in cache: 74 us a call where the word
+// permutes took 91 (1.22x).
+namespace bf16dot {
+
+constexpr float kOffset = 16.f;  // the value the nibbles' words carry on top of q
+
+// x's words (K of them) in the order the weights' words come in: per pair of chunks, four
+// vectors of 16 words (elements 2i, 2i + 16, 2i + 1, 2i + 17 of the first chunk in the low 8
+// words, of the second in the high 8); an odd chunk left at the end stays in order.
+inline void pair_order(const uint16_t* x, int64_t K, uint16_t* xp) {
+  const int64_t C = K / 32;
+  int64_t c = 0;
+  for (; c + 2 <= C; c += 2) {
+    uint16_t* o = xp + c * 32;
+    for (int half = 0; half < 2; ++half) {
+      const uint16_t* xc = x + (c + half) * 32;
+      for (int i = 0; i < 8; ++i) {
+        o[half * 8 + i] = xc[2 * i];
+        o[16 + half * 8 + i] = xc[2 * i + 16];
+        o[32 + half * 8 + i] = xc[2 * i + 1];
+        o[48 + half * 8 + i] = xc[2 * i + 17];
+      }
+    }
+  }
+  if (c < C) std::copy(x + c * 32, x + K, xp + c * 32);
+}
+
+// The words of 16 + q for the nibbles at bit `shift` of each 16-bit lane.
+template <int shift>
+inline __m256bh words(__m256i v) {
+  __m256i at3;  // the nibble at bits 3-6
+  if constexpr (shift <= 3) {
+    at3 = _mm256_slli_epi16(v, 3 - shift);
+  } else {
+    at3 = _mm256_srli_epi16(v, shift - 3);
+  }
+  // (at3 & 0x78) | 0x4180: truth table 0xEA for (a & b) | c
+  return (__m256bh)_mm256_ternarylogic_epi32(at3, _mm256_set1_epi16(0x78),
+                                             _mm256_set1_epi16(0x4180), 0xEA);
+}
+
+// The scales of chunks c (low 4 lanes) and c + 1 (high 4 lanes).
+template <typename S>
+inline __m256 pair_scales(const S* scales, int64_t c, int64_t g) {
+  if (g == 32) {  // one group a chunk: two scales side by side
+    __m128 two;
+    if constexpr (std::is_same_v<S, float>) {
+      two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scales + c)));
+    } else {
+      uint32_t bits;
+      std::memcpy(&bits, scales + c, sizeof(bits));
+      two = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits)));
+    }
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two),
+                                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  }
+  return _mm256_setr_m128(_mm_set1_ps(ld(scales, c * 32 / g)),
+                          _mm_set1_ps(ld(scales, (c + 1) * 32 / g)));
+}
+
+inline __m256bh xwords(const uint16_t* x) {
+  return (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+}
+
+// A pair of chunks of one weight row (32 bytes at b) against one row of pair-ordered x.
+struct Pair {
+  __m256bh w[4];
+  explicit Pair(const uint8_t* b) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+    w[0] = words<0>(v);
+    w[1] = words<4>(v);
+    w[2] = words<8>(v);
+    w[3] = words<12>(v);
+  }
+  __m256 dot(const uint16_t* xc) const {
+    __m256 p = _mm256_dpbf16_ps(_mm256_setzero_ps(), w[0], xwords(xc));
+    p = _mm256_dpbf16_ps(p, w[1], xwords(xc + 16));
+    p = _mm256_dpbf16_ps(p, w[2], xwords(xc + 32));
+    return _mm256_dpbf16_ps(p, w[3], xwords(xc + 48));
+  }
+};
+
+// An odd last chunk (16 bytes at b; x in order): byte j's nibbles are elements j and j + 16.
+struct Tail {
+  __m256bh w[2];
+  explicit Tail(const uint8_t* b) {
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+    w[0] = words<0>(v);
+    w[1] = words<4>(v);
+  }
+  __m256 dot(const uint16_t* xc) const {
+    const __m256 p = _mm256_dpbf16_ps(_mm256_setzero_ps(), w[0], xwords(xc));
+    return _mm256_dpbf16_ps(p, w[1], xwords(xc + 16));
+  }
+};
+
+// NR weight rows (row_bytes apart) against one row of x: a sequence decoded alone. Each pair's
+// sum enters its row's total by one multiply-add with the pair's scales.
+template <int NR, typename S>
+void rows_m1(const uint8_t* qp, int64_t row_bytes, const S* scales, int64_t G, int64_t g,
+             const uint16_t* xp, int64_t K, float* out) {
+  const int64_t C = K / 32;
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 2 <= C; c += 2) {
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* b = qp + r * row_bytes + c * 16;
+      // The rows read side by side defeat the hardware's stream prefetch: ask for the next
+      // pass's line of this row (a prefetch past the end is harmless).
+      if ((c & 3) == 0) __builtin_prefetch(b + NR * row_bytes, 0, 3);
+      acc[r] = _mm256_fmadd_ps(Pair(b).dot(xp + c * 32), pair_scales(scales + r * G, c, g), acc[r]);
+    }
+  }
+  if (c < C) {
+    for (int r = 0; r < NR; ++r) {
+      const __m256 s = _mm256_set1_ps(ld(scales + r * G, c * 32 / g));
+      acc[r] = _mm256_fmadd_ps(Tail(qp + r * row_bytes + c * 16).dot(xp + c * 32), s, acc[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) out[r] = hsum(acc[r]);
+}
+
+// One weight row against R rows of x (ldx apart): each pair's words made once, the same
+// operations per row of x as rows_m1's.
+template <int R, typename S>
+void row(const uint8_t* qp, const S* scales, int64_t g, const uint16_t* xp, int64_t ldx,
+         int64_t K, float* out) {
+  const int64_t C = K / 32;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 2 <= C; c += 2) {
+    const Pair w(qp + c * 16);
+    const __m256 s = pair_scales(scales, c, g);
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w.dot(xp + r * ldx + c * 32), s, acc[r]);
+  }
+  if (c < C) {
+    const Tail w(qp + c * 16);
+    const __m256 s = _mm256_set1_ps(ld(scales, c * 32 / g));
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w.dot(xp + r * ldx + c * 32), s, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+
+// The zero term with the nibbles' offset: sum_g (z_g - 16 d_g) xsum_g, z - 16 d rounded once.
+template <typename S>
+inline float zero_term(const S* z, const S* s, const float* xsum, int64_t G) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  const __m256 off = _mm256_set1_ps(kOffset);
+  for (; i + 8 <= G; i += 8) {
+    __m256 zv, sv;
+    if constexpr (std::is_same_v<S, float>) {
+      zv = _mm256_loadu_ps(z + i);
+      sv = _mm256_loadu_ps(s + i);
+    } else {
+      zv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z + i)));
+      sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+    }
+    acc = _mm256_fmadd_ps(_mm256_fnmadd_ps(sv, off, zv), _mm256_loadu_ps(xsum + i), acc);
+  }
+  float total = hsum(acc);
+  for (; i < G; ++i) total += std::fma(-kOffset, ld(s, i), ld(z, i)) * xsum[i];
+  return total;
+}
+
+}  // namespace bf16dot
+#endif
+
 template <typename S>
 struct Int8Row {
   const int8_t* q;
@@ -439,14 +586,18 @@ struct Int4Row {
     rows_int4_m1<Int4Lanes, NR, S>(qp + n * (K / 2), K / 2, scales + n * G, G, x, g, out);
   }
 #if defined(LLMCTL_Q_BF16DOT)
-  static constexpr bool kBf16Dot = true;  // bfloat16 x: VDPBF16PS on its own words
+  // bfloat16 x: VDPBF16PS on its own words, pair-ordered (bf16dot::pair_order)
+  static constexpr bool kBf16Dot = true;
   template <int R>
   void call(int64_t n, const uint16_t* x, int64_t ldx, float* out) const {
-    row_int4<Bf16x16, R, S>(qp + n * (K / 2), scales + n * G, x, ldx, K, g, out);
+    bf16dot::row<R, S>(qp + n * (K / 2), scales + n * G, g, x, ldx, K, out);
   }
   template <int NR>
   void block(int64_t n, const uint16_t* x, float* out) const {
-    rows_int4_m1<Bf16x16, NR, S>(qp + n * (K / 2), K / 2, scales + n * G, G, x, g, out);
+    bf16dot::rows_m1<NR, S>(qp + n * (K / 2), K / 2, scales + n * G, G, g, x, K, out);
+  }
+  float zero_term(int64_t n, const S* zp, const float* xsum) const {
+    return bf16dot::zero_term(zp + n * G, scales + n * G, xsum, G);
   }
 #else
   static constexpr bool kBf16Dot = false;
@@ -479,7 +630,8 @@ void check_common(const at::Tensor& x, const at::Tensor& scales, int64_t N, int6
 
 // rows [begin, end) of y for activation rows handled R at a time; zp: [N, G] zeros or nullptr.
 // bfloat16 x is widened to float32 first (exactly) and y rounded back at the end: the same sums
-// (rows with RowFn::kBf16Dot take bfloat16 x's own words instead).
+// (rows with RowFn::kBf16Dot take bfloat16 x's own words instead, laid out by
+// bf16dot::pair_order, and their own zero term).
 template <typename S, typename RowFn>
 at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes, const S* zp,
                     const RowFn& row) {
@@ -504,12 +656,28 @@ at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes
       for (int64_t gi = 0; gi < G; ++gi) s[m * G + gi] = group_sum(xp + m * K + gi * g, g);
   }
   const float* sp = has_zeros ? xsum.data_ptr<float>() : nullptr;
+  std::vector<uint16_t> words;  // bfloat16 x's words for rows that take them, pair-ordered
+#if defined(LLMCTL_Q_BF16DOT)
+  if (RowFn::kBf16Dot && bf16) {
+    words.resize(M * K);
+    const uint16_t* xw = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+    for (int64_t m = 0; m < M; ++m) bf16dot::pair_order(xw + m * K, K, words.data() + m * K);
+  }
+#endif
   // >= 128 KiB of packed weight per task (~10 us of reading): a small matrix stays on one
   // thread, where waking the others would cost more than it saves (much more on a busy machine).
   const int64_t grain = std::max<int64_t>(1, (128 * 1024) / std::max<int64_t>(1, row_bytes));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     // xs: x's float32 rows, or bfloat16 x's own words for rows that take them (RowFn::kBf16Dot)
     auto columns = [&](const auto* xs) {
+      // the zero term of row n against the per-group sums of one row of x
+      auto zero_term = [&](int64_t n, const float* xsum_row) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(*xs)>, uint16_t>) {
+          return row.zero_term(n, zp, xsum_row);
+        } else {
+          return dot(zp + n * G, xsum_row, G);
+        }
+      };
       float out[kMaxRows];
       int64_t n = begin;
       if constexpr (RowFn::kBlocks) {
@@ -518,7 +686,7 @@ at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes
             const int64_t rows = std::min<int64_t>(kBlockRows, end - n);
             with_rows(rows, [&](auto nr) { row.template block<decltype(nr)::value>(n, xs, out); });
             for (int64_t r = 0; r < rows; ++r)
-              yp[n + r] = has_zeros ? out[r] + dot(zp + (n + r) * G, sp, G) : out[r];
+              yp[n + r] = has_zeros ? out[r] + zero_term(n + r, sp) : out[r];
           }
         }
       }
@@ -530,7 +698,7 @@ at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes
           });
           for (int64_t r = 0; r < rows; ++r) {
             float v = out[r];
-            if (has_zeros) v += dot(zp + n * G, sp + (m0 + r) * G, G);
+            if (has_zeros) v += zero_term(n, sp + (m0 + r) * G);
             yp[(m0 + r) * N + n] = v;
           }
         }
@@ -538,7 +706,7 @@ at::Tensor run_rows(const at::Tensor& x, int64_t N, int64_t g, int64_t row_bytes
     };
     if constexpr (RowFn::kBf16Dot) {
       if (bf16) {
-        columns(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()));
+        columns(static_cast<const uint16_t*>(words.data()));
       } else {
         columns(xp);
       }
