@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import fnmatch
 import functools
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -211,6 +212,21 @@ def release_free_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive now (the loaded model's modules, the tokenizer, the engine) out of
+    the cyclic garbage collector's sight, as vLLM does once its engine is up. A step allocates
+    enough short-lived objects to set off full collections, and each walked the ~190,000 objects
+    of the bundled model's engine: ~2% of a single stream's decode on the Zen 4 kind. Undone by
+    `thaw_startup_heap` when the engine shuts down, so that an engine built and dropped inside a
+    longer-lived process (tests, notebooks) is collected as before."""
+    gc.collect()
+    gc.freeze()
+
+
+def thaw_startup_heap() -> None:
+    gc.unfreeze()
 
 
 def check_fp8(device: str) -> None:

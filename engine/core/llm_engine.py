@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from llmctl.engine import platform
 from llmctl.engine.config.engine_args import EngineArgs
 from llmctl.engine.config.engine_config import EngineConfig, check_kv_cache_fits
 from llmctl.engine.config.kv_cache_layout import KVCacheLayout
@@ -106,6 +107,7 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._ids = itertools.count()
+        platform.freeze_startup_heap()  # after everything the engine keeps is built
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, progress=None) -> LLMEngine:
@@ -227,6 +229,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        platform.thaw_startup_heap()
 
     # -- internals -----------------------------------------------------------------------------
 

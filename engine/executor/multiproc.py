@@ -492,6 +492,7 @@ def _worker_main(fd: int) -> None:
     except BaseException as exc:  # report why, then exit: the engine raises it
         conn.send(("init_error", rank, _picklable(exc), traceback.format_exc()))
         return
+    platform.freeze_startup_heap()  # (this process ends with the engine)
     conn.send(("ready", rank, os.getpid()))
     while True:
         raw = inbox.get()

@@ -78,6 +78,7 @@ class RayWorker:
             os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
         import torch
 
+        from llmctl.engine import platform
         from llmctl.engine.worker.worker import Worker
 
         torch.set_num_threads(threads)
@@ -85,6 +86,7 @@ class RayWorker:
         if engine_config.model_config is not None:  # else bare: the caller runs init_device
             self.worker.init_device()
             self.worker.load_model()
+        platform.freeze_startup_heap()  # (the actor's process ends with the engine)
         return os.getpid()
 
     def execute_method(self, method: str | Callable, args: tuple, kwargs: dict) -> Any:
