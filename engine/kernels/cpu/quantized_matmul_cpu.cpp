@@ -70,7 +70,7 @@
 // 16 + q is exact in float32, and 64 weights take 13 operations (one load) where widening them to
 // float32 took 28. On the Zen 4 kind, 2 threads, SmolLM2's 30 layers of int4 weights (53 MB) at
 // M = 1: 3.7 ms where the float32 loops took 4.75 (1.27x; 1.35x at M = 4; session 21, with a
-// word permute per 16 weights, which the logic op then beat by 1.22x in cache).
+// word permute per 16 weights, which the logic op then beat by 1.25x in cache).
 #if defined(LLMCTL_Q_AVX2) && !defined(LLMCTL_Q_512) && defined(__AVX512BF16__) && \
     defined(__AVX512BW__) && defined(__AVX512VL__)
 #define LLMCTL_Q_BF16DOT 1
@@ -383,8 +383,9 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // The load's 16 words are, per 128-bit half (one chunk each), bytes 2i and 2i + 1 of the chunk:
 // elements 2i and 2i + 16 in the low byte's nibbles, 2i + 1 and 2i + 17 in the high byte's. x is
 // laid out in that order once a call (`pair_order`), so the weights need no shuffle at all. On the
-// Zen 4 kind, one thread, a [3072, 576] Q4_1 weight in cache: 74 us a call where the word
-// permutes took 91 (1.22x).
+// Zen 4 kind, a [3072, 576] Q4_1 weight in cache, in turns with the word permutes' loop: 1.25x
+// (1 thread and 2); the bundled model's 120 layers cold, 1.08x; its single-stream decode waits on
+// memory, not on this loop (docs/benchmarks.md, "Zen 4: single-stream decode and memory").
 namespace bf16dot {
 
 constexpr float kOffset = 16.f;  // the value the nibbles' words carry on top of q
