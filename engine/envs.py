@@ -159,6 +159,12 @@ _VARIABLES = (
         "The SSH known-hosts file `llmctl cluster` checks node host keys against.",
     ),
     EnvVar(
+        "LLMCTL_NO_GC_FREEZE", False, _flag, _FLAG,
+        "1: leave the engine's start-up heap in the garbage collector's walks (by default each "
+        "process freezes it once up, as vLLM does; the test suite sets this: its one process "
+        "builds hundreds of engines, each freeze a full collection of it).",
+    ),
+    EnvVar(
         "LLMCTL_NO_MALLOC_TUNING", False, _flag, _FLAG,
         "1: leave glibc's malloc thresholds as they are (by default the heap keeps freed "
         "activation buffers for the next step).",

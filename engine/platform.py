@@ -214,19 +214,30 @@ def release_free_heap() -> None:
         pass
 
 
+_frozen = 0  # engines of this process whose start-up heap is frozen
+
+
 def freeze_startup_heap() -> None:
     """Move every object alive now (the loaded model's modules, the tokenizer, the engine) out of
     the cyclic garbage collector's sight, as vLLM does once its engine is up. A step allocates
     enough short-lived objects to set off full collections, and each walked the ~190,000 objects
     of the bundled model's engine: ~2% of a single stream's decode on the Zen 4 kind. Undone by
     `thaw_startup_heap` when the engine shuts down, so that an engine built and dropped inside a
-    longer-lived process (tests, notebooks) is collected as before."""
+    longer-lived process (a notebook) is collected as before. LLMCTL_NO_GC_FREEZE=1: not done."""
+    global _frozen
+    if envs.LLMCTL_NO_GC_FREEZE:
+        return
     gc.collect()
     gc.freeze()
+    _frozen += 1
 
 
 def thaw_startup_heap() -> None:
-    gc.unfreeze()
+    """An engine that froze the heap shut down: the collector walks it all again."""
+    global _frozen
+    if _frozen:
+        _frozen -= 1
+        gc.unfreeze()
 
 
 def check_fp8(device: str) -> None:

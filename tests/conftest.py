@@ -32,6 +32,11 @@ if not torch.cuda.is_available():
 # missing secret remove it.
 os.environ.setdefault("LLMCTL_CLUSTER_SECRET", "llmctl-test-suite-cluster-secret")
 
+# Engines do not freeze their start-up heap (engine/platform.py freeze_startup_heap): this
+# process builds hundreds of them, and each freeze begins with a full collection of everything
+# the suite has imported (~0.3 s here). tests/engine/test_llm_start_up.py turns it back on.
+os.environ.setdefault("LLMCTL_NO_GC_FREEZE", "1")
+
 
 # httpx makes a new SSL context, parsing certifi's CA bundle (~20 ms here), for every client:
 # each httpx.get/post/stream and each openai client (openai 3 builds on httpx2, a fork). The

@@ -82,7 +82,7 @@ def test_a_second_start_reads_config_json_without_transformers(tiny_models, tmp_
     assert start() == (edited, False)
 
 
-def test_a_dropped_llm_is_collected_in_a_longer_lived_process(tiny_models):
+def test_a_dropped_llm_is_collected_in_a_longer_lived_process(tiny_models, monkeypatch):
     """While it runs, the engine keeps its start-up heap (the model, the tokenizer, the engine)
     out of the cyclic garbage collector's walks (gc.freeze, as vLLM does: full collections cost
     a single stream ~2% of its decode); when it shuts down, or its LLM is dropped, that heap is
@@ -93,6 +93,7 @@ def test_a_dropped_llm_is_collected_in_a_longer_lived_process(tiny_models):
 
     from llmctl.engine import LLM, SamplingParams
 
+    monkeypatch.delenv("LLMCTL_NO_GC_FREEZE")  # the suite's conftest sets it; a user does not
     llm = LLM(tiny_models.path("llama"), use_tqdm_on_load=False, kv_cache_space_gib=0.02)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
