@@ -233,7 +233,9 @@ def freeze_startup_heap() -> None:
 
 
 def thaw_startup_heap() -> None:
-    """An engine that froze the heap shut down: the collector walks it all again."""
+    """An engine that froze the heap shut down: the collector walks all of it again, another
+    engine's still running too (until that one stops, its heap is walked as before the freeze:
+    the stopped engine's memory coming back matters more)."""
     global _frozen
     if _frozen:
         _frozen -= 1
