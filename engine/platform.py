@@ -88,12 +88,15 @@ class CpuPath:
     tiles of its weight for oneDNN's bfloat16 GEMM kernel (AMX or AVX512-BF16); on the others
     activations are float32 and the tiles float32, for torch's float32 GEMM. On avx512_bf16
     with AVX512-VNNI (Zen 4) prefill batches of quantized weights run on int8 activations
-    (`int8_prefill`, kernels/cpu/int8_gemm.cpp; LLMCTL_CPU_INT8_PREFILL=0 turns it off).
+    (`int8_prefill`, kernels/cpu/int8_gemm.cpp; LLMCTL_CPU_INT8_PREFILL=0 turns it off); on
+    avx2, 4-bit weights' prefill batches do, on VPMADDUBSW, in place of the float32 GEMM (dtype
+    "auto" only: `int8_activations`).
     """
 
     name: str
     bf16_tiles: bool  # batched quantized matmuls through bfloat16 tiles
-    # prefill batches of quantized weights on int8 activations and AVX512-VNNI (int8_gemm.cpp)
+    # prefill batches of quantized weights on int8 activations (int8_gemm.cpp): AVX512-VNNI
+    # (avx512_bf16), VPMADDUBSW for 4-bit weights (avx2)
     int8_prefill: bool = False
 
     @property
@@ -103,12 +106,17 @@ class CpuPath:
     def describe(self) -> str:
         tiles = "bfloat16" if self.bf16_tiles else "float32"
         gemm = {"amx": "AMX", "avx512_bf16": "AVX512-BF16"}.get(self.name, "float32")
-        prefill = (
-            "; prefill batches of quantized weights on int8 activations (AVX512-VNNI, "
-            "LLMCTL_CPU_INT8_PREFILL=0 for bfloat16)"
-            if self.int8_prefill
-            else ""
-        )
+        prefill = ""
+        if self.int8_prefill and self.bf16_tiles:
+            prefill = (
+                "; prefill batches of quantized weights on int8 activations (AVX512-VNNI, "
+                "LLMCTL_CPU_INT8_PREFILL=0 for bfloat16)"
+            )
+        elif self.int8_prefill:
+            prefill = (
+                "; prefill batches of 4-bit weights on int8 activations (AVX2 VPMADDUBSW, "
+                "LLMCTL_CPU_INT8_PREFILL=0 for float32)"
+            )
         return (
             f"CPU path {self.name}: {self.activation_dtype} activations by default; batched "
             f"quantized matmuls expand {tiles} weight tiles for the {gemm} GEMM{prefill}; int4 "
@@ -134,7 +142,7 @@ def cpu_path(flags: set[str] | None = None) -> CpuPath:
         int8 = {"avx512_vnni", "avx512bw"} <= flags and envs.LLMCTL_CPU_INT8_PREFILL
         return CpuPath("avx512_bf16", bf16_tiles=True, int8_prefill=int8)
     if {"avx2", "fma"} <= flags:
-        return CpuPath("avx2", bf16_tiles=False)
+        return CpuPath("avx2", bf16_tiles=False, int8_prefill=envs.LLMCTL_CPU_INT8_PREFILL)
     return CpuPath("baseline", bf16_tiles=False)
 
 
@@ -144,6 +152,17 @@ def log_cpu_path() -> CpuPath:
     path = cpu_path()
     logger.info("%s", path.describe())
     return path
+
+
+def int8_activations(dtype: str, device: str) -> bool:
+    """Whether a model's 4-bit packed weights take int8 activations for float32 batches
+    (ModelConfig.int8_activations): on the avx2 CPU path with int8_prefill, under dtype "auto"
+    only. dtype="float32" asked for by name keeps float32 activations everywhere, the float
+    path's numerics (resolve_dtype's promise)."""
+    if dtype != "auto" or device != "cpu":
+        return False
+    path = cpu_path()
+    return path.name == "avx2" and path.int8_prefill
 
 
 def cpu_has_native_bf16() -> bool:

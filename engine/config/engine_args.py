@@ -437,6 +437,7 @@ class EngineArgs:
             quantization=quantization,
             gguf_file=source.gguf_file or "",
             load_format=self.load_format,
+            int8_activations=platform.int8_activations(dtype, device),
         )
         cache_config = CacheConfig(
             block_size=self.block_size,

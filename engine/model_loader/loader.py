@@ -105,7 +105,15 @@ def load_model(
             from llmctl.engine.kernels.cpu.fp8_matmul import kernel_available
 
             kernel_available()  # built (or found) before the first matmul's timing
-    with torch.device(device), _default_dtype(torch_dtype(model_config.dtype)):
+    from llmctl.engine.kernels.cpu.quantized_matmul import int8_activations
+
+    # packed weights made while loading take int8 activations where the config says so
+    int8 = model_config.int8_activations and device == "cpu"
+    with (
+        torch.device(device),
+        _default_dtype(torch_dtype(model_config.dtype)),
+        int8_activations(int8),
+    ):
         if model_config.load_format == "dummy":
             initialize_dummy_weights(model, model_config.seed)
         else:
@@ -113,10 +121,11 @@ def load_model(
     unique = {id(p): p for p in model.parameters()}.values()
     # What this rank holds, before CPU repacking replaces some weights by packed copies.
     model.loaded_weight_bytes = sum(p.numel() * p.element_size() for p in unique)
-    for module in model.modules():
-        process = getattr(module, "process_weights_after_loading", None)
-        if process is not None:
-            process()
+    with int8_activations(int8):
+        for module in model.modules():
+            process = getattr(module, "process_weights_after_loading", None)
+            if process is not None:
+                process()
     # Quantized weights are not parameters: count what their packed form holds.
     packed = {}
     for module in model.modules():

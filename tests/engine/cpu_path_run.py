@@ -7,7 +7,8 @@ The prompts reach each kernel of the path: a batch of 8 (a prefill of ~90 rows a
 of 8 rows: the batched matmul, bfloat16 tiles on the AMX and AVX512-BF16 paths), two together
 (decode steps of 2 rows: the decode kernels) and a 520-token prompt (a prefill of 512 rows or
 more: the prefill GEMM, AMX tiles, int8 activations or weights expanded in chunks; the JSON's
-"prefill" says which).
+"prefill" says which: "int8" on the AVX2 path too, whose prefill batches on 4-bit weights take
+int8 activations).
 """
 
 from __future__ import annotations
@@ -51,10 +52,17 @@ def run(llm: LLM) -> dict:
                 logprobs = [{t: lp.logprob for t, lp in d.items()} for d in seq.logprobs]
                 outputs.append({"token_ids": seq.token_ids, "logprobs": logprobs})
         stack = runner.model.model.__dict__.get("_fused_decode_stack")
+        packed = [
+            part
+            for module in runner.model.modules()
+            for part in getattr(getattr(module, "quant_method", None), "parts", ())
+            if isinstance(part, quantized_matmul.PackedLinearWeight)
+        ]
     return {
         "dtype": llm.llm_engine.config.model_config.dtype,
         "quantization": getattr(llm.llm_engine.config.model_config.quantization, "method", None),
         "fused": type(stack).__name__,
+        "int8_act": sorted({part.int8_act for part in packed}),  # the model's packed weights
         "outputs": outputs,
     }
 
@@ -63,7 +71,10 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     native = run(LLM(**COMMON))
     reference = run(LLM(gguf_dequantize=True, dtype=native["dtype"], **COMMON))
-    prefill = quantized_matmul.prefill_gemm(quantized_matmul._kernel())
+    op = quantized_matmul._kernel()
+    prefill = quantized_matmul.prefill_gemm(op)
+    if prefill is None and quantized_matmul.float32_int8(op):
+        prefill = "int8"  # the AVX2 path's batches on int8 activations (VPMADDUBSW)
     print(
         json.dumps(
             {"path": cpu_path().name, "prefill": prefill, "native": native, "reference": reference}

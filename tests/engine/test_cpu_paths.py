@@ -14,7 +14,10 @@ most that much (MAX_GAP_BF16); in float32 by MAX_GAP, as everywhere else.
 Zen 4's default (avx512_bf16 with AVX512-VNNI) multiplies prefill batches' activations as int8,
 quantized per 32 values (kernels/cpu/int8_gemm.cpp): its tokens are held to the same bfloat16
 float path by the same rule, and the same path with LLMCTL_CPU_INT8_PREFILL=0 (bfloat16
-prefill) is run as its own case.
+prefill) is run as its own case. The AVX2 path's default does the same for prefill batches on
+4-bit weights (VPMADDUBSW): int8 activations carry about as many bits as bfloat16's
+significand (a step of amax / 127 in a block), so its float32 tokens are held by the bfloat16
+rule (MAX_GAP_INT8), and with LLMCTL_CPU_INT8_PREFILL=0 (float32 throughout) by MAX_GAP.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ from llmctl.engine.platform import cpu_flags
 pytestmark = pytest.mark.slow
 
 MAX_GAP_BF16 = 0.25  # one bfloat16 ulp of a logit below 64
+MAX_GAP_INT8 = MAX_GAP_BF16  # int8 activations (per 32 values): about bfloat16's resolution
 HERE = Path(__file__).resolve().parent
 AVX512_BF16 = {"LLMCTL_CPU_FLAGS_OFF": "amx*", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+AVX2 = {"LLMCTL_CPU_FLAGS_OFF": "avx512*,amx*", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 # name: (the CPU path, the flags it needs, the environment that selects it here, its dtype, the
 # prefill GEMM it runs: quantized_matmul.prefill_gemm)
 PATHS = {
@@ -55,13 +60,9 @@ PATHS = {
         "bfloat16",
         None,
     ),
-    "avx2": (
-        "avx2",
-        {"avx2", "fma"},
-        {"LLMCTL_CPU_FLAGS_OFF": "avx512*,amx*", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-        "float32",
-        None,
-    ),
+    # the AVX2 kind's default: prefill batches on int8 activations (4-bit weights)
+    "avx2-int8": ("avx2", {"avx2", "fma"}, AVX2, "float32", "int8"),
+    "avx2": ("avx2", {"avx2", "fma"}, {**AVX2, "LLMCTL_CPU_INT8_PREFILL": "0"}, "float32", None),
 }
 
 
@@ -116,7 +117,13 @@ def test_quantized_weights_give_the_float_paths_tokens(name):
     assert (native["dtype"], reference["dtype"]) == (dtype, dtype)
     assert (native["quantization"], reference["quantization"]) == ("gguf", None)
     assert native["fused"] == reference["fused"] == "DecodeStack"  # both decoded in one C++ call
+    # the AVX2 path's int8 activations: the native model's packed weights, made for them
+    assert native["int8_act"] == [path == "avx2" and prefill == "int8"]
+    assert reference["int8_act"] == []  # float weights
     gaps = first_differences(as_outputs(native["outputs"]), as_outputs(reference["outputs"]))
     print(f"{name}: {len(gaps)} of {len(native['outputs'])} sequences part: {gaps}")
-    limit = MAX_GAP_BF16 if dtype == "bfloat16" else MAX_GAP
+    if dtype == "bfloat16":
+        limit = MAX_GAP_BF16
+    else:
+        limit = MAX_GAP_INT8 if prefill == "int8" else MAX_GAP
     assert all(gap <= limit for _, _, gap in gaps), f"gaps above {limit}: {gaps}"

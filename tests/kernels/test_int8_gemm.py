@@ -9,6 +9,10 @@ kernel may differ by its float32 sums and the output's rounding to bfloat16. The
 give the unfused int8 ops' bits (the same sums, then the row code every path runs).
 These run wherever the CPU has AVX512-VNNI (the Intel AMX kind too, by calling the ops); the
 layers' tests need the int8 path to be the one the engine takes.
+
+The AVX2 flavour (int4_group_mm_int8_act: float32 x on VPMADDUBSW, 4-bit weights, the AVX2 CPU
+path's prefill batches) has the same numerics from float32 x into float32 y; it is
+built wherever the CPU has AVX2 and FMA, so every machine kind runs its tests.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ def assert_int8_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> No
     assert worst <= 0, f"an output is {worst:.3g} past its bound"
 
 
-def activations(m: int, k: int, seed: int) -> torch.Tensor:
+def activations(m: int, k: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Rows with what quantization meets: a block of zeros, an outlier, tiny values."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g)
@@ -68,7 +72,7 @@ def activations(m: int, k: int, seed: int) -> torch.Tensor:
     if m > 2:
         x[1, 5] = 300.0
         x[2] *= 1e-3
-    return x.bfloat16()
+    return x.to(dtype)
 
 
 @pytest.mark.parametrize(
@@ -221,3 +225,102 @@ def test_the_int8_kernels_start_at_their_own_batch_size(int8_path):
     assert gated_mlp.fused_gated_mlp(mlp.gate_up_proj, mlp.down_proj, below) is None
     at = activations(kernels.INT8_LARGE_BATCH, 64, seed=9)
     assert gated_mlp.fused_gated_mlp(mlp.gate_up_proj, mlp.down_proj, at) is not None
+
+
+# The AVX2 flavour: float32 x, 4-bit weights, float32 y.
+
+
+@pytest.fixture(scope="module")
+def int8_act():
+    op = kernels.build_kernel()
+    if not op.int8_f32_built():
+        pytest.skip("this build has no AVX2 int8 GEMM (the CPU lacks AVX2 and FMA)")
+    return op
+
+
+def assert_int8_product_f32(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y = x^ W^T in float64, up to float32 sums (y float32)."""
+    assert y.dtype == torch.float32 and y.shape == (x.shape[0], w.shape[0])
+    xq = quantized_activations(x)
+    expected = xq @ w.double().T
+    bound = 1e-5 * (xq.abs() @ w.double().abs().T) + 1e-6 * expected.abs()
+    worst = ((y.double() - expected).abs() - bound).max().item()
+    assert worst <= 0, f"an output is {worst:.3g} past its bound"
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    "group, m, n, k",
+    [
+        (32, 1, 32, 32),
+        (32, 37, 64, 96),
+        (64, 255, 96, 576),  # below 256 rows: each thread lays out its own weight panels
+        (128, 300, 32, 256),  # from 256: W laid out once, the threads split the rows
+        (32, 27, 960, 1536),
+    ],
+)
+def test_int8_act_mm_gives_the_quantized_activations_times_w(int8_act, group, m, n, k, scale_dtype):
+    w = packed(4, group, n, k, seed=m + n + k)
+    s, z = w.scales.to(scale_dtype), w.zeros.to(scale_dtype)
+    x = activations(m, k, seed=m, dtype=torch.float32)
+    y = int8_act.int4_group_mm_int8_act(x, w.qweight, s, z, group)
+    assert_int8_product_f32(y, x, w.dequantize())
+
+
+def test_int8_act_mm_rows_do_not_depend_on_the_batch(int8_act):
+    """A row's sums are the same whichever way the rows are split (threads, micro tiles, the
+    laid-out W from 256 rows): the engine's tokens do not depend on the batch."""
+    w = packed(4, 32, 64, 576, seed=11)
+    x = activations(300, 576, seed=12, dtype=torch.float32)
+
+    def mm(rows: torch.Tensor) -> torch.Tensor:
+        return int8_act.int4_group_mm_int8_act(rows, w.qweight, w.scales, w.zeros, 32)
+
+    full = mm(x)
+    for rows in (1, 5, 200):
+        assert torch.equal(mm(x[:rows].contiguous()), full[:rows])
+
+
+def test_int8_act_mm_has_the_vnni_kernels_sums(int8, int8_act):
+    """The two flavours quantize x alike and add the same float32 terms in the same order:
+    on bfloat16 values, the AVX2 flavour's float32 output rounds to the VNNI one's bits."""
+    w = packed(4, 32, 96, 576, seed=13)
+    x = activations(70, 576, seed=14)
+    vnni = int8.int8_linear(x, int8.int8_blocks(w.qweight, w.scales, w.zeros, 4, 32, 0))
+    avx2 = int8_act.int4_group_mm_int8_act(x.float(), w.qweight, w.scales, w.zeros, 32)
+    assert torch.equal(avx2.bfloat16(), vnni)
+
+
+def test_int8_act_mm_refuses_what_it_cannot_multiply(int8_act):
+    w = packed(4, 32, 48, 64, seed=1)
+    x = torch.randn(30, 64)
+    with pytest.raises(RuntimeError, match="N and K must be multiples of 32"):
+        int8_act.int4_group_mm_int8_act(x, w.qweight, w.scales, w.zeros, 32)
+    w = packed(4, 32, 64, 64, seed=1)
+    with pytest.raises(RuntimeError, match="x has 96 features, the weight 64"):
+        int8_act.int4_group_mm_int8_act(torch.randn(30, 96), w.qweight, w.scales, w.zeros, 32)
+    with pytest.raises(RuntimeError, match="x must be a contiguous float32"):
+        int8_act.int4_group_mm_int8_act(x.bfloat16(), w.qweight, w.scales, w.zeros, 32)
+    w8 = packed(8, 32, 64, 64, seed=1)  # 8-bit weights: their byte products would overflow
+    with pytest.raises(RuntimeError, match="qp must be a contiguous uint8"):
+        int8_act.int4_group_mm_int8_act(x, w8.qweight, w8.scales, w8.scales, 32)
+
+
+def test_avx2_path_batches_take_int8_activations_on_4bit_weights_only(int8_act, monkeypatch):
+    """On the AVX2 path a packed weight made for int8 activations (a dtype "auto" model's) runs
+    its float32 batches of INT8_LARGE_BATCH rows or more through int4_group_mm_int8_act; fewer
+    rows (decode batches, short prompts), 8-bit weights and weights made without it keep
+    float32 numerics."""
+    monkeypatch.setattr(kernels, "float32_int8", lambda op: True)  # the AVX2 path's decision
+    with kernels.int8_activations(True):  # as the loader makes a dtype "auto" model's weights
+        w4, w8 = packed(4, 32, 64, 160, seed=4), packed(8, 32, 64, 160, seed=8)
+    plain = packed(4, 32, 64, 160, seed=4)  # made outside: dtype="float32" asked for by name
+    assert (w4.int8_act, w8.int8_act, plain.int8_act) == (True, True, False)
+    x = activations(kernels.INT8_LARGE_BATCH, 160, seed=15, dtype=torch.float32)
+    assert torch.equal(
+        w4.matmul(x), int8_act.int4_group_mm_int8_act(x, w4.qweight, w4.scales, w4.zeros, 32)
+    )
+    assert kernels.PackedLinearWeight.cat([w4, w4]).int8_act
+    for w, rows in ((w4, x[:-1]), (w4, x[: kernels.SMALL_BATCH]), (w8, x), (plain, x)):
+        expected = rows.double() @ w.dequantize().double().T
+        assert (w.matmul(rows).double() - expected).abs().max() <= 1e-5 * expected.abs().max()

@@ -73,6 +73,25 @@ def test_prefill_runs_int8_activations_where_vnni_meets_avx512_bf16(monkeypatch)
     assert "int8" not in path.describe()
 
 
+def test_avx2_batches_run_int8_activations_unless_turned_off(monkeypatch):
+    path = platform.cpu_path(AVX2)
+    assert (path.name, path.activation_dtype, path.int8_prefill) == ("avx2", "float32", True)
+    assert "prefill batches of 4-bit weights on int8 activations" in path.describe()
+    monkeypatch.setattr(platform, "cpu_flags", lambda: AVX2)
+    assert platform.int8_activations("auto", "cpu")
+    # dtype="float32" by name: the float path's numerics; the GPU: never
+    assert not platform.int8_activations("float32", "cpu")
+    assert not platform.int8_activations("auto", "cuda")
+    monkeypatch.setattr(platform, "cpu_flags", lambda: ZEN4)  # bfloat16 activations there
+    assert not platform.int8_activations("auto", "cpu")
+    monkeypatch.setattr(platform, "cpu_flags", lambda: AVX2)
+    monkeypatch.setenv("LLMCTL_CPU_INT8_PREFILL", "0")
+    assert not platform.int8_activations("auto", "cpu")
+    path = platform.cpu_path(AVX2)
+    assert (path.name, path.int8_prefill) == ("avx2", False)
+    assert "int8" not in path.describe()
+
+
 def test_flags_named_off_are_absent(monkeypatch, tmp_path):
     real = platform.cpu_flags()
     monkeypatch.setenv("LLMCTL_CPU_FLAGS_OFF", "amx*, avx512*")

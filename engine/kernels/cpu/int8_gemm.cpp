@@ -4,7 +4,9 @@
 // The ops mirror amx_gemm.cpp's: a linear (int8_linear), a Llama-style MLP in one pass
 // (int8_gated_mlp), and a linear whose rows are finished in cache by RoPE (int8_linear_rope) or
 // by the residual add and RMSNorm (int8_linear_add_rms_norm). The quantized layers take them from
-// INT8_LARGE_BATCH rows on that path (layers/gated_mlp.py, layers/linear_epilogue.py).
+// INT8_LARGE_BATCH rows on that path (layers/gated_mlp.py, layers/linear_epilogue.py). A float32
+// flavour for AVX2 CPUs without VNNI (int4_group_mm_int8_act, `avx2` below: VPMADDUBSW, 4-bit
+// weights) takes the AVX2 path's prefill batches.
 //
 // Numerics (what differs from the bfloat16 path): each row of x is quantized per block of 32
 // values, as llama.cpp quantizes activations for its integer dot products: s = amax / 127,
@@ -57,6 +59,12 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
     defined(__AVX512BF16__) && defined(__F16C__) && defined(LLMCTL_LAYERS_AVX512)
 #define LLMCTL_INT8 1
+#include <immintrin.h>
+#endif
+
+// The float32 flavour (int4_group_mm_int8_act): AVX2 CPUs without VNNI (Zen 1-3), float32 x.
+#if defined(__AVX2__) && defined(__FMA__)
+#define LLMCTL_INT8_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -124,9 +132,30 @@ void lay_out_panel(const uint8_t* q, const S* scales, const S* zeros, int64_t bi
   }
 }
 
+constexpr int64_t kPanelRows = 96;  // rows of x per thread panel (a multiple of 6 and of 4)
+
+// Rows per thread panel for M rows: at most kPanelRows, a multiple of the micro tile's rows mr,
+// and a number of panels the threads share evenly where M allows (256 rows on 2 threads and
+// mr = 6: 4 of 66, 66, 66, 58).
+int64_t panel_rows(int64_t M, int64_t mr) {
+  const int64_t T = std::max<int64_t>(1, at::get_num_threads());
+  int64_t panels = std::max<int64_t>(T, (M + kPanelRows - 1) / kPanelRows);
+  panels = (panels + T - 1) / T * T;
+  const int64_t rows = (M + panels - 1) / panels;
+  return std::max<int64_t>(mr, (rows + mr - 1) / mr * mr);
+}
+
+// f(r0, r1) on every thread panel of rows [r0, r1), the panels shared by the threads.
+template <typename F>
+void for_row_panels(int64_t M, int64_t mr, F&& f) {
+  const int64_t pr = panel_rows(M, mr), panels = (M + pr - 1) / pr;
+  at::parallel_for(0, panels, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) f(b * pr, std::min(M, (b + 1) * pr));
+  });
+}
+
 #if defined(LLMCTL_INT8)
 constexpr int kMR = 6;  // rows per micro tile
-constexpr int64_t kPanelRows = 96;  // rows of x per thread panel (a multiple of kMR)
 
 // rows x K bfloat16 values (row stride ldx) -> a [rows, K] int8, and s and s * sum(a)
 // [rows, K / 32]: the blocks' quantization (header).
@@ -234,29 +263,10 @@ inline void store_bf16(Bf16* dst, __m512 lo, __m512 hi) {
                       reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(hi)));
 }
 
-// Rows per thread panel for M rows: at most kPanelRows, a multiple of kMR, and a number of
-// panels the threads share evenly where M allows (256 rows on 2 threads: 4 of 66, 66, 66, 58).
-int64_t panel_rows(int64_t M) {
-  const int64_t T = std::max<int64_t>(1, at::get_num_threads());
-  int64_t panels = std::max<int64_t>(T, (M + kPanelRows - 1) / kPanelRows);
-  panels = (panels + T - 1) / T * T;
-  const int64_t rows = (M + panels - 1) / panels;
-  return std::max<int64_t>(kMR, (rows + kMR - 1) / kMR * kMR);
-}
-
-// f(r0, r1) on every thread panel of rows [r0, r1), the panels shared by the threads.
-template <typename F>
-void for_row_panels(int64_t M, F&& f) {
-  const int64_t pr = panel_rows(M), panels = (M + pr - 1) / pr;
-  at::parallel_for(0, panels, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) f(b * pr, std::min(M, (b + 1) * pr));
-  });
-}
-
 // Each thread's linear output rows for a row op: the panel's rows in a buffer that stays in cache.
 template <typename Pass>
 void linear_panels(const Bf16* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, Pass&& pass) {
-  for_row_panels(M, [&](int64_t r0, int64_t r1) {
+  for_row_panels(M, kMR, [&](int64_t r0, int64_t r1) {
     thread_local QuantizedRows qx;
     thread_local std::vector<Bf16> buf;
     buf.resize((r1 - r0) * N);
@@ -267,6 +277,147 @@ void linear_panels(const Bf16* x, int64_t M, int64_t K, const uint8_t* w, int64_
     pass(buf.data(), r0, r1);
   });
 }
+#endif
+
+#if defined(LLMCTL_INT8_AVX2)
+// The float32 flavour on AVX2 (no VNNI): VPMADDUBSW multiplies 32 pairs of bytes into 16 signed
+// 16-bit sums of two products, one instruction a cycle on Zen 3 and 4 where float32 FMAs do 8
+// multiply-adds twice a cycle. With 4-bit weights the 16-bit sums never saturate over a block:
+// a product is at most 15 * 127, and a lane adds 16 of them (two a step, 8 steps of 4 k) into at
+// most 30,480 < 32,767, so the steps add in 16 bits (VPADDW) and one VPMADDWD by ones a block
+// widens them to int32: per 8 columns x 32 k, 8 VPMADDUBSW + 8 VPADDW where float32 takes 32
+// FMAs. (8-bit weights, 0..255 as unsigned bytes, would overflow: not taken.) In L1 a micro tile
+// of 4 rows x 16 columns ran at ~107 G multiply-adds/s a core on the Zen 4 kind (built for
+// Zen 3, 256-bit), 1.85x the best float32 FMA tile on the same machine (58). The numerics are the
+// VNNI flavour's (the same quantization of x per 32 values, the same float32 operations per
+// block in the same order), from float32 x, into float32 y.
+namespace avx2 {
+constexpr int kMR = 4;  // rows per micro tile (two 8-column halves of 16 columns a pass)
+// From this many rows W is laid out once for all threads and the threads split the rows; below
+// it each thread lays out its own panels and takes every row (measured: see int4_group_mm_int8_act)
+constexpr int64_t kLaidOutFrom = 256;
+
+// rows x K float32 values (row stride ldx) -> int8 [rows, K], s and s * sum(a) [rows, K / 32]
+void quantize_rows(const float* x, int64_t ldx, int64_t rows, int64_t K, int8_t* a, float* s,
+                   float* sum) {
+  const int64_t nb = K / kBlock;
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * ldx;
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xr + b * kBlock + 8 * i);
+      __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask),
+                                              _mm256_and_ps(v[1], abs_mask)),
+                                _mm256_max_ps(_mm256_and_ps(v[2], abs_mask),
+                                              _mm256_and_ps(v[3], abs_mask)));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float amax = _mm_cvtss_f32(m4);
+      const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+      // in [-127, 127]: the saturating packs are exact; they interleave 4-value groups of
+      // the 128-bit lanes, which the permutation puts back in order
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                               _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a + r * K + b * kBlock),
+                          _mm256_permutevar8x32_epi32(bytes, order));
+      const __m256i t =
+          _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+      __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+      s[r * nb + b] = amax / 127.f;
+      sum[r * nb + b] = float(_mm_cvtsi128_si32(t4)) * (amax / 127.f);
+    }
+  }
+}
+
+struct QuantizedRows {
+  std::vector<int8_t> a;
+  std::vector<float> s, sum;
+  void fill(const float* x, int64_t ldx, int64_t rows, int64_t K) {
+    a.resize(rows * K);
+    s.resize(rows * (K / kBlock));
+    sum.resize(rows * (K / kBlock));
+    quantize_rows(x, ldx, rows, K, a.data(), s.data(), sum.data());
+  }
+};
+
+// MR rows x 16 columns (the `half` of a 32-column weight panel): epi(r, lo, hi) takes each row's
+// columns 0-7 and 8-15 of that half.
+template <int MR, typename Epi>
+inline void micro_tile(const int8_t* a, const float* s, const float* sum, int64_t K,
+                       const uint8_t* panel, int half, Epi&& epi) {
+  const int64_t nb = K / kBlock;
+  const float* d = reinterpret_cast<const float*>(panel + K * kCols) + half * 16;
+  const float* m = d + nb * kCols;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 f[MR][2];
+  for (int r = 0; r < MR; ++r) f[r][0] = f[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i acc[MR][2];
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    const uint8_t* w = panel + b * 8 * kCols * 4 + half * 64;
+    // not unrolled: GCC's unrolled form of this loop spilled the 16-bit sums (0.6x the rate)
+#pragma GCC unroll 1
+    for (int t = 0; t < 8; ++t) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + t * kCols * 4));
+      const __m256i w1 =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + t * kCols * 4 + 32));
+      for (int r = 0; r < MR; ++r) {
+        int32_t word;
+        std::memcpy(&word, a + r * K + b * kBlock + t * 4, 4);
+        const __m256i av = _mm256_set1_epi32(word);
+        acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(w0, av));
+        acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(w1, av));
+      }
+    }
+    const __m256 d0 = _mm256_loadu_ps(d + b * kCols), d1 = _mm256_loadu_ps(d + b * kCols + 8);
+    const __m256 m0 = _mm256_loadu_ps(m + b * kCols), m1 = _mm256_loadu_ps(m + b * kCols + 8);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 sr = _mm256_set1_ps(s[r * nb + b]), xr = _mm256_set1_ps(sum[r * nb + b]);
+      const __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r][0], ones));
+      const __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r][1], ones));
+      f[r][0] = _mm256_fmadd_ps(p0, _mm256_mul_ps(d0, sr), f[r][0]);
+      f[r][1] = _mm256_fmadd_ps(p1, _mm256_mul_ps(d1, sr), f[r][1]);
+      f[r][0] = _mm256_fmadd_ps(m0, xr, f[r][0]);
+      f[r][1] = _mm256_fmadd_ps(m1, xr, f[r][1]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) epi(r, f[r][0], f[r][1]);
+}
+
+// rows of quantized x times weight panels [0, panels) into y (row stride ldy, float32)
+void panel_gemm(const QuantizedRows& x, int64_t rows, int64_t K, const uint8_t* w,
+                int64_t panels, float* y, int64_t ldy) {
+  const int64_t nb = K / kBlock, stride = panel_bytes(K);
+  for (int64_t p = 0; p < panels; ++p) {
+    const uint8_t* panel = w + p * stride;
+    for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
+      const int8_t* a = x.a.data() + r0 * K;
+      const float* s = x.s.data() + r0 * nb;
+      const float* sum = x.sum.data() + r0 * nb;
+      for (int half = 0; half < 2; ++half) {
+        float* out = y + r0 * ldy + p * kCols + half * 16;
+        auto row = [&](int r, __m256 lo, __m256 hi) {
+          _mm256_storeu_ps(out + r * ldy, lo);
+          _mm256_storeu_ps(out + r * ldy + 8, hi);
+        };
+        switch (std::min<int64_t>(kMR, rows - r0)) {
+          case 4: micro_tile<4>(a, s, sum, K, panel, half, row); break;
+          case 3: micro_tile<3>(a, s, sum, K, panel, half, row); break;
+          case 2: micro_tile<2>(a, s, sum, K, panel, half, row); break;
+          default: micro_tile<1>(a, s, sum, K, panel, half, row); break;
+        }
+      }
+    }
+  }
+}
+}  // namespace avx2
 #endif
 
 const uint8_t* checked_weight(const at::Tensor& x, const at::Tensor& w, const char* op) {
@@ -290,6 +441,75 @@ bool int8_built() {
 #else
   return false;
 #endif
+}
+
+bool int8_f32_built() {
+#if defined(LLMCTL_INT8_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor int4_group_mm_int8_act(const at::Tensor& x, const at::Tensor& qp,
+                                  const at::Tensor& scales, const at::Tensor& zeros,
+                                  int64_t group_size) {
+  constexpr const char* op = "int4_group_mm_int8_act";
+  TORCH_CHECK(int8_f32_built(), op, ": this build has no AVX2 int8 GEMM (the CPU lacks AVX2 and "
+              "FMA, or LLMCTL_CPU_MARCH names a target without them)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), op,
+              ": x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(qp.dim() == 2 && qp.scalar_type() == at::kByte && qp.is_contiguous(), op,
+              ": qp must be a contiguous uint8 [N, K / 2] tensor (4-bit weights)");
+  const int64_t M = x.size(0), K = x.size(1), N = qp.size(0);
+  TORCH_CHECK(qp.size(1) * 2 == K, op, ": x has ", K, " features, the weight ", qp.size(1) * 2);
+  TORCH_CHECK(K % kBlock == 0 && N % kCols == 0, op, ": N and K must be multiples of 32, got N = ",
+              N, ", K = ", K);
+  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0 && K % group_size == 0, op,
+              ": group_size must be a multiple of 32 dividing K = ", K, ", got ", group_size);
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group_size &&
+                  zeros.sizes() == scales.sizes(),
+              op, ": scales and zeros must be [N, K / group_size]");
+  check_dequant(qp, scales, zeros, 4);
+  at::Tensor out = at::empty({M, N}, x.options());
+#if defined(LLMCTL_INT8_AVX2)
+  const float* xp = x.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+  const int64_t panels = N / kCols, G = K / group_size;
+  if (M >= avx2::kLaidOutFrom) {
+    // W laid out once by all threads, then each thread its panels of rows against all of it
+    const at::Tensor w = int8_blocks(qp, scales, zeros, 4, group_size, 0);
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    for_row_panels(M, avx2::kMR, [&](int64_t r0, int64_t r1) {
+      thread_local avx2::QuantizedRows qx;
+      qx.fill(xp + r0 * K, K, r1 - r0, K);
+      avx2::panel_gemm(qx, r1 - r0, K, wp, panels, yp + r0 * N, N);
+    });
+    return out;
+  }
+  // Fewer rows (batched decode): x quantized once, then each thread lays out its own weight
+  // panels one at a time into a buffer that stays in cache and multiplies every row by it. W's
+  // laid-out bytes (twice its packed size) never reach memory: at M = 64 a layout in memory
+  // made the weights' bytes cross it three times, a third of the step's matmul time.
+  avx2::QuantizedRows qx;
+  qx.fill(xp, K, M, K);
+  const uint8_t* qb = qp.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<uint8_t> panel;
+    panel.resize(panel_bytes(K));
+    for (int64_t p = p0; p < p1; ++p) {
+      if (scales.scalar_type() == at::kHalf) {
+        lay_out_panel(qb, scales.data_ptr<c10::Half>(), zeros.data_ptr<c10::Half>(), 4, K, G,
+                      group_size, p, 0, panel.data());
+      } else {
+        lay_out_panel(qb, scales.data_ptr<float>(), zeros.data_ptr<float>(), 4, K, G, group_size,
+                      p, 0, panel.data());
+      }
+      avx2::panel_gemm(qx, M, K, panel.data(), 1, yp + p * kCols, N);
+    }
+  });
+#endif
+  return out;
 }
 
 at::Tensor int8_blocks(const at::Tensor& q, const at::Tensor& scales,
@@ -336,7 +556,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w) {
 #if defined(LLMCTL_INT8)
   const auto* xp = x.data_ptr<Bf16>();
   auto* op = out.data_ptr<Bf16>();
-  for_row_panels(M, [&](int64_t r0, int64_t r1) {
+  for_row_panels(M, kMR, [&](int64_t r0, int64_t r1) {
     thread_local QuantizedRows qx;
     qx.fill(xp + r0 * K, K, r1 - r0, K);
     panel_gemm(qx, r1 - r0, K, wp, N / kCols, [&](int64_t r, int64_t p, __m512 lo, __m512 hi) {
@@ -361,7 +581,7 @@ at::Tensor int8_gated_mlp(const at::Tensor& x, const at::Tensor& gate_up, const 
   const uint8_t* dp = down.data_ptr<uint8_t>();
   auto* op = out.data_ptr<Bf16>();
   const float* silu = llmctl_layers::silu_bf16_table();
-  for_row_panels(M, [&](int64_t r0, int64_t r1) {
+  for_row_panels(M, kMR, [&](int64_t r0, int64_t r1) {
     thread_local QuantizedRows qx, qact;
     thread_local std::vector<Bf16> act;
     const int64_t rows = r1 - r0;

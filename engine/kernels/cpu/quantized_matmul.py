@@ -33,7 +33,17 @@ paths picked for the CPU that builds it):
   (llama.cpp's rule), W laid out once a call as bytes for VPDPBUSD (int8_blocks), ~1.35x
   oneDNN's bfloat16 GEMM at SmolLM2's shapes there; the one place the CPU's activations are
   not the float path's (prefill_gemm says which GEMM runs).
-The float32 paths (AVX2 CPUs, or float32 activations anywhere):
+- From INT8_LARGE_BATCH float32 rows on the AVX2 path (Zen 1-3, CpuPath.int8_prefill, dtype
+  "auto": PackedLinearWeight.int8_act) against 4-bit weights: int4_group_mm_int8_act, the same
+  int8 numerics from float32 x on VPMADDUBSW (16-bit sums that 4-bit weights cannot overflow),
+  W laid out in int8_blocks' panels each call (in cache, a panel at a time, below 256 rows).
+  On the Zen 4 kind built for Zen 3 (AVX2 only, 2 threads), SmolLM2's shapes: 1.5-2.6x the
+  float32 tiles at M = 128-512, 1.0-2.0x the chunks at M = 8192 (float32_int8). Not below
+  INT8_LARGE_BATCH, though 1.8-2x there too: int8 activations at every batch of more than 24
+  rows (W2's decode steps included) turned the bundled model's answer to "What is the capital
+  of France?" (a 37-token prompt) into French nonsense where float32 and bfloat16 say Paris.
+The float32 paths (AVX2 CPUs with LLMCTL_CPU_INT8_PREFILL=0, or float32 activations anywhere,
+8-bit weights):
 - larger M (prefill): tiled_group_mm expands tiles of W to float32 (about 1 MiB each) and runs
   torch's float GEMM on them, every tile on one thread inside a single parallel region, so the
   dequantization is amortised over the M rows.
@@ -58,10 +68,13 @@ float32.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,6 +112,22 @@ INT8_LARGE_BATCH = 128
 _CHUNK_BYTES = 16 << 20  # float32 bytes of W expanded at once on that path
 
 
+# Set while a model whose config has int8_activations loads (model_loader.loader): the packed
+# weights made then take int8 activations for float32 batches (PackedLinearWeight.int8_act).
+_INT8_ACTIVATIONS = contextvars.ContextVar("llmctl_int8_activations", default=False)
+
+
+@contextlib.contextmanager
+def int8_activations(enabled: bool) -> Iterator[None]:
+    """Packed weights made inside take int8 activations for float32 batches (where the CPU path
+    and the build allow: float32_int8); outside, or with enabled False, they do not."""
+    token = _INT8_ACTIVATIONS.set(enabled)
+    try:
+        yield
+    finally:
+        _INT8_ACTIVATIONS.reset(token)
+
+
 @dataclass(eq=False)
 class PackedLinearWeight:
     """The weight of one linear layer, packed for the kernels.
@@ -116,6 +145,13 @@ class PackedLinearWeight:
     qweight: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor | None
+    # float32 batches of INT8_LARGE_BATCH rows or more on int8 activations (4-bit weights, the
+    # AVX2 path): the model's config asked for it (ModelConfig.int8_activations) when this was made
+    int8_act: bool = False
+
+    def __post_init__(self) -> None:
+        if _INT8_ACTIVATIONS.get():
+            self.int8_act = True
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., K] float -> [..., N] in x's dtype (float32 sums)."""
@@ -123,8 +159,11 @@ class PackedLinearWeight:
         if op is not None and x.dim() == 2 and x.is_cpu and x.is_contiguous():
             rows = x.shape[0]
             # decode: straight to the kernel (a decode step makes ~4 of these calls a layer)
-            if x.dtype == torch.float32 and rows <= SMALL_BATCH:
-                return self._decode_mm(op, x)
+            if x.dtype == torch.float32:
+                if rows <= SMALL_BATCH:
+                    return self._decode_mm(op, x)
+                if rows >= INT8_LARGE_BATCH and self._takes_int8_act(op):
+                    return self._int8_act_mm(op, x)
             if x.dtype == torch.bfloat16 and _bf16_tiles():
                 if rows <= BF16_SMALL_BATCH:
                     return self._decode_mm(op, x)
@@ -147,6 +186,9 @@ class PackedLinearWeight:
         if op is not None and x.dtype == torch.bfloat16 and _bf16_tiles():
             return self.matmul(x2.contiguous()).reshape(*lead, self.out_features)
         x2 = x2.to(torch.float32).contiguous()
+        if op is not None and x2.shape[0] >= INT8_LARGE_BATCH and self._takes_int8_act(op):
+            y = self._int8_act_mm(op, x2)
+            return y.to(x.dtype).reshape(*lead, self.out_features)
         if op is not None and x2.shape[0] <= SMALL_BATCH:
             y = self._decode_mm(op, x2)
         else:
@@ -169,6 +211,25 @@ class PackedLinearWeight:
         if kind == "int8" and self.group_size % 32:
             return None
         return kind
+
+    def _takes_int8_act(self, op: Any) -> bool:
+        """float32 batches of INT8_LARGE_BATCH rows or more (the caller checks) on int8
+        activations, as on the Zen 4 path: where the model asked for them (int8_act) and the
+        CPU path and build allow (float32_int8); 4-bit weights only (8-bit weights' byte
+        products overflow VPMADDUBSW's 16-bit sums), N and K multiples of 32, whole 32-value
+        blocks per scale."""
+        return (
+            self.int8_act
+            and self.bits == 4
+            and self.out_features % 32 == 0
+            and self.in_features % 32 == 0
+            and self.group_size % 32 == 0
+            and float32_int8(op)
+        )
+
+    def _int8_act_mm(self, op: Any, x: torch.Tensor) -> torch.Tensor:
+        """float32 x quantized to int8 per 32 values, times the 4-bit W (int8_gemm.cpp)."""
+        return op.int4_group_mm_int8_act(x, self.qweight, self.scales, self.zeros, self.group_size)
 
     def prefill_blocks(self, op: Any, kind: str, gate_up_half: int = 0) -> torch.Tensor:
         """W laid out once a call for the prefill GEMM `kind` (gate_up_half: gate and up rows
@@ -263,6 +324,7 @@ class PackedLinearWeight:
             torch.cat([p.qweight for p in parts]),
             torch.cat([p.scales for p in parts]),
             zeros,
+            first.int8_act,
         )
 
     @property
@@ -380,9 +442,21 @@ def prefill_gemm(op: Any) -> str | None:
     path = cpu_path()
     if path.name == "amx" and op.amx_built():
         return "amx"
-    if path.int8_prefill and op.int8_built():
+    if path.int8_prefill and path.bf16_tiles and op.int8_built():
         return "int8"
     return None
+
+
+@functools.cache
+def float32_int8(op: Any) -> bool:
+    """Whether float32 batches of INT8_LARGE_BATCH rows or more on 4-bit weights run on int8
+    activations (int4_group_mm_int8_act, VPMADDUBSW): the avx2 CPU path with int8_prefill, a build
+    with AVX2 and FMA. Elsewhere float32 activations (dtype="float32" on a bfloat16 CPU) keep
+    the float32 tiles, the float path's numerics."""
+    from llmctl.engine.platform import cpu_path
+
+    path = cpu_path()
+    return path.name == "avx2" and path.int8_prefill and op.int8_f32_built()
 
 
 def prefill_rows(kind: str) -> int:

@@ -950,6 +950,10 @@ LLMCTL_LIBRARY(LLMCTL_OP_NAMESPACE, m) {
       "int8_linear_add_rms_norm(Tensor x, Tensor w, Tensor residual, Tensor weight, float eps) "
       "-> (Tensor, Tensor)");
   m.def("int8_built() -> bool", &llmctl_quantized::int8_built);
+  m.def(
+      "int4_group_mm_int8_act(Tensor x, Tensor qp, Tensor scales, Tensor zeros, int group_size) "
+      "-> Tensor");
+  m.def("int8_f32_built() -> bool", &llmctl_quantized::int8_f32_built);
 }
 
 LLMCTL_LIBRARY_IMPL(LLMCTL_OP_NAMESPACE, CPU, m) {
@@ -968,4 +972,5 @@ LLMCTL_LIBRARY_IMPL(LLMCTL_OP_NAMESPACE, CPU, m) {
   m.impl("int8_linear", &llmctl_quantized::int8_linear);
   m.impl("int8_linear_rope", &llmctl_quantized::int8_linear_rope);
   m.impl("int8_linear_add_rms_norm", &llmctl_quantized::int8_linear_add_rms_norm);
+  m.impl("int4_group_mm_int8_act", &llmctl_quantized::int4_group_mm_int8_act);
 }

@@ -106,4 +106,10 @@ std::tuple<at::Tensor, at::Tensor> int8_linear_add_rms_norm(const at::Tensor& x,
                                                             const at::Tensor& weight, double eps);
 bool int8_built();
 
+// AVX2 (no VNNI): float32 x, quantized to int8 per 32 values, against 4-bit weights (int8_gemm.cpp)
+at::Tensor int4_group_mm_int8_act(const at::Tensor& x, const at::Tensor& qp,
+                                  const at::Tensor& scales, const at::Tensor& zeros,
+                                  int64_t group_size);
+bool int8_f32_built();
+
 }  // namespace llmctl_quantized
