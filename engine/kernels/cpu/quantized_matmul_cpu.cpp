@@ -864,8 +864,9 @@ at::Tensor dequantize_rows(const at::Tensor& q, const at::Tensor& scales,
 }
 
 // The batched path: y = x W^T by tiles of `tile_rows` rows of W, each expanded to float32 and
-// multiplied with torch's GEMM on the thread that owns the tile. One parallel region for the
-// whole matmul (the GEMM inside runs on its tile's thread).
+// multiplied with torch's GEMM on the thread that owns the tile, into the tile's columns of y
+// (the GEMM writes a column slice in place, its leading dimension N). One parallel region for
+// the whole matmul (the GEMM inside runs on its tile's thread).
 at::Tensor tiled_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                           const std::optional<at::Tensor>& zeros, int64_t bits,
                           int64_t group_size, int64_t tile_rows) {
@@ -881,8 +882,7 @@ at::Tensor tiled_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Te
               "x must be a contiguous float32 [M, K] tensor");
   TORCH_CHECK(tile_rows > 0, "tile_rows must be positive");
   const int64_t M = x.size(0), tiles = (N + tile_rows - 1) / tile_rows;
-  at::Tensor yt = at::empty({N, M}, x.options());  // W x^T: each tile owns whole rows
-  const at::Tensor xt = x.t();
+  at::Tensor y = at::empty({M, N}, x.options());
   // The engine runs under torch.inference_mode(): the worker threads must be in it too, or
   // mm_out into yt (an inference tensor) is refused there.
   const bool inference_mode = c10::InferenceMode::is_enabled();
@@ -893,8 +893,8 @@ at::Tensor tiled_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Te
       for (int64_t t = begin; t < end; ++t) {
         const int64_t n0 = t * tile_rows, n1 = std::min(N, n0 + tile_rows);
         dequantize_into(q, sp, zp, bits, group_size, K, n0, n1, w.data_ptr<float>());
-        at::Tensor out = yt.narrow(0, n0, n1 - n0);
-        at::mm_out(out, w.narrow(0, 0, n1 - n0), xt);
+        at::Tensor out = y.narrow(1, n0, n1 - n0);
+        at::mm_out(out, x, w.narrow(0, 0, n1 - n0).t());
       }
     });
   };
@@ -903,7 +903,7 @@ at::Tensor tiled_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Te
   } else {
     run(scales.data_ptr<float>(), zeros.has_value() ? zeros->data_ptr<float>() : nullptr);
   }
-  return yt.t().contiguous();
+  return y;
 }
 
 }  // namespace
