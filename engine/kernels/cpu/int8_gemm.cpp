@@ -134,6 +134,24 @@ void lay_out_panel(const uint8_t* q, const S* scales, const S* zeros, int64_t bi
 
 constexpr int64_t kPanelRows = 96;  // rows of x per thread panel (a multiple of 6 and of 4)
 
+// One thread's quantized rows of x: int8 [rows, K], s and s * sum(a) [rows, K / 32]. fill: from
+// bfloat16 x (the VNNI flavour) or float32 x (the AVX2 flavour), each flavour's quantize_rows.
+struct QuantizedRows {
+  std::vector<int8_t> a;
+  std::vector<float> s, sum;
+  void resize(int64_t rows, int64_t K) {
+    a.resize(rows * K);
+    s.resize(rows * (K / kBlock));
+    sum.resize(rows * (K / kBlock));
+  }
+#if defined(LLMCTL_INT8)
+  void fill(const Bf16* x, int64_t ldx, int64_t rows, int64_t K);
+#endif
+#if defined(LLMCTL_INT8_AVX2)
+  void fill(const float* x, int64_t ldx, int64_t rows, int64_t K);
+#endif
+};
+
 // Rows per thread panel for M rows: at most kPanelRows, a multiple of the micro tile's rows mr,
 // and a number of panels the threads share evenly where M allows (256 rows on 2 threads and
 // mr = 6: 4 of 66, 66, 66, 58).
@@ -181,17 +199,10 @@ void quantize_rows(const Bf16* x, int64_t ldx, int64_t rows, int64_t K, int8_t* 
   }
 }
 
-// One thread's quantized rows of x.
-struct QuantizedRows {
-  std::vector<int8_t> a;
-  std::vector<float> s, sum;
-  void fill(const Bf16* x, int64_t ldx, int64_t rows, int64_t K) {
-    a.resize(rows * K);
-    s.resize(rows * (K / kBlock));
-    sum.resize(rows * (K / kBlock));
-    quantize_rows(x, ldx, rows, K, a.data(), s.data(), sum.data());
-  }
-};
+void QuantizedRows::fill(const Bf16* x, int64_t ldx, int64_t rows, int64_t K) {
+  resize(rows, K);
+  quantize_rows(x, ldx, rows, K, a.data(), s.data(), sum.data());
+}
 
 // The float32 totals of MR rows x 32 columns of one weight panel; epi(r, lo, hi) takes each row's
 // two vectors of 16 columns.
@@ -336,16 +347,14 @@ void quantize_rows(const float* x, int64_t ldx, int64_t rows, int64_t K, int8_t*
   }
 }
 
-struct QuantizedRows {
-  std::vector<int8_t> a;
-  std::vector<float> s, sum;
-  void fill(const float* x, int64_t ldx, int64_t rows, int64_t K) {
-    a.resize(rows * K);
-    s.resize(rows * (K / kBlock));
-    sum.resize(rows * (K / kBlock));
-    quantize_rows(x, ldx, rows, K, a.data(), s.data(), sum.data());
-  }
-};
+}  // namespace avx2
+
+void QuantizedRows::fill(const float* x, int64_t ldx, int64_t rows, int64_t K) {
+  resize(rows, K);
+  avx2::quantize_rows(x, ldx, rows, K, a.data(), s.data(), sum.data());
+}
+
+namespace avx2 {
 
 // MR rows x 16 columns (the `half` of a 32-column weight panel): epi(r, lo, hi) takes each row's
 // columns 0-7 and 8-15 of that half.
@@ -481,7 +490,7 @@ at::Tensor int4_group_mm_int8_act(const at::Tensor& x, const at::Tensor& qp,
     const at::Tensor w = int8_blocks(qp, scales, zeros, 4, group_size, 0);
     const uint8_t* wp = w.data_ptr<uint8_t>();
     for_row_panels(M, avx2::kMR, [&](int64_t r0, int64_t r1) {
-      thread_local avx2::QuantizedRows qx;
+      thread_local QuantizedRows qx;
       qx.fill(xp + r0 * K, K, r1 - r0, K);
       avx2::panel_gemm(qx, r1 - r0, K, wp, panels, yp + r0 * N, N);
     });
@@ -491,7 +500,7 @@ at::Tensor int4_group_mm_int8_act(const at::Tensor& x, const at::Tensor& qp,
   // panels one at a time into a buffer that stays in cache and multiplies every row by it. W's
   // laid-out bytes (twice its packed size) never reach memory: at M = 64 a layout in memory
   // made the weights' bytes cross it three times, a third of the step's matmul time.
-  avx2::QuantizedRows qx;
+  QuantizedRows qx;
   qx.fill(xp, K, M, K);
   const uint8_t* qb = qp.data_ptr<uint8_t>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
