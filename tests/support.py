@@ -319,10 +319,19 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+# ChatML spelled out in bytes (the byte-level tokenizer has no special tokens but its EOS), so
+# that the chat endpoints answer on the tiny models without the bundled SmolLM2's tokenizer
+BYTE_LEVEL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def byte_level_tokenizer():
-    """A byte-level tokenizer with no merges (ids 0-255: bytes, 256: <|endoftext|>), built in
-    memory: the tiny models' tokenizer where the bundled SmolLM2 is not installed. Token ids
-    past 256 decode to nothing."""
+    """A byte-level tokenizer with no merges (ids 0-255: bytes, 256: <|endoftext|>) and a
+    ChatML chat template, built in memory: the tiny models' tokenizer where the bundled SmolLM2
+    is not installed. Token ids past 256 decode to nothing."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -341,7 +350,10 @@ def byte_level_tokenizer():
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
+        tokenizer_object=tokenizer,
+        eos_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+        chat_template=BYTE_LEVEL_CHAT_TEMPLATE,
     )
 
 
