@@ -132,7 +132,8 @@ _VARIABLES = (
         "On CPUs with AVX512-VNNI and AVX512-BF16 but no AMX (Zen 4), batches of 128 rows or "
         "more (prefill) multiply 4/8-bit weights by int8 activations, quantized per 32 values "
         "as llama.cpp does (~1.35x the bfloat16 GEMMs' rate); on AVX2-only CPUs (Zen 1-3) "
-        "the same for 4-bit weights under dtype auto (~2x the float32 GEMMs' rate); 0: "
+        "the same for 4-bit weights under dtype auto from 64 rows (a prompt of 64 tokens, 64 "
+        "sequences decoding; ~2x the float32 GEMMs' rate); 0: "
         "bfloat16 or float32 activations, the float path's numerics.",
     ),
     EnvVar(

@@ -114,8 +114,8 @@ class CpuPath:
             )
         elif self.int8_prefill:
             prefill = (
-                "; prefill batches of 4-bit weights on int8 activations under dtype auto (AVX2 "
-                "VPMADDUBSW, LLMCTL_CPU_INT8_PREFILL=0 for float32)"
+                "; batches of 64 rows or more of 4-bit weights on int8 activations under dtype "
+                "auto (AVX2 VPMADDUBSW, LLMCTL_CPU_INT8_PREFILL=0 for float32)"
             )
         return (
             f"CPU path {self.name}: {self.activation_dtype} activations by default; batched "

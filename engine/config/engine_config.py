@@ -67,7 +67,7 @@ class ModelConfig:
     quantization: QuantizationConfig | None = None
     gguf_file: str = ""  # the weights are read from this GGUF file (path holds its config only)
     load_format: str = "auto"  # "dummy": random weights, no checkpoint read (model_loader/dummy.py)
-    # CPU: 4-bit packed weights multiply float32 prefill batches (128 rows or more) by int8
+    # CPU: 4-bit packed weights multiply float32 batches (64 rows or more) by int8
     # activations (the AVX2 path under dtype "auto": platform.int8_activations; an explicit
     # dtype="float32" keeps the float path's numerics)
     int8_activations: bool = False

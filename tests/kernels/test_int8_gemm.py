@@ -308,15 +308,16 @@ def test_int8_act_mm_refuses_what_it_cannot_multiply(int8_act):
 
 def test_avx2_path_batches_take_int8_activations_on_4bit_weights_only(int8_act, monkeypatch):
     """On the AVX2 path a packed weight made for int8 activations (a dtype "auto" model's) runs
-    its float32 batches of INT8_LARGE_BATCH rows or more through int4_group_mm_int8_act; fewer
-    rows (decode batches, short prompts), 8-bit weights and weights made without it keep
-    float32 numerics."""
+    its float32 batches of INT8_FLOAT32_BATCH rows or more (64 sequences decoding, a prompt of 64
+    tokens) through int4_group_mm_int8_act; fewer rows (smaller decode batches, short prompts),
+    8-bit weights and weights made without it keep float32 numerics."""
     monkeypatch.setattr(kernels, "float32_int8", lambda op: True)  # the AVX2 path's decision
     with kernels.int8_activations(True):  # as the loader makes a dtype "auto" model's weights
         w4, w8 = packed(4, 32, 64, 160, seed=4), packed(8, 32, 64, 160, seed=8)
     plain = packed(4, 32, 64, 160, seed=4)  # made outside: dtype="float32" asked for by name
     assert (w4.int8_act, w8.int8_act, plain.int8_act) == (True, True, False)
-    x = activations(kernels.INT8_LARGE_BATCH, 160, seed=15, dtype=torch.float32)
+    assert kernels.INT8_FLOAT32_BATCH == 64
+    x = activations(kernels.INT8_FLOAT32_BATCH, 160, seed=15, dtype=torch.float32)
     assert torch.equal(
         w4.matmul(x), int8_act.int4_group_mm_int8_act(x, w4.qweight, w4.scales, w4.zeros, 32)
     )

@@ -76,7 +76,7 @@ def test_prefill_runs_int8_activations_where_vnni_meets_avx512_bf16(monkeypatch)
 def test_avx2_batches_run_int8_activations_unless_turned_off(monkeypatch):
     path = platform.cpu_path(AVX2)
     assert (path.name, path.activation_dtype, path.int8_prefill) == ("avx2", "float32", True)
-    assert "prefill batches of 4-bit weights on int8 activations" in path.describe()
+    assert "batches of 64 rows or more of 4-bit weights on int8 activations" in path.describe()
     monkeypatch.setattr(platform, "cpu_flags", lambda: AVX2)
     assert platform.int8_activations("auto", "cpu")
     # dtype="float32" by name: the float path's numerics; the GPU: never

@@ -33,15 +33,20 @@ paths picked for the CPU that builds it):
   (llama.cpp's rule), W laid out once a call as bytes for VPDPBUSD (int8_blocks), ~1.35x
   oneDNN's bfloat16 GEMM at SmolLM2's shapes there; the one place the CPU's activations are
   not the float path's (prefill_gemm says which GEMM runs).
-- From INT8_LARGE_BATCH float32 rows on the AVX2 path (Zen 1-3, CpuPath.int8_prefill, dtype
+- From INT8_FLOAT32_BATCH float32 rows on the AVX2 path (Zen 1-3, CpuPath.int8_prefill, dtype
   "auto": PackedLinearWeight.int8_act) against 4-bit weights: int4_group_mm_int8_act, the same
   int8 numerics from float32 x on VPMADDUBSW (16-bit sums that 4-bit weights cannot overflow),
   W laid out in int8_blocks' panels each call (in cache, a panel at a time, below 256 rows).
-  On the Zen 4 kind built for Zen 3 (AVX2 only, 2 threads), SmolLM2's shapes: 1.5-2.6x the
-  float32 tiles at M = 128-512, 1.0-2.0x the chunks at M = 8192 (float32_int8). Not below
-  INT8_LARGE_BATCH, though 1.8-2x there too: int8 activations at every batch of more than 24
-  rows (W2's decode steps included) turned the bundled model's answer to "What is the capital
-  of France?" (a 37-token prompt) into French nonsense where float32 and bfloat16 say Paris.
+  On the Zen 4 kind built for Zen 3 (AVX2 only, 2 threads), SmolLM2's shapes: 1.8-2.0x the
+  float32 tiles at M = 32-64, 1.5-2.6x at 128-512, 1.0-2.0x the chunks at M = 8192
+  (float32_int8); W2's decode steps (64 sequences) 1.6x. The numerics, teacher-forced over
+  2,305 positions of the bundled model (benchmarks/activation_numerics.py): int8 activations
+  pick float32's top token at 96.96% of positions, bfloat16 activations (dtype "auto" where the
+  CPU has them) at 96.79%; the 8-bit LM head keeps float32 (with it quantized too, 96.18%).
+  Below INT8_FLOAT32_BATCH rows (a short prompt alone, fewer sequences decoding) float32: the
+  bundled model's first answer token to "What is the capital of France?" (a 37-token prompt)
+  is a near tie ("The" 0.08 nats above "L") that int8 activations tip into French nonsense,
+  as llama.cpp's own do.
 The float32 paths (AVX2 CPUs with LLMCTL_CPU_INT8_PREFILL=0, or float32 activations anywhere,
 8-bit weights):
 - larger M (prefill): tiled_group_mm expands tiles of W to float32 (about 1 MiB each) and runs
@@ -109,6 +114,9 @@ BF16_LARGE_BATCH = 256
 # From this many rows the int8 prefill GEMM (Zen 4) takes over from the bfloat16 tiles: at 128 rows
 # 1.1-1.3x their time on SmolLM2's layer shapes, at 64 even, at 32 0.8-0.9x (2 threads).
 INT8_LARGE_BATCH = 128
+# From this many float32 rows the AVX2 path's 4-bit weights take int8 activations (int8_act):
+# 64 sequences decoding, or a prompt of 64 tokens (module docstring: why not fewer)
+INT8_FLOAT32_BATCH = 64
 _CHUNK_BYTES = 16 << 20  # float32 bytes of W expanded at once on that path
 
 
@@ -145,7 +153,7 @@ class PackedLinearWeight:
     qweight: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor | None
-    # float32 batches of INT8_LARGE_BATCH rows or more on int8 activations (4-bit weights, the
+    # float32 batches of INT8_FLOAT32_BATCH rows or more on int8 activations (4-bit weights, the
     # AVX2 path): the model's config asked for it (ModelConfig.int8_activations) when this was made
     int8_act: bool = False
 
@@ -162,7 +170,7 @@ class PackedLinearWeight:
             if x.dtype == torch.float32:
                 if rows <= SMALL_BATCH:
                     return self._decode_mm(op, x)
-                if rows >= INT8_LARGE_BATCH and self._takes_int8_act(op):
+                if rows >= INT8_FLOAT32_BATCH and self._takes_int8_act(op):
                     return self._int8_act_mm(op, x)
             if x.dtype == torch.bfloat16 and _bf16_tiles():
                 if rows <= BF16_SMALL_BATCH:
@@ -186,7 +194,7 @@ class PackedLinearWeight:
         if op is not None and x.dtype == torch.bfloat16 and _bf16_tiles():
             return self.matmul(x2.contiguous()).reshape(*lead, self.out_features)
         x2 = x2.to(torch.float32).contiguous()
-        if op is not None and x2.shape[0] >= INT8_LARGE_BATCH and self._takes_int8_act(op):
+        if op is not None and x2.shape[0] >= INT8_FLOAT32_BATCH and self._takes_int8_act(op):
             y = self._int8_act_mm(op, x2)
             return y.to(x.dtype).reshape(*lead, self.out_features)
         if op is not None and x2.shape[0] <= SMALL_BATCH:
@@ -213,7 +221,7 @@ class PackedLinearWeight:
         return kind
 
     def _takes_int8_act(self, op: Any) -> bool:
-        """float32 batches of INT8_LARGE_BATCH rows or more (the caller checks) on int8
+        """float32 batches of INT8_FLOAT32_BATCH rows or more (the caller checks) on int8
         activations, as on the Zen 4 path: where the model asked for them (int8_act) and the
         CPU path and build allow (float32_int8); 4-bit weights only (8-bit weights' byte
         products overflow VPMADDUBSW's 16-bit sums), N and K multiples of 32, whole 32-value
@@ -449,7 +457,7 @@ def prefill_gemm(op: Any) -> str | None:
 
 @functools.cache
 def float32_int8(op: Any) -> bool:
-    """Whether float32 batches of INT8_LARGE_BATCH rows or more on 4-bit weights run on int8
+    """Whether float32 batches of INT8_FLOAT32_BATCH rows or more on 4-bit weights run on int8
     activations (int4_group_mm_int8_act, VPMADDUBSW): the avx2 CPU path with int8_prefill, a build
     with AVX2 and FMA. Elsewhere float32 activations (dtype="float32" on a bfloat16 CPU) keep
     the float32 tiles, the float path's numerics."""
