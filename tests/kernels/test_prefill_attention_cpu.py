@@ -1,12 +1,12 @@
-"""The CPU prefill attention kernel (kernels/cpu/prefill_attention_cpu.cpp) against a float64
-oracle on odd shapes, and the CPU attention backend's use of it.
+"""The CPU prefill attention kernel (kernels/cpu/prefill_attention_cpu.cpp), in bfloat16 and in
+float32, against a float64 oracle on odd shapes, and the CPU attention backend's use of it.
 
 Chunks of 1, 7, 33, 70, 100 and 600 tokens (over the kernel's 512-key block: its online softmax
 rescales; off its 32-key padding: its masks), first chunks and chunks after cached context, with
 and without a sliding window, query-head groups of 1, 3 and 4, head_dim 32, 64 and 128, queries
 read as views into a QKV row of odd width, keys and values from scattered blocks of a paged
-cache. The backend sends all of a layer's chunks to the kernel in one call; layers with sinks,
-float32 and odd head sizes stay with scaled_dot_product_attention.
+cache. The backend sends all of a layer's chunks to the kernel in one call; layers with sinks
+and odd head sizes stay with scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -24,21 +24,29 @@ from llmctl.engine.attention.metadata import AttentionMetadata, PrefillChunk
 from llmctl.engine.kernels.cpu import paged_attention_cpu, prefill_attention
 from llmctl.engine.platform import cpu_flags
 
-# On a CPU with AVX512-BF16 the kernel must be there (a failed build fails these tests).
-pytestmark = pytest.mark.skipif(
-    "avx512_bf16" not in cpu_flags(), reason="the prefill kernel needs AVX512-BF16"
+# On a CPU with AVX512-BF16 the bfloat16 kernel must be there, on one with AVX2 and FMA the
+# float32 one (a failed build fails these tests).
+NEEDS_BF16 = pytest.mark.skipif(
+    "avx512_bf16" not in cpu_flags(), reason="the bfloat16 prefill kernel needs AVX512-BF16"
 )
+NEEDS_F32 = pytest.mark.skipif(
+    not {"avx2", "fma"} <= cpu_flags(), reason="the float32 prefill kernel needs AVX2 and FMA"
+)
+DTYPES = [
+    pytest.param(torch.bfloat16, marks=NEEDS_BF16, id="bf16"),
+    pytest.param(torch.float32, marks=NEEDS_F32, id="f32"),
+]
 
 
 BLOCK = 16
 
 
-def qkv_views(tokens, heads, kv_heads, head_dim, seed=0):
-    """q, k, v as views into one [tokens, width] bfloat16 buffer whose rows are 3 values wider
-    than the heads (an odd row stride, as a fused QKV projection with padding would give)."""
+def qkv_views(tokens, heads, kv_heads, head_dim, seed=0, dtype=torch.bfloat16):
+    """q, k, v as views into one [tokens, width] buffer whose rows are 3 values wider than the
+    heads (an odd row stride, as a fused QKV projection with padding would give)."""
     g = torch.Generator().manual_seed(seed)
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
-    qkv = torch.randn(tokens, q_size + 2 * kv_size + 3, generator=g).to(torch.bfloat16)
+    qkv = torch.randn(tokens, q_size + 2 * kv_size + 3, generator=g).to(dtype)
     q = qkv[:, :q_size].view(tokens, heads, head_dim)
     k = qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim)
     v = qkv[:, q_size + kv_size : q_size + 2 * kv_size].view(tokens, kv_heads, head_dim)
@@ -49,15 +57,15 @@ class Case:
     """Prefill chunks of (context, length) tokens: each sequence's keys and values in scattered
     blocks of a paged cache, its chunk's queries (views into a QKV row) one after another."""
 
-    def __init__(self, spec, heads, kv_heads, head_dim, seed=0):
+    def __init__(self, spec, heads, kv_heads, head_dim, seed=0, dtype=torch.bfloat16):
         g = torch.Generator().manual_seed(seed)
         tokens = sum(n for _, n in spec)
-        self.q, _, _ = qkv_views(tokens + 4, heads, kv_heads, head_dim, seed)  # 4 rows spare
+        self.q, _, _ = qkv_views(tokens + 4, heads, kv_heads, head_dim, seed, dtype)  # 4 spare
         blocks = [-(-(ctx + n) // BLOCK) for ctx, n in spec]
         ids = torch.randperm(sum(blocks) + 2, generator=g).tolist()
         shape = (sum(blocks) + 2, BLOCK, kv_heads, head_dim)
-        self.key_cache = torch.randn(shape, generator=g).to(torch.bfloat16)
-        self.value_cache = torch.randn(shape, generator=g).to(torch.bfloat16)
+        self.key_cache = torch.randn(shape, generator=g).to(dtype)
+        self.value_cache = torch.randn(shape, generator=g).to(dtype)
         self.block_tables = torch.zeros(len(spec) + 1, max(blocks) + 1, dtype=torch.int64)
         self.chunks, start = [], 0
         for i, ((ctx, n), count) in enumerate(zip(spec, blocks, strict=True)):
@@ -72,7 +80,7 @@ class Case:
         return cache.reshape(-1, *cache.shape[2:])[slots]  # [seq_len, kv_heads, head_dim]
 
     def run(self, scale, window=None):
-        out = torch.full(self.q.shape, 7.0, dtype=torch.bfloat16)
+        out = torch.full(self.q.shape, 7.0, dtype=self.q.dtype)
         prefill_attention.prefill_attention(
             self.q,
             self.key_cache,
@@ -106,11 +114,13 @@ class Case:
 
 
 def assert_close_to(out, want, rows, values):
-    """Each probability and each output is rounded to bfloat16 (8 significant bits) once: an
-    output is off by at most 2^-9 of itself plus 2^-9 of the largest value it averages (the
-    probabilities' roundings, summed); twice that is allowed."""
+    """bfloat16: each probability and each output is rounded to bfloat16 (8 significant bits)
+    once: an output is off by at most 2^-9 of itself plus 2^-9 of the largest value it averages
+    (the probabilities' roundings, summed); twice that is allowed. float32 (24 bits): the exp's
+    ulp and the float32 sums over up to 600 keys, 2^-16 of the same."""
     err = (out[:rows].double() - want[:rows]).abs()
-    bound = 2.0**-8 * (want[:rows].abs() + values.abs().max().item())
+    unit = 2.0**-8 if out.dtype == torch.bfloat16 else 2.0**-16
+    bound = unit * (want[:rows].abs() + values.abs().max().item())
     assert (err <= bound).all(), f"max error {err.max().item()}"
     assert torch.equal(out[rows:], torch.full_like(out[rows:], 7.0))  # rows of no chunk
 
@@ -127,8 +137,9 @@ SPEC = [(0, 7), (0, 600), (20, 1), (530, 33), (0, 100), (45, 70)]
     ids=["group3-d64", "group1-d32", "group4-d128"],
 )
 @pytest.mark.parametrize("window", [None, 100, 40], ids=["causal", "window100", "window40"])
-def test_kernel_matches_float64(heads, kv_heads, head_dim, window):
-    case = Case(SPEC, heads, kv_heads, head_dim)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_matches_float64(heads, kv_heads, head_dim, window, dtype):
+    case = Case(SPEC, heads, kv_heads, head_dim, dtype=dtype)
     scale = head_dim**-0.5
     assert_close_to(
         case.run(scale, window),
@@ -138,10 +149,12 @@ def test_kernel_matches_float64(heads, kv_heads, head_dim, window):
     )
 
 
-def test_first_chunks_as_torchs_kernel():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_first_chunks_as_torchs_kernel(dtype):
     """Where scaled_dot_product_attention takes a chunk (no context, causal), the kernel is no
-    further from float64 than torch's own bfloat16 kernel, within a rounding."""
-    case = Case([(0, 300), (0, 45)], 9, 3, 64, seed=4)
+    further from float64 than torch's own kernel in the same dtype, within a rounding."""
+    case = Case([(0, 300), (0, 45)], 9, 3, 64, seed=4, dtype=dtype)
+    rounding = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-20
     out, want = case.run(0.125), case.oracle(0.125)
     for c in case.chunks:
         rows = slice(c.query_start, c.query_start + c.query_len)
@@ -150,9 +163,10 @@ def test_first_chunks_as_torchs_kernel():
             case.q[rows][None].transpose(1, 2), k, v, is_causal=True, scale=0.125, enable_gqa=True
         )[0].transpose(0, 1)
         torch_err = (torch_out.double() - want[rows]).abs().max().item()
-        assert (out[rows].double() - want[rows]).abs().max().item() <= torch_err + 2.0**-8
+        assert (out[rows].double() - want[rows]).abs().max().item() <= torch_err + rounding
 
 
+@NEEDS_BF16
 def test_kv_heads_in_waves_give_the_same_bits():
     """Packed keys and values over max_packed_bytes (64 MB by default: a context of ~100K tokens)
     go one wave of KV heads at a time: the same tasks, the same output bits."""
@@ -174,19 +188,34 @@ def test_kv_heads_in_waves_give_the_same_bits():
     assert_close_to(outs[0], case.oracle(0.125), 260, case.value_cache)
 
 
-def test_large_scores_and_a_single_token():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_scores_and_a_single_token(dtype):
     """Scores in the hundreds (a scale of 1): the running maximum keeps every exp finite; a
-    first chunk of one token attends to itself only: its value, exactly."""
-    case = Case([(0, 519), (0, 1)], 2, 1, 32, seed=1)
+    first chunk of one token attends to itself only: its value, exactly. In float32 a score's
+    own rounding (its ulp, near 2^-24 of the hundreds) moves its exp by more than the small
+    scores' bound: there the kernel is held to torch's float32 kernel's error, within 2^-20."""
+    case = Case([(0, 519), (0, 1)], 2, 1, 32, seed=1, dtype=dtype)
     case.q.mul_(8)
     case.key_cache.mul_(8)
     out, want = case.run(1.0), case.oracle(1.0)
     assert torch.isfinite(out[:520]).all()
-    assert_close_to(out, want, 520, case.value_cache)
+    if dtype == torch.bfloat16:
+        assert_close_to(out, want, 520, case.value_cache)
+    else:
+        first = case.chunks[0]
+        k, v = (
+            case.keys(first, x)[None].transpose(1, 2) for x in (case.key_cache, case.value_cache)
+        )
+        torch_out = F.scaled_dot_product_attention(
+            case.q[:519][None].transpose(1, 2), k, v, is_causal=True, scale=1.0
+        )[0].transpose(0, 1)
+        torch_err = (torch_out.double() - want[:519]).abs().max().item()
+        assert (out[:519].double() - want[:519]).abs().max().item() <= torch_err + 2.0**-20
     last = case.chunks[1]
     assert torch.equal(out[519], case.keys(last, case.value_cache)[0].expand(2, 32))
 
 
+@NEEDS_BF16
 def test_bad_input_is_refused_by_name():
     case = Case([(0, 8), (3, 5)], 4, 2, 64)
     out = torch.empty_like(case.q)
@@ -205,15 +234,16 @@ def test_bad_input_is_refused_by_name():
         call(case.q.float(), case.key_cache, case.value_cache, out, case.block_tables, [], 0.1)
 
 
-def test_backend_runs_every_chunk_in_one_call(monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backend_runs_every_chunk_in_one_call(monkeypatch, dtype):
     """First chunks, one after 20 cached tokens, one longer than the window: one kernel call per
-    layer, the cache written as the torch backend writes it, the output within bfloat16's
+    layer, the cache written as the torch backend writes it, the output within the dtype's
     rounding of the torch backend's (gathered keys, masked SDPA)."""
     heads, kv_heads, head_dim = 6, 2, 64
     spec = [(0, 40), (20, 30), (0, 50), (0, 90)]
-    case = Case(spec, heads, kv_heads, head_dim, seed=2)
+    case = Case(spec, heads, kv_heads, head_dim, seed=2, dtype=dtype)
     tokens = sum(n for _, n in spec)
-    _, k, v = qkv_views(tokens, heads, kv_heads, head_dim, seed=3)
+    _, k, v = qkv_views(tokens, heads, kv_heads, head_dim, seed=3, dtype=dtype)
     slots = []
     for c in case.chunks:
         pos = torch.arange(c.context_len, c.seq_len)
@@ -240,16 +270,41 @@ def test_backend_runs_every_chunk_in_one_call(monkeypatch):
     assert calls == [[c.index for c in case.chunks]]
     (ours, our_cache), (theirs, their_cache) = results["cpu"], results["torch"]
     assert torch.equal(our_cache, their_cache)  # the same keys and values written
-    assert (ours.double() - theirs.double()).abs().max().item() <= 2.0**-6
+    assert (ours.double() - theirs.double()).abs().max().item() <= (
+        2.0**-6 if dtype == torch.bfloat16 else 2.0**-18
+    )
 
 
-def test_float32_and_sinks_stay_with_torch():
+@NEEDS_F32
+def test_float32_kv_heads_in_waves_give_the_same_bits():
+    """The float32 flavour's waves of KV heads (one a wave under a budget of 1 byte): the same
+    bits as all heads at once."""
+    case = Case([(0, 40), (30, 90), (0, 130)], 8, 4, 64, seed=6, dtype=torch.float32)
+    ops = prefill_attention._ops()
+    outs = []
+    for budget in (None, 1):
+        out = torch.full(case.q.shape, 7.0)
+        ops.prefill_attention(
+            case.q, case.key_cache, case.value_cache, out, case.block_tables,
+            [c.index for c in case.chunks], [c.query_start for c in case.chunks],
+            [c.query_len for c in case.chunks], [c.context_len for c in case.chunks],
+            0.125, None, budget,
+        )  # fmt: skip
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert_close_to(outs[0], case.oracle(0.125), 260, case.value_cache)
+
+
+@NEEDS_F32
+def test_float32_layers_take_the_kernel_sinks_and_odd_heads_stay_with_torch():
     layer = Attention(4, 64, 0.125, 2)
-    assert not prefill_attention.usable(layer, torch.zeros(1, dtype=torch.float32))
+    layer.kv_cache = torch.zeros(2, 1, 16, 2, 64)
+    assert prefill_attention.usable(layer, torch.zeros(1, dtype=torch.float32))
+    assert not prefill_attention.usable(layer, torch.zeros(1, dtype=torch.float16))
     layer_sinks = Attention(4, 64, 0.125, 2, sinks=True)
-    assert not prefill_attention.usable(layer_sinks, torch.zeros(1, dtype=torch.bfloat16))
+    assert not prefill_attention.usable(layer_sinks, torch.zeros(1, dtype=torch.float32))
     assert not prefill_attention.usable(
-        Attention(4, 48, 0.125, 2), torch.zeros(1, dtype=torch.bfloat16)
+        Attention(4, 48, 0.125, 2), torch.zeros(1, dtype=torch.float32)
     )
 
 

@@ -1,12 +1,12 @@
-"""CPUAttentionBackend: the torch backend, with decodes in the C++ paged decode kernel and, in
-bfloat16, prefill chunks in the C++ prefill kernel.
+"""CPUAttentionBackend: the torch backend, with decodes in the C++ paged decode kernel and
+prefill chunks (bfloat16 or float32) in the C++ prefill kernel.
 
 The kernel (kernels/cpu/paged_attention_cpu.cpp) reads each K and V row once, for all the query
 heads that share it, straight from the paged cache, with the layer's sliding window and sinks;
 where it is not built, or cannot take the shape, the torch backend's gather + SDPA runs instead
 (kernels/cpu/paged_attention_cpu.py decides per call). The fused decode stack
 (kernels/cpu/fused_decode.py) calls the same kernel. A layer's prefill chunks go to
-kernels/cpu/prefill_attention.py's kernel, all in one call, where `usable` (bfloat16, no sinks);
+kernels/cpu/prefill_attention.py's kernel, all in one call, where `usable` (no sinks);
 else to scaled_dot_product_attention one by one. The step's keys and values go into the cache
 first, by the extension's row copy (paged_attention_cpu.write_kv_cache).
 """

@@ -1,9 +1,10 @@
 // Causal prefill attention on the CPU in bfloat16 with oneDNN's brgemm (torch's cpublas::brgemm:
-// AMX tiles where the CPU has them, AVX512-BF16 dot products otherwise), over the paged KV cache:
+// AMX tiles where the CPU has them, AVX512-BF16 dot products otherwise), and in float32 (f32
+// below: any CPU with AVX2 and FMA), over the paged KV cache:
 // a chunk of a sequence's new tokens, after `context` tokens already cached (a prefix-cache hit,
 // an earlier chunk) or none, within the layer's sliding window if it has one. The chunk's own keys
 // and values are in the cache already (the backend writes them first). prefill_attention.py sends
-// layers with sinks, float32 and odd head sizes to scaled_dot_product_attention instead.
+// layers with sinks and odd head sizes to scaled_dot_product_attention instead.
 //
 // For a chunk and a KV head h shared by G query heads, the keys any of its queries sees are read
 // once from the cache's blocks into the VNNI pairs brgemm's B operand takes (K^T: a 32-bit word
@@ -44,9 +45,13 @@
 #include "exp_nonpositive.h"
 #include "transpose16.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define LLMCTL_PREFILL_BF16 1
+#if defined(__AVX2__) && defined(__FMA__)
+#define LLMCTL_PREFILL_F32 1
 #include <immintrin.h>
+#endif
+#if defined(LLMCTL_PREFILL_F32) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512BF16__)
+#define LLMCTL_PREFILL_BF16 1
 #endif
 
 #ifndef LLMCTL_OP_NAMESPACE
@@ -56,6 +61,21 @@
 namespace {
 
 constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxPackedBytes = 64 << 20;  // packed K and V per wave of KV heads
+
+#if defined(LLMCTL_PREFILL_F32)
+struct Chunk {
+  int64_t start, len, context;  // its first row in q and out, its tokens, the tokens before it
+  const int64_t* table;         // its block table row
+  int64_t first_key, padded;    // the earliest key any of its queries sees; packed key columns
+  size_t packed;                // offset of its K and V in a KV head's slab, in packed words
+};
+
+struct Task {
+  int64_t chunk, head, q0, cost;
+};
+
+#endif  // LLMCTL_PREFILL_F32
 
 #if defined(LLMCTL_PREFILL_BF16)
 
@@ -66,7 +86,6 @@ constexpr int64_t kQueryBlock = 64;   // queries of one head per task (times G h
 // blocks of 128 were no faster than 64 and halve the tasks a short chunk splits into.
 constexpr int64_t kKeyBlock = 256;
 constexpr int64_t kKeyAlign = 32;     // keys are padded to this (brgemm's K for P V)
-constexpr int64_t kMaxPackedBytes = 64 << 20;  // packed K and V per wave of KV heads
 
 
 // float32 -> bfloat16, nearest even (no NaN reaches here: scores are finite)
@@ -77,13 +96,6 @@ struct Cache {
   const Bf16* k;
   const Bf16* v;
   int64_t block_size, heads, D;
-};
-
-struct Chunk {
-  int64_t start, len, context;  // its first row in q and out, its tokens, the tokens before it
-  const int64_t* table;         // its block table row
-  int64_t first_key, padded;    // the earliest key any of its queries sees; packed key columns
-  size_t packed;                // offset of its K and V in a KV head's slab (D * padded words)
 };
 
 // Chunk c's keys [first_key, first_key + n) of KV head h in brgemm's VNNI layouts, zero-padded
@@ -132,10 +144,6 @@ void pack_kv(const Cache& cache, const Chunk& c, int64_t h, uint32_t* kt, uint32
     }
   }
 }
-
-struct Task {
-  int64_t chunk, head, q0, cost;
-};
 
 struct Scratch {
   std::unique_ptr<Bf16[]> a, p;
@@ -249,6 +257,181 @@ void run_task(const Task& t, const Chunk& c, const Bf16* q, int64_t q_stride, Bf
 
 #endif  // LLMCTL_PREFILL_BF16
 
+#if defined(LLMCTL_PREFILL_F32)
+// The float32 flavour (any CPU with AVX2 and FMA; the float32 layers of the AVX2 path, and of
+// dtype="float32" elsewhere): the same tasks, keys read once a chunk and KV head, online softmax
+// over blocks of kKeyBlock keys, but P stays float32 and both products are oneDNN's float32
+// brgemm (torch's cpublas), whose B operands are plain rows: K^T as [D][padded], V as
+// [padded][D]. torch's scaled_dot_product_attention for the CPU computes every key of a
+// 512-key block for a causal 512-token prompt (its kv split is 512 there), one query head at a
+// time; here a task's G heads share one product and a block of queries stops at its last key.
+namespace f32 {
+
+constexpr int64_t kQueryBlock = 64;
+constexpr int64_t kKeyBlock = 256;
+
+struct Cache {
+  const float* k;
+  const float* v;
+  int64_t block_size, heads, D;
+};
+
+// r[i][j] <- r[j][i], 8 x 8 float32
+inline void transpose8(__m256 (&r)[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Chunk c's keys [first_key, first_key + n) of KV head h, zero-padded to `padded` keys (a
+// multiple of 8): kt = K^T [D][padded], the B of S = Q K^T; vr = V [padded][D], the B of P V.
+void pack_kv(const Cache& cache, const Chunk& c, int64_t h, float* kt, float* vr) {
+  const int64_t n = c.context + c.len - c.first_key, Lp = c.padded, D = cache.D;
+  auto row = [&](const float* base, int64_t j) {  // key j of the chunk's packed range
+    const int64_t key = c.first_key + j, bs = cache.block_size;
+    const int64_t slot = c.table[key / bs] * bs + key % bs;
+    return base + (slot * cache.heads + h) * D;
+  };
+  for (int64_t j0 = 0; j0 < Lp; j0 += 8) {
+    const float* k[8];
+    for (int64_t i = 0; i < 8; ++i) {
+      const bool in = j0 + i < n;
+      k[i] = in ? row(cache.k, j0 + i) : nullptr;
+      float* v = vr + (j0 + i) * D;
+      if (in) {
+        std::memcpy(v, row(cache.v, j0 + i), D * sizeof(float));
+      } else {
+        std::memset(v, 0, D * sizeof(float));
+      }
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {  // D is a multiple of 32
+      __m256 w[8];
+      for (int64_t i = 0; i < 8; ++i)
+        w[i] = k[i] != nullptr ? _mm256_loadu_ps(k[i] + d0) : _mm256_setzero_ps();
+      transpose8(w);  // w[i]: dimension d0 + i of the 8 keys
+      for (int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d0 + i) * Lp + j0, w[i]);
+    }
+  }
+}
+
+struct Scratch {
+  std::unique_ptr<float[]> a, s, p, acc, m, l;
+  Scratch(int64_t rows, int64_t D)
+      : a(new float[rows * D]), s(new float[rows * kKeyBlock]), p(new float[rows * kKeyBlock]),
+        acc(new float[rows * D]), m(new float[rows]), l(new float[rows]) {}
+};
+
+// f(j, e) over the 8-lane vectors of e = exp(s[j] * scale - m) for j in [a, b), the lanes past b
+// (the last vector's) as exp(-inf) = 0: the same exp for every key
+template <typename F>
+inline void for_exp(const float* s, int64_t a, int64_t b, __m256 vscale, __m256 vm, F&& f) {
+  int64_t j = a;
+  for (; j + 8 <= b; j += 8)
+    f(j, llmctl_attention::exp_nonpositive8(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), vscale, vm)),
+      8);
+  if (j < b) {
+    alignas(32) float tail[8];
+    for (int64_t i = 0; i < 8; ++i)
+      tail[i] = j + i < b ? s[j + i] : -std::numeric_limits<float>::infinity();
+    f(j, llmctl_attention::exp_nonpositive8(_mm256_fmsub_ps(_mm256_load_ps(tail), vscale, vm)),
+      b - j);
+  }
+}
+
+// As the bfloat16 run_task: rows r = g * nq + i are query token q0 + i of head head * G + g.
+void run_task(const Task& t, const Chunk& c, const float* q, int64_t q_stride, float* out,
+              int64_t out_stride, const float* packed, int64_t G, int64_t D, float scale,
+              int64_t window, Scratch& w) {
+  const int64_t nq = std::min(kQueryBlock, c.len - t.q0), rows = G * nq;
+  const int64_t pos0 = c.context + t.q0;
+  const int64_t hi = pos0 + nq - c.first_key;
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1 - c.first_key) : 0;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < nq; ++i)
+      std::memcpy(w.a.get() + (g * nq + i) * D,
+                  q + (c.start + t.q0 + i) * q_stride + (t.head * G + g) * D, D * sizeof(float));
+  const float* kt = packed + c.packed;
+  const float* vr = kt + D * c.padded;
+  std::fill(w.acc.get(), w.acc.get() + rows * D, 0.f);
+  std::fill(w.m.get(), w.m.get() + rows, -std::numeric_limits<float>::infinity());
+  std::fill(w.l.get(), w.l.get() + rows, 0.f);
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t n0 = lo; n0 < hi; n0 += kKeyBlock) {
+    const int64_t nk = std::min(kKeyBlock, hi - n0);
+    at::native::cpublas::brgemm(rows, nk, D, D, c.padded, kKeyBlock, false, w.a.get(), kt + n0,
+                                w.s.get(), false);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = pos0 + r % nq;
+      const int64_t row_lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+      const int64_t a = std::max(row_lo - c.first_key, n0) - n0;
+      const int64_t b = std::min(pos + 1 - c.first_key, n0 + nk) - n0;
+      const float* s = w.s.get() + r * kKeyBlock;
+      float* p = w.p.get() + r * kKeyBlock;
+      if (a >= b) {  // none in this block
+        std::memset(p, 0, nk * sizeof(float));
+        continue;
+      }
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t j = a; j < b; ++j) mx = std::max(mx, s[j]);
+      const float m_new = std::max(w.m[r], mx * scale);
+      const float alpha = std::exp(w.m[r] - m_new);  // 0 at the row's first block
+      __m256 sum = _mm256_setzero_ps();
+      std::memset(p, 0, a * sizeof(float));
+      for_exp(s, a, b, vscale, _mm256_set1_ps(m_new), [&](int64_t j, __m256 e, int64_t lanes) {
+        sum = _mm256_add_ps(sum, e);  // the lanes past b are 0
+        if (lanes == 8) {
+          _mm256_storeu_ps(p + j, e);
+        } else {
+          alignas(32) float tail[8];
+          _mm256_store_ps(tail, e);
+          std::memcpy(p + j, tail, lanes * sizeof(float));
+        }
+      });
+      std::memset(p + b, 0, (nk - b) * sizeof(float));  // the keys past this row's position
+      w.l[r] = w.l[r] * alpha + hsum(sum);
+      w.m[r] = m_new;
+      if (alpha != 1.f) {
+        float* acc = w.acc.get() + r * D;
+        const __m256 va = _mm256_set1_ps(alpha);
+        for (int64_t d = 0; d < D; d += 8)
+          _mm256_storeu_ps(acc + d, _mm256_mul_ps(_mm256_loadu_ps(acc + d), va));
+      }
+    }
+    at::native::cpublas::brgemm(rows, D, nk, kKeyBlock, D, D, true, w.p.get(), vr + n0 * D,
+                                w.acc.get(), false);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t g = r / nq, i = r % nq;
+    float* o = out + (c.start + t.q0 + i) * out_stride + (t.head * G + g) * D;
+    const __m256 inv = _mm256_set1_ps(1.f / w.l[r]);
+    const float* acc = w.acc.get() + r * D;
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(acc + d), inv));
+  }
+}
+
+}  // namespace f32
+#endif  // LLMCTL_PREFILL_F32
+
 bool available() {
 #if defined(LLMCTL_PREFILL_BF16)
   return true;
@@ -256,6 +439,123 @@ bool available() {
   return false;
 #endif
 }
+
+bool f32_available() {
+#if defined(LLMCTL_PREFILL_F32)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Each flavour's parts for run_chunks: element and packed word types, scratch, queries a task,
+// a chunk's padded keys and packed words (K^T and V, one KV head), the packing and the task.
+#if defined(LLMCTL_PREFILL_BF16)
+struct Bf16Kernel {
+  using T = Bf16;
+  using Word = uint32_t;
+  using Work = Scratch;
+  static constexpr int64_t kQueries = kQueryBlock;
+  static constexpr bool kVnni = true;
+  // room for a block to start one key early (an even start) and end on kKeyAlign
+  static int64_t padded(int64_t keys) {
+    return (keys + kKeyAlign - 1) / kKeyAlign * kKeyAlign + kKeyAlign;
+  }
+  static size_t words(int64_t D, int64_t padded) { return static_cast<size_t>(D * padded); }
+  static void pack(const Cache& cache, const Chunk& c, int64_t h, Word* slab) {
+    pack_kv(cache, c, h, slab, slab + (cache.D / 2) * c.padded);
+  }
+  static void run(const Task& t, const Chunk& c, const T* q, int64_t q_stride, T* out,
+                  int64_t out_stride, const Word* packed, int64_t G, int64_t D, float scale,
+                  int64_t window, Work& w) {
+    run_task(t, c, q, q_stride, out, out_stride, packed, G, D, scale, window, w);
+  }
+};
+#endif
+
+#if defined(LLMCTL_PREFILL_F32)
+struct F32Kernel {
+  using T = float;
+  using Word = float;
+  using Work = f32::Scratch;
+  static constexpr int64_t kQueries = f32::kQueryBlock;
+  static constexpr bool kVnni = false;
+  static int64_t padded(int64_t keys) { return (keys + 7) / 8 * 8; }
+  static size_t words(int64_t D, int64_t padded) { return static_cast<size_t>(2 * D * padded); }
+  static void pack(const f32::Cache& cache, const Chunk& c, int64_t h, Word* slab) {
+    f32::pack_kv(cache, c, h, slab, slab + cache.D * c.padded);
+  }
+  static void run(const Task& t, const Chunk& c, const T* q, int64_t q_stride, T* out,
+                  int64_t out_stride, const Word* packed, int64_t G, int64_t D, float scale,
+                  int64_t window, Work& w) {
+    f32::run_task(t, c, q, q_stride, out, out_stride, packed, G, D, scale, window, w);
+  }
+};
+
+// The chunks (checked by the caller) in kernel K's flavour: KV heads in waves whose packed keys
+// and values fit `budget` bytes (all of them at once for the usual prompts; one or a few for a
+// context of a hundred thousand tokens, whose packed copy would otherwise be as large as the
+// sequence's KV cache), each wave's tasks largest first from a shared counter.
+template <typename K, typename CacheT>
+void run_chunks(const at::Tensor& q, const CacheT& cache, at::Tensor& out,
+                const at::Tensor& tables, at::IntArrayRef table_rows, at::IntArrayRef starts,
+                at::IntArrayRef lens, at::IntArrayRef contexts, float scale, int64_t window,
+                int64_t budget) {
+  using T = typename K::T;
+  using Word = typename K::Word;
+  const int64_t D = cache.D, Hkv = cache.heads, G = q.size(1) / Hkv, width = tables.size(1);
+  std::vector<Chunk> chunks;
+  size_t words = 0;  // one KV head's packed keys and values, all chunks
+  for (size_t i = 0; i < starts.size(); ++i) {
+    const int64_t first = window > 0 ? std::max<int64_t>(0, contexts[i] - window + 1) : 0;
+    const int64_t padded = K::padded(contexts[i] + lens[i] - first);
+    const int64_t* table = tables.data_ptr<int64_t>() + table_rows[i] * width;
+    chunks.push_back({starts[i], lens[i], contexts[i], table, first, padded, words});
+    words += K::words(D, padded);
+  }
+  const int64_t wave = std::clamp<int64_t>(
+      budget / std::max<int64_t>(1, static_cast<int64_t>(words * sizeof(Word))), 1, Hkv);
+  std::unique_ptr<Word[]> packed(new Word[words * wave]);
+  const int64_t num_chunks = static_cast<int64_t>(chunks.size());
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  for (int64_t h0 = 0; h0 < Hkv; h0 += wave) {
+    const int64_t heads = std::min(wave, Hkv - h0);
+    // head h0 + j of chunk c: at j * words + c.packed
+    at::parallel_for(0, num_chunks * heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const Chunk& c = chunks[i / heads];
+        K::pack(cache, c, h0 + i % heads, packed.get() + (i % heads) * words + c.packed);
+      }
+    });
+    std::vector<Task> tasks;
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const Chunk& ch = chunks[c];
+      for (int64_t h = h0; h < h0 + heads; ++h)
+        for (int64_t q0 = 0; q0 < ch.len; q0 += K::kQueries) {
+          const int64_t last = ch.context + std::min(ch.len, q0 + K::kQueries);
+          const int64_t first = window > 0 ? std::max<int64_t>(0, ch.context + q0 - window + 1) : 0;
+          tasks.push_back({c, h, q0, last - first});  // the keys it reads
+        }
+    }
+    std::stable_sort(tasks.begin(), tasks.end(),
+                     [](const Task& a, const Task& b) { return a.cost > b.cost; });
+    std::atomic<int64_t> next{0};
+    const int64_t n = static_cast<int64_t>(tasks.size());
+    at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1,
+                     [&](int64_t begin, int64_t end) {
+                       typename K::Work w(G * K::kQueries, D);
+                       for (int64_t i; (i = next.fetch_add(1)) < n;) {
+                         const Task& t = tasks[i];
+                         const Word* kv = packed.get() + (t.head - h0) * words;
+                         K::run(t, chunks[t.chunk], qp, q.stride(0), op, out.stride(0), kv, G, D,
+                                scale, window, w);
+                       }
+                       at::native::cpublas::brgemm_release(K::kVnni);
+                     });
+  }
+}
+#endif  // LLMCTL_PREFILL_F32
 
 // q, out: [tokens, heads, D] (each token's heads contiguous, any token stride); key_cache,
 // value_cache: contiguous [num_blocks, block_size, kv_heads, D], the chunks' own keys and values
@@ -267,22 +567,26 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
                        at::IntArrayRef starts, at::IntArrayRef lens, at::IntArrayRef contexts,
                        double scale, std::optional<int64_t> sliding_window,
                        std::optional<int64_t> max_packed_bytes) {
-  TORCH_CHECK(available(), "prefill_attention: built without AVX512-BF16 (use SDPA)");
+  const bool f32 = q.scalar_type() == at::kFloat;
+  TORCH_CHECK(f32 ? f32_available() : available(),
+              f32 ? "prefill_attention: built without AVX2 and FMA (use SDPA)"
+                  : "prefill_attention: built without AVX512-BF16 (use SDPA)");
   const int64_t D = q.dim() == 3 ? q.size(2) : 0;
+  const auto dtype = q.scalar_type();
   for (const at::Tensor* x : {&q, static_cast<const at::Tensor*>(&out)}) {
-    TORCH_CHECK(x->dim() == 3 && x->scalar_type() == at::kBFloat16 && x->size(2) == D &&
+    TORCH_CHECK(x->dim() == 3 && x->scalar_type() == dtype &&
+                    (dtype == at::kBFloat16 || dtype == at::kFloat) && x->size(2) == D &&
                     x->stride(2) == 1 && x->stride(1) == D && x->sizes() == q.sizes(),
-                "q and out must be bfloat16 [tokens, heads, head_dim] with each token's heads "
-                "contiguous");
+                "q and out must be both bfloat16 or both float32 [tokens, heads, head_dim] with "
+                "each token's heads contiguous");
   }
   TORCH_CHECK(D % 32 == 0 && D <= kMaxHeadDim, "head_dim must be a multiple of 32, at most 256");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
-                  value_cache.sizes() == key_cache.sizes() &&
-                  key_cache.scalar_type() == at::kBFloat16 &&
-                  value_cache.scalar_type() == at::kBFloat16 && key_cache.size(3) == D &&
+                  value_cache.sizes() == key_cache.sizes() && key_cache.scalar_type() == dtype &&
+                  value_cache.scalar_type() == dtype && key_cache.size(3) == D &&
                   key_cache.size(2) > 0 && q.size(1) % key_cache.size(2) == 0,
-              "key_cache, value_cache: contiguous bfloat16 [num_blocks, block_size, kv_heads, "
-              "head_dim] with kv_heads dividing q's heads");
+              "key_cache, value_cache: contiguous [num_blocks, block_size, kv_heads, head_dim] of "
+              "q's dtype (bfloat16 or float32) with kv_heads dividing q's heads");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong,
               "block_tables: int64 [rows, width]");
   const size_t C = starts.size();
@@ -304,68 +608,23 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
       TORCH_CHECK(row[b] >= 0 && row[b] < key_cache.size(0), "chunk ", i, ": block id ", row[b],
                   " is outside the KV cache");
   }
-#if defined(LLMCTL_PREFILL_BF16)
-  const int64_t Hkv = key_cache.size(2), G = q.size(1) / Hkv;
-  const Cache cache{key_cache.data_ptr<Bf16>(), value_cache.data_ptr<Bf16>(), bs, Hkv, D};
-  std::vector<Chunk> chunks;
-  size_t words = 0;  // one KV head's packed keys and values, all chunks
-  for (size_t i = 0; i < C; ++i) {
-    const int64_t first = window > 0 ? std::max<int64_t>(0, contexts[i] - window + 1) : 0;
-    const int64_t keys = contexts[i] + lens[i] - first;
-    // room for a block to start one key early (an even start) and end on kKeyAlign
-    const int64_t padded = (keys + kKeyAlign - 1) / kKeyAlign * kKeyAlign + kKeyAlign;
-    const int64_t* table = tables.data_ptr<int64_t>() + table_rows[i] * width;
-    chunks.push_back({starts[i], lens[i], contexts[i], table, first, padded, words});
-    words += static_cast<size_t>(D * padded);  // K^T and V: D / 2 * padded words each
-  }
-  // KV heads in waves whose packed keys and values fit max_packed_bytes (all of them at once
-  // for the usual prompts; one or a few for a context of a hundred thousand tokens, whose packed
-  // copy would otherwise be as large as the sequence's KV cache)
   const int64_t budget = max_packed_bytes.value_or(kMaxPackedBytes);
   TORCH_CHECK(budget > 0, "max_packed_bytes must be positive");
-  const int64_t wave = std::clamp<int64_t>(budget / std::max<int64_t>(1, words * 4), 1, Hkv);
-  std::unique_ptr<uint32_t[]> packed(new uint32_t[words * wave]);
-  const int64_t num_chunks = static_cast<int64_t>(C);
   const float fscale = static_cast<float>(scale);
-  const auto* qp = q.data_ptr<Bf16>();
-  auto* op = out.data_ptr<Bf16>();
-  for (int64_t h0 = 0; h0 < Hkv; h0 += wave) {
-    const int64_t heads = std::min(wave, Hkv - h0);
-    // head h0 + j of chunk c: at j * words + c.packed
-    at::parallel_for(0, num_chunks * heads, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const Chunk& c = chunks[i / heads];
-        uint32_t* kt = packed.get() + (i % heads) * words + c.packed;
-        pack_kv(cache, c, h0 + i % heads, kt, kt + (D / 2) * c.padded);
-      }
-    });
-    std::vector<Task> tasks;
-    for (int64_t c = 0; c < num_chunks; ++c) {
-      const Chunk& ch = chunks[c];
-      for (int64_t h = h0; h < h0 + heads; ++h)
-        for (int64_t q0 = 0; q0 < ch.len; q0 += kQueryBlock) {
-          const int64_t last = ch.context + std::min(ch.len, q0 + kQueryBlock);
-          const int64_t first = window > 0 ? std::max<int64_t>(0, ch.context + q0 - window + 1) : 0;
-          tasks.push_back({c, h, q0, last - first});  // the keys it reads
-        }
-    }
-    std::stable_sort(tasks.begin(), tasks.end(),
-                     [](const Task& a, const Task& b) { return a.cost > b.cost; });
-    std::atomic<int64_t> next{0};
-    const int64_t n = static_cast<int64_t>(tasks.size());
-    at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1,
-                     [&](int64_t begin, int64_t end) {
-                       Scratch w(G * kQueryBlock, D);
-                       for (int64_t i; (i = next.fetch_add(1)) < n;) {
-                         const Task& t = tasks[i];
-                         const uint32_t* kv = packed.get() + (t.head - h0) * words;
-                         run_task(t, chunks[t.chunk], qp, q.stride(0), op, out.stride(0), kv, G,
-                                  D, fscale, window, w);
-                       }
-                       at::native::cpublas::brgemm_release(true);
-                     });
-  }
+  const int64_t Hkv = key_cache.size(2);
+  if (f32) {
+#if defined(LLMCTL_PREFILL_F32)
+    const f32::Cache cache{key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), bs, Hkv, D};
+    run_chunks<F32Kernel>(q, cache, out, tables, table_rows, starts, lens, contexts, fscale,
+                          window, budget);
 #endif
+  } else {
+#if defined(LLMCTL_PREFILL_BF16)
+    const Cache cache{key_cache.data_ptr<Bf16>(), value_cache.data_ptr<Bf16>(), bs, Hkv, D};
+    run_chunks<Bf16Kernel>(q, cache, out, tables, table_rows, starts, lens, contexts, fscale,
+                           window, budget);
+#endif
+  }
 }
 
 }  // namespace
@@ -375,6 +634,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
 
 LLMCTL_LIBRARY_FRAGMENT(LLMCTL_OP_NAMESPACE, m) {
   m.def("prefill_attention_available() -> bool", &available);
+  m.def("prefill_attention_f32_available() -> bool", &f32_available);
   m.def(
       "prefill_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor(a!) out, "
       "Tensor block_tables, int[] table_rows, int[] starts, int[] lens, int[] contexts, "
