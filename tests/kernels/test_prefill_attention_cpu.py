@@ -166,17 +166,21 @@ def test_first_chunks_as_torchs_kernel(dtype):
         assert (out[rows].double() - want[rows]).abs().max().item() <= torch_err + rounding
 
 
-@NEEDS_BF16
-def test_kv_heads_in_waves_give_the_same_bits():
+# A KV head's packed slab in bytes for the wave test's chunks (40, 90 after 30, and 130 keys):
+# bfloat16, 4-byte words x head_dim x the keys padded to 32 and one block more (96 + 160 + 192);
+# float32, K^T and V, 8 bytes x head_dim x the keys padded to 8 (40 + 120 + 136)
+SLAB_BYTES = {torch.bfloat16: 4 * 64 * (96 + 160 + 192), torch.float32: 8 * 64 * (40 + 120 + 136)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_heads_in_waves_give_the_same_bits(dtype):
     """Packed keys and values over max_packed_bytes (64 MB by default: a context of ~100K tokens)
     go one wave of KV heads at a time: the same tasks, the same output bits."""
-    case = Case([(0, 40), (30, 90), (0, 130)], 8, 4, 64, seed=6)
+    case = Case([(0, 40), (30, 90), (0, 130)], 8, 4, 64, seed=6, dtype=dtype)
     ops = prefill_attention._ops()
     outs = []
-    # a KV head's slab: 4 bytes x head_dim x the chunks' padded keys (96 + 160 + 192)
-    slab = 4 * 64 * (96 + 160 + 192)
-    for budget in (None, 1, 2 * slab + 1):  # all heads; one a wave; two a wave
-        out = torch.full(case.q.shape, 7.0, dtype=torch.bfloat16)
+    for budget in (None, 1, 2 * SLAB_BYTES[dtype] + 1):  # all heads; one a wave; two a wave
+        out = torch.full(case.q.shape, 7.0, dtype=dtype)
         ops.prefill_attention(
             case.q, case.key_cache, case.value_cache, out, case.block_tables,
             [c.index for c in case.chunks], [c.query_start for c in case.chunks],
@@ -273,26 +277,6 @@ def test_backend_runs_every_chunk_in_one_call(monkeypatch, dtype):
     assert (ours.double() - theirs.double()).abs().max().item() <= (
         2.0**-6 if dtype == torch.bfloat16 else 2.0**-18
     )
-
-
-@NEEDS_F32
-def test_float32_kv_heads_in_waves_give_the_same_bits():
-    """The float32 flavour's waves of KV heads (one a wave under a budget of 1 byte): the same
-    bits as all heads at once."""
-    case = Case([(0, 40), (30, 90), (0, 130)], 8, 4, 64, seed=6, dtype=torch.float32)
-    ops = prefill_attention._ops()
-    outs = []
-    for budget in (None, 1):
-        out = torch.full(case.q.shape, 7.0)
-        ops.prefill_attention(
-            case.q, case.key_cache, case.value_cache, out, case.block_tables,
-            [c.index for c in case.chunks], [c.query_start for c in case.chunks],
-            [c.query_len for c in case.chunks], [c.context_len for c in case.chunks],
-            0.125, None, budget,
-        )  # fmt: skip
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
-    assert_close_to(outs[0], case.oracle(0.125), 260, case.value_cache)
 
 
 @NEEDS_F32

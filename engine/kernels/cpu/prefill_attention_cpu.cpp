@@ -75,6 +75,41 @@ struct Task {
   int64_t chunk, head, q0, cost;
 };
 
+// A row's running P V sums, times alpha when its running maximum grew (a plain loop: -O3
+// vectorizes it for either flavour)
+inline void rescale(float* acc, int64_t D, float alpha) {
+  for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+}
+
+// A task's query block: its queries, rows (G heads each), first query position, and the keys
+// [lo, hi) that cover every row's (causal up to the last query, windowed from the first's),
+// relative to the chunk's first_key
+struct Block {
+  int64_t nq, rows, pos0, lo, hi;
+};
+
+inline Block block_of(const Task& t, const Chunk& c, int64_t G, int64_t query_block,
+                      int64_t window) {
+  const int64_t nq = std::min(query_block, c.len - t.q0), pos0 = c.context + t.q0;
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1 - c.first_key) : 0;
+  return {nq, G * nq, pos0, lo, pos0 + nq - c.first_key};
+}
+
+// The block's query rows into a (row g * nq + i: token q0 + i of query head head * G + g), and
+// its rows' running sums, maxima and denominators reset
+template <typename T>
+inline void start_block(const Task& t, const Chunk& c, const Block& b, const T* q,
+                        int64_t q_stride, int64_t G, int64_t D, T* a, float* acc, float* m,
+                        float* l) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < b.nq; ++i)
+      std::memcpy(a + (g * b.nq + i) * D,
+                  q + (c.start + t.q0 + i) * q_stride + (t.head * G + g) * D, D * sizeof(T));
+  std::fill(acc, acc + b.rows * D, 0.f);
+  std::fill(m, m + b.rows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + b.rows, 0.f);
+}
+
 #endif  // LLMCTL_PREFILL_F32
 
 #if defined(LLMCTL_PREFILL_BF16)
@@ -183,20 +218,11 @@ inline int64_t for_lanes(int64_t a, int64_t b, F&& f) {
 void run_task(const Task& t, const Chunk& c, const Bf16* q, int64_t q_stride, Bf16* out,
               int64_t out_stride, const uint32_t* packed, int64_t G, int64_t D, float scale,
               int64_t window, Scratch& w) {
-  const int64_t nq = std::min(kQueryBlock, c.len - t.q0), rows = G * nq;
-  const int64_t pos0 = c.context + t.q0;  // the block's first query position
-  // keys [lo, hi) cover every row's: causal up to the last query, windowed from the first's
-  const int64_t hi = pos0 + nq - c.first_key;
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1 - c.first_key) : 0;
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t i = 0; i < nq; ++i)
-      std::memcpy(w.a.get() + (g * nq + i) * D,
-                  q + (c.start + t.q0 + i) * q_stride + (t.head * G + g) * D, D * sizeof(Bf16));
+  const Block blk = block_of(t, c, G, kQueryBlock, window);
+  const int64_t nq = blk.nq, rows = blk.rows, pos0 = blk.pos0, lo = blk.lo, hi = blk.hi;
+  start_block(t, c, blk, q, q_stride, G, D, w.a.get(), w.acc.get(), w.m.get(), w.l.get());
   const uint32_t* kt = packed + c.packed;  // pack_kv's K^T, then V (of the task's KV head)
   const uint32_t* vp = kt + (D / 2) * c.padded;
-  std::fill(w.acc.get(), w.acc.get() + rows * D, 0.f);
-  std::fill(w.m.get(), w.m.get() + rows, -std::numeric_limits<float>::infinity());
-  std::fill(w.l.get(), w.l.get() + rows, 0.f);
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t n0 = lo & ~int64_t(1); n0 < hi; n0 += kKeyBlock) {  // even: V's key pairs
     const int64_t nk = std::min(kKeyBlock, hi - n0);
@@ -234,12 +260,7 @@ void run_task(const Task& t, const Chunk& c, const Bf16* q, int64_t q_stride, Bf
       std::memset(p + j, 0, (nkp - j) * sizeof(Bf16));  // the keys past this row's position
       w.l[r] = w.l[r] * alpha + _mm512_reduce_add_ps(sum);
       w.m[r] = m_new;
-      if (alpha != 1.f) {
-        float* acc = w.acc.get() + r * D;
-        const __m512 va = _mm512_set1_ps(alpha);
-        for (int64_t d = 0; d < D; d += 16)
-          _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), va));
-      }
+      if (alpha != 1.f) rescale(w.acc.get() + r * D, D, alpha);
     }
     at::native::cpublas::brgemm(rows, D, nkp, kKeyBlock, D, D, true, w.p.get(),
                                 reinterpret_cast<const Bf16*>(vp) + n0 * D, w.acc.get(), true);
@@ -361,19 +382,11 @@ inline void for_exp(const float* s, int64_t a, int64_t b, __m256 vscale, __m256 
 void run_task(const Task& t, const Chunk& c, const float* q, int64_t q_stride, float* out,
               int64_t out_stride, const float* packed, int64_t G, int64_t D, float scale,
               int64_t window, Scratch& w) {
-  const int64_t nq = std::min(kQueryBlock, c.len - t.q0), rows = G * nq;
-  const int64_t pos0 = c.context + t.q0;
-  const int64_t hi = pos0 + nq - c.first_key;
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1 - c.first_key) : 0;
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t i = 0; i < nq; ++i)
-      std::memcpy(w.a.get() + (g * nq + i) * D,
-                  q + (c.start + t.q0 + i) * q_stride + (t.head * G + g) * D, D * sizeof(float));
-  const float* kt = packed + c.packed;
+  const Block blk = block_of(t, c, G, kQueryBlock, window);
+  const int64_t nq = blk.nq, rows = blk.rows, pos0 = blk.pos0, lo = blk.lo, hi = blk.hi;
+  start_block(t, c, blk, q, q_stride, G, D, w.a.get(), w.acc.get(), w.m.get(), w.l.get());
+  const float* kt = packed + c.packed;  // pack_kv's K^T, then V (of the task's KV head)
   const float* vr = kt + D * c.padded;
-  std::fill(w.acc.get(), w.acc.get() + rows * D, 0.f);
-  std::fill(w.m.get(), w.m.get() + rows, -std::numeric_limits<float>::infinity());
-  std::fill(w.l.get(), w.l.get() + rows, 0.f);
   const __m256 vscale = _mm256_set1_ps(scale);
   for (int64_t n0 = lo; n0 < hi; n0 += kKeyBlock) {
     const int64_t nk = std::min(kKeyBlock, hi - n0);
@@ -409,12 +422,7 @@ void run_task(const Task& t, const Chunk& c, const float* q, int64_t q_stride, f
       std::memset(p + b, 0, (nk - b) * sizeof(float));  // the keys past this row's position
       w.l[r] = w.l[r] * alpha + hsum(sum);
       w.m[r] = m_new;
-      if (alpha != 1.f) {
-        float* acc = w.acc.get() + r * D;
-        const __m256 va = _mm256_set1_ps(alpha);
-        for (int64_t d = 0; d < D; d += 8)
-          _mm256_storeu_ps(acc + d, _mm256_mul_ps(_mm256_loadu_ps(acc + d), va));
-      }
+      if (alpha != 1.f) rescale(w.acc.get() + r * D, D, alpha);
     }
     at::native::cpublas::brgemm(rows, D, nk, kKeyBlock, D, D, true, w.p.get(), vr + n0 * D,
                                 w.acc.get(), false);
