@@ -96,6 +96,51 @@ def test_a_batch_of_40_decodes_fused_in_bfloat16(quantization, tiny_models, monk
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["float32-tiles", "int8-activations"])
+def test_a_batch_of_70_decodes_fused_in_float32(int8, tiny_models, monkeypatch):
+    # Above SMALL_BATCH float32 rows a packed weight runs its float32 tiles in the stack as in
+    # the module path, and from INT8_FLOAT32_BATCH rows int8 activations where the model's
+    # weights take them (the AVX2 path's dtype auto, forced here on any CPU that builds the
+    # kernel): 70 sequences decode in one call per step, with the module path's tokens.
+    from llmctl.engine import platform
+    from llmctl.engine.kernels.cpu import quantized_matmul
+
+    op = quantized_matmul._kernel()
+    if op is None:
+        pytest.skip("the quantized matmul kernel is not built here")
+    int8_rows: list[int] = []
+    if int8:
+        if not op.int8_f32_built():
+            pytest.skip("this build has no AVX2 int8 GEMM (the CPU lacks AVX2 and FMA)")
+        monkeypatch.setattr(quantized_matmul, "float32_int8", lambda op: True)
+        monkeypatch.setattr(platform, "int8_activations", lambda dtype, device: True)
+        act_mm = quantized_matmul.PackedLinearWeight._int8_act_mm
+
+        def counted_mm(self, op, x):
+            int8_rows.append(x.shape[0])
+            return act_mm(self, op, x)
+
+        monkeypatch.setattr(quantized_matmul.PackedLinearWeight, "_int8_act_mm", counted_mm)
+    rows: list[int] = []
+    call = DecodeStack.__call__
+
+    def counted(self, hidden, *args):
+        rows.append(hidden.shape[0])
+        return call(self, hidden, *args)
+
+    monkeypatch.setattr(DecodeStack, "__call__", counted)
+    path = tiny_models.path("llama")
+    prompts = random_prompts([3 + (7 * i) % 37 for i in range(70)], seed=3)
+    fused = run(path, monkeypatch, True, prompts, quantization="int4")
+    assert max(rows) == 70  # every sequence in one decode step of the stack
+    int8_rows.clear()
+    modules = run(path, monkeypatch, False, prompts, quantization="int4")
+    assert_same_greedy(fused, modules)
+    # the module path's decode steps (70 rows) took int8 activations, and only where forced (the
+    # stack calls the same op from C++, out of Python's sight)
+    assert (70 in int8_rows) == int8
+
+
 def test_fused_decode_on_gguf_blocks_matches_the_module_path(tmp_path, monkeypatch):
     # Q4_K_M's mix: a layer's qkv is Q4_K rows then Q6_K rows, two parts of one linear.
     tiny_gguf = tmp_path / "tiny-q4_k_m.gguf"

@@ -12,14 +12,16 @@ the module path up to float rounding (reduction order in the norms, FMA contract
 kernel runs). `DecodeStack.for_step` returns the stack when a step can take it, None otherwise
 (the runner then runs the model's modules): CPU float32 or bfloat16 (activations, norms and KV
 cache of one dtype), a decode-only step of at most MAX_ROWS tokens (SMALL_BATCH for packed weights
-on float32 rows, whose decode kernel the stack calls), tensor parallel size 1,
+on float32 rows where the quantized kernel's float32 tiles are not built), tensor parallel size 1,
 the CPU attention backend with the C++ kernels built, every layer's MLP SiLU-gated, plain RMSNorm,
 plain RoPE over the whole head, one sliding window (or none) for every layer, no attention sinks,
 one KV cache group. Layers it cannot run (Qwen3's q/k norm, Gemma 3, Phi-3's LongRoPE, gpt-oss,
 MLA) are refused, never run wrong. In bfloat16 the elementwise steps round where torch's bfloat16
 ops round, and a packed weight multiplies more than BF16_SMALL_BATCH rows through its bfloat16
-tiles, as the module path does. LLMCTL_FUSED_DECODE=0 turns it off. The extension is compiled
-with the other CPU kernels at
+tiles, as the module path does; in float32, more than SMALL_BATCH rows through its float32 tiles,
+or from INT8_FLOAT32_BATCH rows on int8 activations where the weight takes them (the AVX2
+path's batched decode: PackedLinearWeight.matmul's choice, made the same way here).
+LLMCTL_FUSED_DECODE=0 turns it off. The extension is compiled with the other CPU kernels at
 set-up (`python -m llmctl.engine.kernels.cpu.cpu_kernels`), else on first use.
 """
 
@@ -46,7 +48,8 @@ _PREFIX = "llmctl_fused_decode"
 _EMPTY = torch.empty(0)
 # Decode steps of up to this many sequences run in one call: with bfloat16 tiles (or float
 # weights) the stack's matmuls are the module path's at any batch, and at 64 sequences its one
-# call saves the module path's ~1200 ops a step. float32 rows on packed weights: SMALL_BATCH.
+# call saves the module path's ~1200 ops a step. float32 rows on packed weights: the same, on
+# their float32 tiles (or int8 activations) above SMALL_BATCH rows.
 MAX_ROWS = 256
 
 
@@ -57,9 +60,16 @@ def enabled() -> bool:
 class DecodeStack:
     """The C++ stack of `layers` (LlamaDecoderLayer), rebuilt when the KV caches are rebound."""
 
-    def __init__(self, layers: Sequence[nn.Module], ops: list[str], tile_from: int):
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        ops: list[str],
+        tile_from: int,
+        f32_tile_from: int = 0,
+        int8_from: int = 0,
+    ):
         _remember_caches(self, layers)
-        tensors, meta = _flatten(layers, tile_from)
+        tensors, meta = _flatten(layers, tile_from, f32_tile_from, int8_from)
         attn = layers[0].self_attn.attn
         eps = layers[0].input_layernorm.variance_epsilon
         namespace = getattr(torch.classes, _namespace())
@@ -67,12 +77,13 @@ class DecodeStack:
         self.sliding_window = attn.sliding_window  # every layer's (_ops_for checked)
         from llmctl.engine.kernels.cpu.quantized_matmul import SMALL_BATCH
 
-        # Float weights (oneDNN) and bfloat16 tiles take any batch; packed weights on float32
-        # rows only their decode kernel, which beats the tiles up to SMALL_BATCH rows.
+        # Float weights (oneDNN) and the tiles take any batch; without tiles, packed weights on
+        # float32 rows only their decode kernel, which beats the tiles up to SMALL_BATCH rows.
         quantized = any(
             p.bits > 0 for layer in layers for lin in _linears(layer) for p in _parts(lin)
         )
-        self.max_rows = SMALL_BATCH if quantized and not tile_from else MAX_ROWS
+        tiles = tile_from or f32_tile_from
+        self.max_rows = SMALL_BATCH if quantized and not tiles else MAX_ROWS
 
     def current(self, layers: Sequence[nn.Module]) -> bool:
         """Whether this was built for `layers` (the model's one list of them) and their
@@ -193,9 +204,10 @@ def _remember_caches(stack, layers: Sequence[nn.Module]) -> None:
     stack.caches = [a.kv_cache for a in stack.attentions]
 
 
-def _ops_for(layers: Sequence[nn.Module]) -> tuple[list[str], int] | None:
-    """The kernels' op names and the bfloat16 rows from which packed weights run their tiles
-    when `layers` can run fused, else None (said once, at debug)."""
+def _ops_for(layers: Sequence[nn.Module]) -> tuple[list[str], int, int, int] | None:
+    """The kernels' op names, the bfloat16 rows above which packed weights run their bfloat16
+    tiles, the float32 rows above which their float32 tiles, and the float32 rows from which
+    int8 activations (0: never), when `layers` can run fused, else None (said once, at debug)."""
     from llmctl.engine.distributed.parallel_state import get_tp_group
     from llmctl.engine.kernels.cpu import paged_attention_cpu
     from llmctl.engine.kernels.cpu import quantized_matmul as kernels
@@ -218,11 +230,13 @@ def _ops_for(layers: Sequence[nn.Module]) -> tuple[list[str], int] | None:
         return None
     quantized = kernels._kernel()
     attention = paged_attention_cpu._kernel()
-    int4 = int8 = tiled = ""
+    int4 = int8 = tiled = int8_act = ""
     if quantized is not None:
         int4 = quantized.int4_group_mm._qualified_op_name
         int8 = quantized.int8_group_mm._qualified_op_name
         tiled = quantized.tiled_group_mm._qualified_op_name
+        if kernels.float32_int8(quantized):
+            int8_act = quantized.int4_group_mm_int8_act._qualified_op_name
     needs_int = any(
         part.bits > 0 for layer in layers for lin in _linears(layer) for part in _parts(lin)
     )
@@ -231,7 +245,10 @@ def _ops_for(layers: Sequence[nn.Module]) -> tuple[list[str], int] | None:
         return None
     bf16 = layers[0].input_layernorm.weight.dtype == torch.bfloat16
     tile_from = kernels.BF16_SMALL_BATCH if bf16 and kernels._bf16_tiles() else 0
-    return [int4, int8, tiled, attention._qualified_op_name], tile_from
+    f32_tile_from = kernels.SMALL_BATCH if not bf16 and tiled else 0
+    int8_from = kernels.INT8_FLOAT32_BATCH if f32_tile_from and int8_act else 0
+    ops = [int4, int8, tiled, int8_act, attention._qualified_op_name]
+    return ops, tile_from, f32_tile_from, int8_from
 
 
 def _on_cpu_kernel(layer: nn.Module) -> bool:
@@ -245,10 +262,13 @@ def _linears(layer: nn.Module) -> list[nn.Module]:
 
 
 class _Part:
-    def __init__(self, bits: int, group: int, q: torch.Tensor, scales=None, zeros=None):
+    def __init__(
+        self, bits: int, group: int, q: torch.Tensor, scales=None, zeros=None, packed=None
+    ):
         self.bits, self.group, self.q = bits, group, q
         self.scales = _EMPTY if scales is None else scales
         self.zeros = _EMPTY if zeros is None else zeros
+        self.packed = packed  # the PackedLinearWeight, where it is one
 
 
 def _parts(linear: nn.Module) -> list[_Part]:
@@ -260,7 +280,7 @@ def _parts(linear: nn.Module) -> list[_Part]:
     parts = []
     for p in method.parts:
         if hasattr(p, "qweight"):  # PackedLinearWeight
-            parts.append(_Part(p.bits, p.group_size, p.qweight, p.scales, p.zeros))
+            parts.append(_Part(p.bits, p.group_size, p.qweight, p.scales, p.zeros, p))
         else:  # _FloatRows
             parts.append(_Part(0, 0, p.weight))
     return parts
@@ -311,14 +331,19 @@ def _fusable(layer: nn.Module) -> bool:
     return True
 
 
-def _flatten(layers: Sequence[nn.Module], tile_from: int) -> tuple[list[torch.Tensor], list[int]]:
+def _flatten(
+    layers: Sequence[nn.Module], tile_from: int, f32_tile_from: int = 0, int8_from: int = 0
+) -> tuple[list[torch.Tensor], list[int]]:
     """The tensors and integers DecodeStack's constructor reads (see fused_decode_cpu.cpp)."""
     from llmctl.engine.kernels.cpu import quantized_matmul as kernels
 
     first = layers[0].self_attn
     rotary = first.rotary_emb
     tensors: list[torch.Tensor] = [rotary.cos_cache, rotary.sin_cache]
-    meta = [len(layers), first.attn.num_heads, first.attn.num_kv_heads, first.head_dim, tile_from]
+    attn = first.attn
+    meta = [len(layers), attn.num_heads, attn.num_kv_heads, first.head_dim, tile_from]
+    meta += [f32_tile_from, int8_from]
+    threads, op = torch.get_num_threads(), kernels._kernel() if int8_from else None
     for layer in layers:
         attn = layer.self_attn
         tensors += [
@@ -329,9 +354,14 @@ def _flatten(layers: Sequence[nn.Module], tile_from: int) -> tuple[list[torch.Te
         for linear in _linears(layer):
             parts = _parts(linear)
             meta += [len(parts), int(linear.bias is not None)]
-            for part in parts:  # bfloat16 tiles of W: the rows the Python path takes
-                rows = kernels.bf16_tile_rows(part.q.shape[0], torch.get_num_threads())
-                meta += [part.bits, part.group, rows if part.bits > 0 else 0]
+            for part in parts:  # tiles of W: the rows the Python path takes
+                n, packed = part.q.shape[0], part.packed
+                rows = kernels.bf16_tile_rows(n, threads) if part.bits > 0 else 0
+                f32_rows = 0
+                if part.bits > 0 and packed is not None:
+                    f32_rows = kernels.float32_tile_rows(n, packed.in_features, threads)
+                int8_act = op is not None and packed is not None and packed._takes_int8_act(op)
+                meta += [part.bits, part.group, rows, f32_rows, int(int8_act)]
                 tensors += [part.q, part.scales, part.zeros]
             if linear.bias is not None:
                 tensors.append(linear.bias)

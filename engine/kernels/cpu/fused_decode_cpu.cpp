@@ -21,7 +21,9 @@
 // Activations, norms' weights and the KV cache are all float32 or all bfloat16 (the model's
 // dtype): the elementwise work runs layer_ops_cpu.h's row routines, which round where torch's
 // bfloat16 ops round, and the matmuls are the module path's own ops (a packed weight's decode
-// kernel widens bfloat16 in registers; above `tile_from` rows of bfloat16, its bfloat16 tiles).
+// kernel widens bfloat16 in registers; above `tile_from` rows of bfloat16, its bfloat16 tiles;
+// above `f32_tile_from` rows of float32 its float32 tiles, or from `int8_from` rows int8
+// activations where the part takes them, as PackedLinearWeight.matmul chooses).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -49,6 +51,7 @@ using Int4Mm = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor
 using Int8Mm = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
 using TiledMm = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                            const std::optional<at::Tensor>&, int64_t, int64_t, int64_t);
+using Int8ActMm = Int4Mm;  // int4_group_mm_int8_act(x, qp, scales, zeros, group_size)
 using PagedAttention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                   const at::Tensor&, const at::Tensor&, double,
                                   std::optional<int64_t>, const std::optional<at::Tensor>&);
@@ -62,6 +65,8 @@ struct Part {
   int64_t bits = 0;  // 4, 8; 0: a float [N, K] weight in q; -1: oneDNN's prepacked weight
   int64_t group = 0;
   int64_t tile_rows = 0;  // rows of W per bfloat16 tile (quantized_matmul.bf16_tile_rows)
+  int64_t f32_tile_rows = 0;  // per float32 tile (quantized_matmul.float32_tile_rows)
+  bool int8_act = false;  // float32 batches from int8_from rows on int8 activations
   at::Tensor q, scales, zeros;
 };
 
@@ -91,11 +96,14 @@ class DecodeStack : public torch::CustomClassHolder {
   // tensors: cos_cache, sin_cache, then per layer: input_norm, post_norm, kv_cache, then for
   //   qkv, o, gate_up, down: per part q, scales, zeros (an empty tensor when none), then the
   //   bias when it has one.
-  // meta: num_layers, num_heads, num_kv_heads, head_dim, tile_from, then per layer and linear:
-  //   num_parts, has_bias, then per part: bits, group. tile_from: the rows of bfloat16 above
-  //   which a packed weight runs its bfloat16 tiles (tiled_op), 0 for never.
-  // ops: the qualified names of int4_group_mm, int8_group_mm, tiled_group_mm and
-  //   paged_decode_attention.
+  // meta: num_layers, num_heads, num_kv_heads, head_dim, tile_from, f32_tile_from, int8_from,
+  //   then per layer and linear: num_parts, has_bias, then per part: bits, group, tile_rows,
+  //   f32_tile_rows, int8_act. tile_from: the rows of bfloat16 above which a packed weight runs
+  //   its bfloat16 tiles (tiled_op), f32_tile_from the same for float32 rows and its float32
+  //   tiles, int8_from the float32 rows from which a part marked int8_act runs
+  //   int4_group_mm_int8_act instead; 0 for never.
+  // ops: the qualified names of int4_group_mm, int8_group_mm, tiled_group_mm,
+  //   int4_group_mm_int8_act (empty where int8_from is 0) and paged_decode_attention.
   DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> meta, double eps,
               double scale, std::vector<std::string> ops)
       : eps_(static_cast<float>(eps)), scale_(scale) {
@@ -108,7 +116,7 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(m < meta.size(), "DecodeStack: too few meta values");
       return meta[m++];
     };
-    TORCH_CHECK(ops.size() == 4, "DecodeStack: four op names");
+    TORCH_CHECK(ops.size() == 5, "DecodeStack: five op names");
     cos_ = next_t().contiguous();
     sin_ = next_t().contiguous();
     const int64_t num_layers = next_m();
@@ -116,6 +124,8 @@ class DecodeStack : public torch::CustomClassHolder {
     num_kv_heads_ = next_m();
     head_dim_ = next_m();
     tile_from_ = next_m();
+    f32_tile_from_ = next_m();
+    int8_from_ = next_m();
     TORCH_CHECK(head_dim_ % 2 == 0 && head_dim_ <= llmctl_layers::kMaxHeadDim,
                 "DecodeStack: head_dim must be even, at most ", llmctl_layers::kMaxHeadDim);
     auto read_linear = [&]() {
@@ -127,6 +137,8 @@ class DecodeStack : public torch::CustomClassHolder {
         part.bits = next_m();
         part.group = next_m();
         part.tile_rows = next_m();
+        part.f32_tile_rows = next_m();
+        part.int8_act = next_m() != 0;
         part.q = next_t();
         part.scales = next_t();
         part.zeros = next_t();
@@ -162,7 +174,10 @@ class DecodeStack : public torch::CustomClassHolder {
     if (!ops[0].empty()) int4_ = find_op<Int4Mm>(ops[0]);
     if (!ops[1].empty()) int8_ = find_op<Int8Mm>(ops[1]);
     if (!ops[2].empty()) tiled_ = find_op<TiledMm>(ops[2]);
-    attention_ = find_op<PagedAttention>(ops[3]);
+    if (!ops[3].empty()) int8_act_ = find_op<Int8ActMm>(ops[3]);
+    TORCH_CHECK((f32_tile_from_ == 0 || tiled_) && (int8_from_ == 0 || int8_act_),
+                "DecodeStack: float32 tiles or int8 activations without their op");
+    attention_ = find_op<PagedAttention>(ops[4]);
   }
 
   // hidden: [M, H] of the stack's dtype; residual: [M, H] or None at the model's first layer;
@@ -290,10 +305,15 @@ class DecodeStack : public torch::CustomClassHolder {
 
   at::Tensor part_mm(const at::Tensor& x, const Part& p) {
     if (p.bits == 4 || p.bits == 8) {
-      if (tile_from_ > 0 && x.scalar_type() == at::kBFloat16 && x.size(0) > tile_from_) {
-        const std::optional<at::Tensor> zeros =
-            p.bits == 4 ? std::optional<at::Tensor>(p.zeros) : std::nullopt;
+      const int64_t M = x.size(0);
+      const std::optional<at::Tensor> zeros =
+          p.bits == 4 ? std::optional<at::Tensor>(p.zeros) : std::nullopt;
+      if (tile_from_ > 0 && x.scalar_type() == at::kBFloat16 && M > tile_from_)
         return tiled_->call(x, p.q, p.scales, zeros, p.bits, p.group, p.tile_rows);
+      if (f32_tile_from_ > 0 && x.scalar_type() == at::kFloat && M > f32_tile_from_) {
+        if (p.int8_act && int8_from_ > 0 && M >= int8_from_)
+          return int8_act_->call(x, p.q, p.scales, p.zeros, p.group);
+        return tiled_->call(x, p.q, p.scales, zeros, p.bits, p.group, p.f32_tile_rows);
       }
       if (p.bits == 4) return int4_->call(x, p.q, p.scales, p.zeros, p.group);
       return int8_->call(x, p.q, p.scales, p.group);
@@ -323,11 +343,13 @@ class DecodeStack : public torch::CustomClassHolder {
   float eps_;
   double scale_;
   int64_t num_heads_ = 0, num_kv_heads_ = 0, head_dim_ = 0, tile_from_ = 0;
+  int64_t f32_tile_from_ = 0, int8_from_ = 0;
   at::ScalarType dtype_ = at::kFloat;
   at::Tensor cos_, sin_;
   std::vector<Layer> layers_;
   std::optional<c10::TypedOperatorHandle<Int4Mm>> int4_;
   std::optional<c10::TypedOperatorHandle<Int8Mm>> int8_;
+  std::optional<c10::TypedOperatorHandle<Int8ActMm>> int8_act_;
   std::optional<c10::TypedOperatorHandle<TiledMm>> tiled_;
   std::optional<c10::TypedOperatorHandle<PagedAttention>> attention_;
   std::optional<c10::OperatorHandle> mkldnn_linear_;

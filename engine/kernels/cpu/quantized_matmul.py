@@ -345,9 +345,7 @@ class PackedLinearWeight:
         n, k = self.out_features, self.in_features
         if x.shape[0] >= LARGE_BATCH:
             return self._chunked_matmul(x, max(8, _CHUNK_BYTES // (4 * k)))
-        # ~1 MiB float tiles, and at least two per thread so that the threads stay balanced
-        rows = min(max(16, _TILE_BYTES // (4 * k)), -(-n // (2 * torch.get_num_threads())))
-        rows = max(8, rows)
+        rows = float32_tile_rows(n, k, torch.get_num_threads())
         op = _kernel() if x.device.type == "cpu" else None
         if op is not None:
             q, s, z = self.qweight, self.scales, self.zeros
@@ -400,6 +398,13 @@ def bf16_tile_rows(n: int, threads: int) -> int:
     tiles = max(2, -(-per_thread // 128))  # per thread, two at least before rounding to 16
     rows = -(-per_thread // tiles)
     return min(128, max(16, -(-rows // 16) * 16))
+
+
+def float32_tile_rows(n: int, k: int, threads: int) -> int:
+    """Rows of W per float32 tile of tiled_group_mm for an [n, k] weight: ~1 MiB tiles, and at
+    least two per thread so that the threads stay balanced (the fused decode stack takes the
+    same, fused_decode.py)."""
+    return max(8, min(max(16, _TILE_BYTES // (4 * k)), -(-n // (2 * threads))))
 
 
 def pack_groups(
