@@ -20,10 +20,10 @@ blocks where the torch backend gathered them and built a mask. The float32 flavo
 path's layers; dtype="float32" anywhere) keeps P in float32: the bundled model's 16 x 512-token
 prefill (W3) ran 1.13-1.16x as fast as with torch's kernel on the AVX2 path (emulated on Zen 4)
 and 1.11-1.13x on Zen 4 in float32, where torch's kernel computes every key of its one 512-key
-block for every query. `usable`
-says when it can run: a CPU layer whose queries and cache are both bfloat16 (a build with
-AVX512-BF16) or both float32 (AVX2 and FMA), a head_dim that is a multiple of 32 (at most 256),
-no sinks; the attention backend runs scaled_dot_product_attention otherwise.
+block for every query. `usable` says when it can run: a CPU layer whose queries and cache are
+both bfloat16 (a build with AVX512-BF16) or both float32 (AVX2 and FMA), a head_dim that is a
+multiple of 32 (at most 256), no sinks; the attention backend runs scaled_dot_product_attention
+otherwise.
 """
 
 from __future__ import annotations
