@@ -38,6 +38,19 @@ def run(path, monkeypatch, fused: bool, prompts, **kw):
     return outputs
 
 
+def stack_rows(monkeypatch) -> list[int]:
+    """The rows of every decode step the fused stack runs from here on."""
+    rows: list[int] = []
+    call = DecodeStack.__call__
+
+    def counted(self, hidden, *args):
+        rows.append(hidden.shape[0])
+        return call(self, hidden, *args)
+
+    monkeypatch.setattr(DecodeStack, "__call__", counted)
+    return rows
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 @pytest.mark.parametrize("quantization", [None, "int4"])
 def test_fused_decode_gives_the_module_paths_tokens(family, quantization, tiny_models, monkeypatch):
@@ -77,14 +90,7 @@ def test_a_batch_of_40_decodes_fused_in_bfloat16(quantization, tiny_models, monk
 
     if quantization and not quantized_matmul._bf16_tiles():
         pytest.skip("this CPU has no bfloat16 tiles (AMX or AVX512-BF16): its stack stops at 24")
-    rows: list[int] = []
-    call = DecodeStack.__call__
-
-    def counted(self, hidden, *args):
-        rows.append(hidden.shape[0])
-        return call(self, hidden, *args)
-
-    monkeypatch.setattr(DecodeStack, "__call__", counted)
+    rows = stack_rows(monkeypatch)
     path = tiny_models.path("llama")
     prompts = random_prompts([3 + (7 * i) % 37 for i in range(40)], seed=2)
     kw = dict(quantization=quantization, dtype="bfloat16")
@@ -121,14 +127,7 @@ def test_a_batch_of_70_decodes_fused_in_float32(int8, tiny_models, monkeypatch):
             return act_mm(self, op, x)
 
         monkeypatch.setattr(quantized_matmul.PackedLinearWeight, "_int8_act_mm", counted_mm)
-    rows: list[int] = []
-    call = DecodeStack.__call__
-
-    def counted(self, hidden, *args):
-        rows.append(hidden.shape[0])
-        return call(self, hidden, *args)
-
-    monkeypatch.setattr(DecodeStack, "__call__", counted)
+    rows = stack_rows(monkeypatch)
     path = tiny_models.path("llama")
     prompts = random_prompts([3 + (7 * i) % 37 for i in range(70)], seed=3)
     fused = run(path, monkeypatch, True, prompts, quantization="int4")
