@@ -172,6 +172,21 @@ void for_row_panels(int64_t M, int64_t mr, F&& f) {
   });
 }
 
+// f(p, panel, r0, n, a, s, sum) for each weight panel p in [0, panels) and, inside it, each tile
+// of n <= mr rows of x from row r0 (a, s, sum: its quantized rows): a panel stays in cache across
+// all the rows. Both flavours' panel_gemm walk their micro tiles this way.
+template <typename F>
+void for_tiles(const QuantizedRows& x, int64_t rows, int64_t K, const uint8_t* w, int64_t panels,
+               int64_t mr, F&& f) {
+  const int64_t nb = K / kBlock, stride = panel_bytes(K);
+  for (int64_t p = 0; p < panels; ++p) {
+    const uint8_t* panel = w + p * stride;
+    for (int64_t r0 = 0; r0 < rows; r0 += mr)
+      f(p, panel, r0, std::min(mr, rows - r0), x.a.data() + r0 * K, x.s.data() + r0 * nb,
+        x.sum.data() + r0 * nb);
+  }
+}
+
 #if defined(LLMCTL_INT8)
 constexpr int kMR = 6;  // rows per micro tile
 
@@ -247,24 +262,19 @@ inline void micro_tile(const int8_t* a, const float* s, const float* sum, int64_
 template <typename Epi>
 void panel_gemm(const QuantizedRows& x, int64_t rows, int64_t K, const uint8_t* w,
                 int64_t panels, Epi&& epi) {
-  const int64_t nb = K / kBlock, stride = panel_bytes(K);
-  for (int64_t p = 0; p < panels; ++p) {
-    const uint8_t* panel = w + p * stride;
-    for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
-      const int8_t* a = x.a.data() + r0 * K;
-      const float* s = x.s.data() + r0 * nb;
-      const float* sum = x.sum.data() + r0 * nb;
-      auto row = [&](int r, __m512 lo, __m512 hi) { epi(r0 + r, p, lo, hi); };
-      switch (std::min<int64_t>(kMR, rows - r0)) {
-        case 6: micro_tile<6>(a, s, sum, K, panel, row); break;
-        case 5: micro_tile<5>(a, s, sum, K, panel, row); break;
-        case 4: micro_tile<4>(a, s, sum, K, panel, row); break;
-        case 3: micro_tile<3>(a, s, sum, K, panel, row); break;
-        case 2: micro_tile<2>(a, s, sum, K, panel, row); break;
-        default: micro_tile<1>(a, s, sum, K, panel, row); break;
-      }
-    }
-  }
+  for_tiles(x, rows, K, w, panels, kMR,
+            [&](int64_t p, const uint8_t* panel, int64_t r0, int64_t n, const int8_t* a,
+                const float* s, const float* sum) {
+              auto row = [&](int r, __m512 lo, __m512 hi) { epi(r0 + r, p, lo, hi); };
+              switch (n) {
+                case 6: micro_tile<6>(a, s, sum, K, panel, row); break;
+                case 5: micro_tile<5>(a, s, sum, K, panel, row); break;
+                case 4: micro_tile<4>(a, s, sum, K, panel, row); break;
+                case 3: micro_tile<3>(a, s, sum, K, panel, row); break;
+                case 2: micro_tile<2>(a, s, sum, K, panel, row); break;
+                default: micro_tile<1>(a, s, sum, K, panel, row); break;
+              }
+            });
 }
 
 inline void store_bf16(Bf16* dst, __m512 lo, __m512 hi) {
@@ -445,28 +455,23 @@ inline void micro_tile(const int8_t* a, const float* s, const float* sum, int64_
 // rows of quantized x times weight panels [0, panels) into y (row stride ldy, float32)
 void panel_gemm(const QuantizedRows& x, int64_t rows, int64_t K, const uint8_t* w,
                 int64_t panels, float* y, int64_t ldy) {
-  const int64_t nb = K / kBlock, stride = panel_bytes(K);
-  for (int64_t p = 0; p < panels; ++p) {
-    const uint8_t* panel = w + p * stride;
-    for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
-      const int8_t* a = x.a.data() + r0 * K;
-      const float* s = x.s.data() + r0 * nb;
-      const float* sum = x.sum.data() + r0 * nb;
-      for (int half = 0; half < 2; ++half) {
-        float* out = y + r0 * ldy + p * kCols + half * 16;
-        auto row = [&](int r, __m256 lo, __m256 hi) {
-          _mm256_storeu_ps(out + r * ldy, lo);
-          _mm256_storeu_ps(out + r * ldy + 8, hi);
-        };
-        switch (std::min<int64_t>(kMR, rows - r0)) {
-          case 4: micro_tile<4>(a, s, sum, K, panel, half, row); break;
-          case 3: micro_tile<3>(a, s, sum, K, panel, half, row); break;
-          case 2: micro_tile<2>(a, s, sum, K, panel, half, row); break;
-          default: micro_tile<1>(a, s, sum, K, panel, half, row); break;
-        }
-      }
-    }
-  }
+  for_tiles(x, rows, K, w, panels, kMR,
+            [&](int64_t p, const uint8_t* panel, int64_t r0, int64_t n, const int8_t* a,
+                const float* s, const float* sum) {
+              for (int half = 0; half < 2; ++half) {
+                float* out = y + r0 * ldy + p * kCols + half * 16;
+                auto row = [&](int r, __m256 lo, __m256 hi) {
+                  _mm256_storeu_ps(out + r * ldy, lo);
+                  _mm256_storeu_ps(out + r * ldy + 8, hi);
+                };
+                switch (n) {
+                  case 4: micro_tile<4>(a, s, sum, K, panel, half, row); break;
+                  case 3: micro_tile<3>(a, s, sum, K, panel, half, row); break;
+                  case 2: micro_tile<2>(a, s, sum, K, panel, half, row); break;
+                  default: micro_tile<1>(a, s, sum, K, panel, half, row); break;
+                }
+              }
+            });
 }
 }  // namespace avx2
 #endif
