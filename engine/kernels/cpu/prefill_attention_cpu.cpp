@@ -213,14 +213,13 @@ inline int64_t for_lanes(int64_t a, int64_t b, F&& f) {
   return j;
 }
 
-// Rows r = g * nq + i: query token q0 + i of the chunk (position context + q0 + i) of query
-// head head * G + g. Key indices below are relative to the chunk's first_key.
-void run_task(const Task& t, const Chunk& c, const Bf16* q, int64_t q_stride, Bf16* out,
-              int64_t out_stride, const uint32_t* packed, int64_t G, int64_t D, float scale,
-              int64_t window, Scratch& w) {
-  const Block blk = block_of(t, c, G, kQueryBlock, window);
+// The block's key blocks and output, its queries in w.a and its running sums reset (start_block,
+// by the driver). Rows r = g * nq + i: query token q0 + i of the chunk (position context + q0 +
+// i) of query head head * G + g. Key indices below are relative to the chunk's first_key.
+void run_task(const Task& t, const Chunk& c, const Block& blk, Bf16* out, int64_t out_stride,
+              const uint32_t* packed, int64_t G, int64_t D, float scale, int64_t window,
+              Scratch& w) {
   const int64_t nq = blk.nq, rows = blk.rows, pos0 = blk.pos0, lo = blk.lo, hi = blk.hi;
-  start_block(t, c, blk, q, q_stride, G, D, w.a.get(), w.acc.get(), w.m.get(), w.l.get());
   const uint32_t* kt = packed + c.packed;  // pack_kv's K^T, then V (of the task's KV head)
   const uint32_t* vp = kt + (D / 2) * c.padded;
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -379,12 +378,10 @@ inline void for_exp(const float* s, int64_t a, int64_t b, __m256 vscale, __m256 
 }
 
 // As the bfloat16 run_task: rows r = g * nq + i are query token q0 + i of head head * G + g.
-void run_task(const Task& t, const Chunk& c, const float* q, int64_t q_stride, float* out,
-              int64_t out_stride, const float* packed, int64_t G, int64_t D, float scale,
-              int64_t window, Scratch& w) {
-  const Block blk = block_of(t, c, G, kQueryBlock, window);
+void run_task(const Task& t, const Chunk& c, const Block& blk, float* out, int64_t out_stride,
+              const float* packed, int64_t G, int64_t D, float scale, int64_t window,
+              Scratch& w) {
   const int64_t nq = blk.nq, rows = blk.rows, pos0 = blk.pos0, lo = blk.lo, hi = blk.hi;
-  start_block(t, c, blk, q, q_stride, G, D, w.a.get(), w.acc.get(), w.m.get(), w.l.get());
   const float* kt = packed + c.packed;  // pack_kv's K^T, then V (of the task's KV head)
   const float* vr = kt + D * c.padded;
   const __m256 vscale = _mm256_set1_ps(scale);
@@ -473,10 +470,10 @@ struct Bf16Kernel {
   static void pack(const Cache& cache, const Chunk& c, int64_t h, Word* slab) {
     pack_kv(cache, c, h, slab, slab + (cache.D / 2) * c.padded);
   }
-  static void run(const Task& t, const Chunk& c, const T* q, int64_t q_stride, T* out,
-                  int64_t out_stride, const Word* packed, int64_t G, int64_t D, float scale,
-                  int64_t window, Work& w) {
-    run_task(t, c, q, q_stride, out, out_stride, packed, G, D, scale, window, w);
+  static void run(const Task& t, const Chunk& c, const Block& blk, T* out, int64_t out_stride,
+                  const Word* packed, int64_t G, int64_t D, float scale, int64_t window,
+                  Work& w) {
+    run_task(t, c, blk, out, out_stride, packed, G, D, scale, window, w);
   }
 };
 #endif
@@ -493,10 +490,10 @@ struct F32Kernel {
   static void pack(const f32::Cache& cache, const Chunk& c, int64_t h, Word* slab) {
     f32::pack_kv(cache, c, h, slab, slab + cache.D * c.padded);
   }
-  static void run(const Task& t, const Chunk& c, const T* q, int64_t q_stride, T* out,
-                  int64_t out_stride, const Word* packed, int64_t G, int64_t D, float scale,
-                  int64_t window, Work& w) {
-    f32::run_task(t, c, q, q_stride, out, out_stride, packed, G, D, scale, window, w);
+  static void run(const Task& t, const Chunk& c, const Block& blk, T* out, int64_t out_stride,
+                  const Word* packed, int64_t G, int64_t D, float scale, int64_t window,
+                  Work& w) {
+    f32::run_task(t, c, blk, out, out_stride, packed, G, D, scale, window, w);
   }
 };
 
@@ -556,8 +553,13 @@ void run_chunks(const at::Tensor& q, const CacheT& cache, at::Tensor& out,
                        for (int64_t i; (i = next.fetch_add(1)) < n;) {
                          const Task& t = tasks[i];
                          const Word* kv = packed.get() + (t.head - h0) * words;
-                         K::run(t, chunks[t.chunk], qp, q.stride(0), op, out.stride(0), kv, G, D,
-                                scale, window, w);
+                         const Chunk& c = chunks[t.chunk];
+                         // the block's queries gathered and its running sums reset here, then
+                         // the flavour's key blocks and output
+                         const Block blk = block_of(t, c, G, K::kQueries, window);
+                         start_block(t, c, blk, qp, q.stride(0), G, D, w.a.get(), w.acc.get(),
+                                     w.m.get(), w.l.get());
+                         K::run(t, c, blk, op, out.stride(0), kv, G, D, scale, window, w);
                        }
                        at::native::cpublas::brgemm_release(K::kVnni);
                      });
